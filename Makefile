@@ -1,0 +1,27 @@
+# namazu: every entry point creates .venv on first use and installs the pinned dependencies.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU build of torch on machines without a GPU (the pinned wheel is available offline there).
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint run bench clean
+
+$(STAMP): requirements.txt requirements-dev.txt setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+install: $(STAMP)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check namazu server tests bench
+
+clean:
+	rm -rf build *.egg-info

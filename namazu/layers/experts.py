@@ -1,0 +1,141 @@
+"""The routed-experts interface and its BF16 implementation.
+
+Every format (BF16, NVFP4) and every backend (torch, C++ CPU, Triton, CUDA) of the routed experts is a
+`RoutedExperts`: the MoE block hands it the tokens and the router's choice and gets back the weighted sum
+of the chosen experts' outputs. The model never looks inside, so quantization and kernels plug in here.
+
+Weights are addressed the way checkpoints name them: expert `e`, projection `gate_proj` / `up_proj` /
+`down_proj`, parameter `weight` (plus `weight_scale`, `weight_scale_2`, `input_scale` for NVFP4).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+class RoutedExperts(nn.Module):
+    """Base class of every routed-experts implementation.
+
+    `forward(x [N, H], topk_ids [N, k] int64, topk_weights [N, k] fp32) -> [N, H]` in x's dtype.
+    """
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+    def load_expert_param(self, expert: int, proj: str, param: str, tensor: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not load weights")
+
+    def expert_params(self) -> Iterator[tuple[int, str, str, torch.Tensor]]:
+        """Yields (expert, proj, param, tensor) in checkpoint layout, for saving."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be saved")
+
+    def expected_params(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        """param name -> (shape per proj, dtype) that `load_expert_param` accepts, for load-time checks."""
+        raise NotImplementedError
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups the N*k (token, slot) pairs by expert.
+
+    Returns (order [N*k]: indices into the flattened topk pairs, sorted by expert;
+    counts [E]; offsets [E+1] cumulative). Token of pair p is p // k.
+    """
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return order, counts, offsets
+
+
+class TorchExperts(RoutedExperts):
+    """BF16/FP32 experts stored as stacked tensors; differentiable, used for training and as the reference.
+
+    w13 [E, 2I, H] holds gate rows then up rows (as transformers fuses them); w2 [E, H, I].
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        kw = {"dtype": dtype, "device": device}
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.w13, std=std)
+        nn.init.normal_(self.w2, std=std)
+
+    def _slice(self, expert: int, proj: str) -> torch.Tensor:
+        i = self.intermediate_size
+        if proj == "gate_proj":
+            return self.w13.data[expert, :i]
+        if proj == "up_proj":
+            return self.w13.data[expert, i:]
+        if proj == "down_proj":
+            return self.w2.data[expert]
+        raise KeyError(proj)
+
+    def expected_params(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        return {"weight": ((0,), None)}
+
+    def load_expert_param(self, expert: int, proj: str, param: str, tensor: torch.Tensor) -> None:
+        if param != "weight":
+            raise KeyError(f"unexpected expert parameter '{param}' for a BF16 expert")
+        dst = self._slice(expert, proj)
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise ValueError(f"expert {expert} {proj}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor.to(dst.dtype))
+
+    def expert_params(self) -> Iterator[tuple[int, str, str, torch.Tensor]]:
+        for e in range(self.num_experts):
+            for proj in PROJS:
+                yield e, proj, "weight", self._slice(e, proj)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (self.w13.requires_grad or x.requires_grad):
+            return self._forward_grouped(x, topk_ids, topk_weights)
+        return self._forward_gathered(x, topk_ids, topk_weights)
+
+    def _forward_grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Training path: one matmul per expert over its sorted tokens (differentiable)."""
+        n, k = topk_ids.shape
+        order, counts, _ = sort_by_expert(topk_ids, self.num_experts)
+        token = order // k
+        xs = x[token]
+        # Expert sizes are read on the host to slice; training only. Inference uses the sync-free path.
+        chunks, start = [], 0
+        for e, m in enumerate(counts.tolist()):
+            if m:
+                gate, up = F.linear(xs[start:start + m], self.w13[e]).chunk(2, dim=-1)
+                chunks.append(F.linear(F.silu(gate) * up, self.w2[e]))
+                start += m
+        out_sorted = torch.cat(chunks, 0) if chunks else xs.new_zeros(0, x.shape[-1])
+        w = topk_weights.reshape(-1)[order].to(out_sorted.dtype).unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, token, out_sorted * w)
+
+    @torch.no_grad()
+    def _forward_gathered(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          pairs_per_chunk: int = 256) -> torch.Tensor:
+        """Inference reference with static shapes and no host sync: gathers each (token, slot)'s expert
+        weights and runs batched mat-vecs, chunked to bound the gathered-weight memory."""
+        n, k = topk_ids.shape
+        ids = topk_ids.reshape(-1)
+        xs = x.repeat_interleave(k, dim=0)
+        w = topk_weights.reshape(-1, 1).to(x.dtype)
+        outs = []
+        for s in range(0, n * k, pairs_per_chunk):
+            e = ids[s:s + pairs_per_chunk]
+            h = torch.bmm(self.w13[e], xs[s:s + pairs_per_chunk].unsqueeze(-1)).squeeze(-1)
+            gate, up = h.chunk(2, dim=-1)
+            o = torch.bmm(self.w2[e], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+            outs.append(o * w[s:s + pairs_per_chunk])
+        if not outs:
+            return torch.zeros_like(x)
+        return torch.cat(outs, 0).view(n, k, -1).sum(1)
