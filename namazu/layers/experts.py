@@ -9,7 +9,7 @@ Weights are addressed the way checkpoints name them: expert `e`, projection `gat
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -139,3 +139,29 @@ class TorchExperts(RoutedExperts):
         if not outs:
             return torch.zeros_like(x)
         return torch.cat(outs, 0).view(n, k, -1).sum(1)
+
+
+# -- formats ----------------------------------------------------------------------------------------
+# A format builds the experts of one MoE layer: make_experts(fmt, cfg, layer_idx, dtype, device).
+ExpertsFactory = Callable[..., RoutedExperts]
+_FORMATS: dict[str, ExpertsFactory] = {}
+
+
+def register_experts_format(name: str, factory: ExpertsFactory) -> None:
+    _FORMATS[name] = factory
+
+
+def make_experts(fmt: str, cfg, layer_idx: int, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> RoutedExperts:
+    if fmt not in _FORMATS and fmt == "nvfp4":
+        import namazu.quant.experts  # noqa: F401  (registers the format on import)
+    if fmt not in _FORMATS:
+        raise ValueError(f"unknown routed-experts format {fmt!r}; known: {sorted(_FORMATS)}")
+    return _FORMATS[fmt](cfg, layer_idx, dtype=dtype, device=device)
+
+
+def _torch_experts(cfg, layer_idx: int, dtype=None, device=None) -> TorchExperts:
+    return TorchExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
+
+
+register_experts_format("bf16", _torch_experts)
