@@ -1,0 +1,162 @@
+"""EngineConfig: every engine setting, defined once, with its CLI flag and help generated from here.
+
+`LLM(model, **engine_args)`, `python -m namazu.server --flag ...` and the benchmarks all build the same
+dataclass: a field `max_num_seqs` is the keyword `max_num_seqs` and the flag `--max-num-seqs`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'512MiB', '2GB', '1.5GiB' or a plain byte count -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a memory size (use e.g. 512MiB, 2GiB or a byte count)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _f(default: Any, help: str, choices: tuple | None = None, metavar: str | None = None) -> Any:
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if metavar is not None:
+        meta["metavar"] = metavar
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineConfig:
+    # -- model ------------------------------------------------------------------------------------------
+    model: str | None = _f(None, "checkpoint directory (config.json + safetensors + tokenizer); "
+                                 "default: the embedded namazu-tiny model")
+    tokenizer: str | None = _f(None, "tokenizer directory if not the model's")
+    dtype: str = _f("auto", "weight and activation dtype; auto = the checkpoint's (float32 on CPU for fp16)",
+                    choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = _f("auto", "where the model runs; auto = cuda if available else cpu",
+                     choices=("auto", "cpu", "cuda"))
+    seed: int = _f(0, "engine seed: requests without their own seed draw theirs from it")
+    max_model_len: int | None = _f(None, "longest prompt + output in tokens; default: the model's "
+                                         "max_position_embeddings, capped by what the KV cache holds")
+    moe_backend: str = _f("auto", "routed-experts kernel backend (see namazu.kernels.backends); "
+                                  "auto picks the fastest available for the device")
+    # -- KV cache --------------------------------------------------------------------------------------
+    block_size: int = _f(16, "tokens per KV-cache block")
+    kv_cache_memory: str = _f("256MiB", "KV-cache budget on CPU (e.g. 512MiB, 4GiB)", metavar="SIZE")
+    gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may use (weights + "
+                                            "activations + KV cache); the KV cache gets the rest")
+    num_kv_blocks: int | None = _f(None, "exact number of KV blocks, overriding the memory budget "
+                                         "(small values force preemption; for tests and experiments)")
+    enable_prefix_caching: bool = _f(True, "reuse the KV of shared prompt prefixes (chained block hashes)")
+    # -- scheduling ------------------------------------------------------------------------------------
+    max_num_seqs: int = _f(64, "most sequences in one step")
+    max_num_batched_tokens: int = _f(2048, "token budget of one step (prefill chunks + decodes + drafts)")
+    enable_chunked_prefill: bool = _f(True, "split long prompts over steps and mix them with decodes")
+    scheduling_policy: str = _f("fcfs", "fcfs, or priority (lower SamplingParams priority value first, "
+                                        "then arrival)", choices=("fcfs", "priority"))
+    max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs a request may ask for")
+    # -- speculative decoding --------------------------------------------------------------------------
+    speculative_method: str | None = _f(None, "drafter proposing tokens for the verify step; ngram = "
+                                              "prompt lookup (matches the latest n-gram earlier in the "
+                                              "sequence)", choices=(None, "ngram"))
+    num_speculative_tokens: int = _f(0, "draft tokens scored per sequence per verify step")
+    ngram_max: int = _f(4, "longest n-gram the ngram drafter matches")
+    ngram_min: int = _f(1, "shortest n-gram the ngram drafter matches")
+    # -- processes -------------------------------------------------------------------------------------
+    tensor_parallel_size: int = _f(1, "model-runner ranks (only 1 in this version)")
+    executor: str = _f("mp", "mp = model runner in its own worker process; inline = in the engine's "
+                             "process (debugging)", choices=("mp", "inline"))
+    debug_no_host_sync: bool = _f(False, "raise if a step's forward/sampling/acceptance syncs with the "
+                                         "host (slow; for tests and debugging)")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_bytes(self.kv_cache_memory)
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r}: {why}")
+
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                bad(f.name, f"must be one of {[c for c in choices if c is not None]}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            bad("block_size", "must be a power of two")
+        if self.kv_cache_bytes <= 0:
+            bad("kv_cache_memory", "must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            bad("num_kv_blocks", "must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            bad("max_model_len", "must be at least 2")
+        if self.max_num_seqs < 1:
+            bad("max_num_seqs", "must be at least 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            bad("max_num_batched_tokens", f"must be >= --max-num-seqs ({self.max_num_seqs})")
+        if self.num_speculative_tokens < 0:
+            bad("num_speculative_tokens", "must be >= 0")
+        if self.speculative_method is not None and self.num_speculative_tokens == 0:
+            bad("num_speculative_tokens", f"must be > 0 with --speculative-method {self.speculative_method}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            bad("ngram_min", f"must be in [1, --ngram-max={self.ngram_max}]")
+        if self.tensor_parallel_size != 1:
+            bad("tensor_parallel_size", "only 1 is implemented in this version")
+
+    # -- CLI --------------------------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Adds one flag per field (`--max-num-seqs`), with the field's help, type and default."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
+            base = _base_type(f.type)
+            if base is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = base
+                choices = f.metadata.get("choices")
+                if choices is not None:
+                    kw["choices"] = [c for c in choices if c is not None]
+                if "metavar" in f.metadata:
+                    kw["metavar"] = f.metadata["metavar"]
+            if f.default is not None and base is not bool:
+                kw["help"] += f" (default: {f.default})"
+            group.add_argument(flag, **kw)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Like the constructor, but an unknown name gets an error listing the valid ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(names)}")
+        return cls(**kwargs)
+
+
+def _base_type(annotation: Any) -> type:
+    """'int | None' -> int (annotations are strings under `from __future__ import annotations`)."""
+    if isinstance(annotation, str):
+        names = [a.strip() for a in annotation.split("|") if a.strip() != "None"]
+        return {"int": int, "float": float, "str": str, "bool": bool}[names[0]]
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation

@@ -1,0 +1,101 @@
+"""Per-request sampling settings (vLLM-shaped names, so OpenAI request fields map one to one)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's continuations.
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    Penalties follow OpenAI (presence, frequency: subtracted from logits of tokens already generated)
+    and CTRL (repetition: divides positive / multiplies negative logits of tokens seen in prompt or
+    output). `seed` makes a request's samples reproducible regardless of what else shares its steps.
+    `logprobs=N` returns, per generated token, the logprob of the sampled token plus the top N;
+    `prompt_logprobs=N` does the same for every prompt token after the first.
+    `allowed_token_ids` restricts sampling to a set (through the sampler's token-bitmask hook).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    # Filled by the engine: the stop strings as a list and the tokens that end a sequence.
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        else:
+            self._stop_list = list(self.stop or [])
+        self.validate()
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raises ValueError naming the field that is out of range."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if self.n < 1:
+            bad("n", "must be at least 1")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < -1:
+            bad("top_k", "must be -1 or 0 (disabled) or a positive count")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be at least 1")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", "must be in [0, max_tokens]")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad("logprobs", "must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad("prompt_logprobs", "must be >= 0")
+        if any(not isinstance(s, str) or not s for s in self._stop_list):
+            bad("stop", "every stop string must be a non-empty string")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            bad("allowed_token_ids", "must not be empty")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids given by the client must exist in the model's vocabulary."""
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name) or []
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and v > vocab_size:
+                raise ValueError(f"SamplingParams.{name}={v} exceeds the vocabulary size {vocab_size}")

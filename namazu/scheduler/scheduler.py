@@ -1,0 +1,172 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Each step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running
+sequences go first, in policy order (FCFS, or priority then arrival): a decode costs 1 token, a verify
+1 + k, an unfinished prompt its next chunk. Waiting sequences are then admitted while budget, cap and
+free blocks allow, each mapping its cached prefix first. When a running sequence needs a block and the
+pool is empty, the last sequence in policy order is preempted by recompute: its blocks are freed, its
+tokens kept, and it waits at its original place in line to be prefilled again. Nothing is ever dropped:
+a sequence that fits the pool alone (checked at start-up against max_model_len) always gets to run.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from namazu.scheduler.block_manager import BlockManager
+from namazu.scheduler.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's work in a step: KV for token_ids[num_computed : num_computed + num_new_tokens],
+    then the drafts (verify). A row samples when the step reaches the end of its known tokens."""
+
+    seq: Sequence
+    num_new_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None          # [k, V] draft distribution (stochastic drafter), or None (one-hot)
+
+    @property
+    def samples(self) -> bool:
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def num_query_tokens(self) -> int:
+        return self.num_new_tokens + len(self.draft_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_query_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs"):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy {policy!r}: expected fcfs or priority")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunked = enable_chunked_prefill
+        self.by_priority = policy == "priority"
+        self.waiting: list[Sequence] = []     # sorted by policy key
+        self.running: list[Sequence] = []     # sorted by policy key
+        self.num_preemptions = 0
+
+    def _key(self, seq: Sequence) -> tuple[int, int]:
+        return seq.sort_key(self.by_priority)
+
+    def add(self, seq: Sequence) -> None:
+        if not self.chunked and seq.num_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"prompt of {seq.num_tokens} tokens exceeds --max-num-batched-tokens="
+                             f"{self.max_num_batched_tokens} and chunked prefill is off")
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+        """Removes a sequence (done or aborted) and frees its blocks, whatever state it is in."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.bm.free_seq(seq)
+        seq.status = SequenceStatus.FINISHED
+        if reason is not None and seq.finish_reason is None:
+            seq.finish_reason = reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        seq.reset_for_recompute()
+        bisect.insort(self.waiting, seq, key=self._key)
+        self.num_preemptions += 1
+        logger.info("preempted %s (seq %d) by recompute: KV pool exhausted", seq.request_id, seq.seq_id)
+
+    def schedule(self, drafts: dict[int, tuple[list[int], Any]] | None = None) -> SchedulerOutput:
+        """Plans one step. `drafts` maps seq_id -> (draft tokens, draft probs or None) for sequences in
+        decode; drafts are trimmed to the budget, max_tokens and max_model_len."""
+        drafts = drafts or {}
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.chunked:
+                i += 1
+                continue
+            draft_ids, draft_probs = self._trim_drafts(seq, drafts.get(seq.seq_id), budget - n, n == remaining)
+            while not self.bm.grow(seq, seq.num_computed_tokens + n + len(draft_ids)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            scheduled.append(ScheduledSeq(seq, n, draft_ids, draft_probs))
+            budget -= n + len(draft_ids)
+            i += 1
+
+        # Admitting new work right after a preemption would only thrash the pool.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            num_cached = self.bm.admit(seq, budget)
+            if num_cached is None:
+                break
+            remaining = seq.num_tokens - num_cached
+            n = min(remaining, budget)
+            if n < remaining and not self.chunked:
+                self.bm.free_seq(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=self._key)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return SchedulerOutput(scheduled, preempted)
+
+    def _trim_drafts(self, seq: Sequence, proposal: tuple[list[int], Any] | None, budget: int,
+                     at_end: bool) -> tuple[list[int], Any]:
+        if proposal is None or not at_end:
+            return [], None
+        ids, probs = proposal
+        limit = min(budget, self.max_model_len - seq.num_tokens)
+        if seq.params.max_tokens is not None:
+            # The bonus token always comes too, so k drafts may produce k + 1 tokens.
+            limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
+        k = max(0, min(len(ids), limit))
+        if k == 0:
+            return [], None
+        return list(ids[:k]), (probs[:k] if probs is not None else None)
+
+    def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """After a step: the KV of the first `num_computed_tokens` tokens is valid. Rolls back blocks
+        that only held rejected drafts and registers newly full blocks in the prefix cache."""
+        seq.num_computed_tokens = num_computed_tokens
+        self.bm.truncate(seq, max(num_computed_tokens, seq.num_tokens))
+        self.bm.commit(seq)

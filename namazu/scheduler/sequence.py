@@ -1,0 +1,94 @@
+"""Per-sequence state the scheduler and block manager share.
+
+A request with n > 1 has n sequences; each is scheduled, cached and preempted on its own. `token_ids` is
+prompt + output; `num_computed_tokens` is how many of them already have KV in the cache, so prefill,
+chunked prefill, decode and recompute after preemption are all "compute tokens[num_computed:]".
+Draft tokens of a verify step are not in `token_ids` until accepted.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from namazu.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ARRIVAL = itertools.count()
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int                       # which of the request's n continuations
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int                        # the sampler's stream for this sequence (request seed or engine-drawn)
+    priority: int = 0                # lower runs first under --scheduling-policy priority
+    arrival: int = field(default_factory=lambda: next(_ARRIVAL))
+    status: SequenceStatus = SequenceStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # chained hash of each full block of token_ids
+    num_committed_blocks: int = 0    # leading blocks registered in the prefix cache
+    num_cached_prompt_tokens: int = 0  # prefix-cache hit at the last admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Results gathered by the engine.
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    detok: Any = None                # namazu.detokenizer.IncrementalDetokenizer, set by the engine
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to collect (a preempted sequence does not collect them twice)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def append_tokens(self, tokens: list[int]) -> None:
+        self.token_ids.extend(tokens)
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: the KV is gone, the tokens stay."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.num_committed_blocks = 0
+        self.num_preemptions += 1
+
+    def sort_key(self, by_priority: bool) -> tuple[int, int]:
+        return (self.priority if by_priority else 0, self.arrival)
