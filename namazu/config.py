@@ -208,7 +208,8 @@ def _parse_rope(d: dict[str, Any]) -> RopeConfig:
     scaling = d.pop("rope_scaling", None) or {}
     merged = {**params, **scaling}
     theta = d.pop("rope_theta", None) or merged.get("rope_theta") or 10000.0
-    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    rope_type = (scaling.get("rope_type") or scaling.get("type") or params.get("rope_type") or params.get("type")
+                 or "default")
     r = RopeConfig(rope_type=rope_type, theta=float(theta))
     if rope_type == "yarn":
         if merged.get("factor") is None:

@@ -65,8 +65,10 @@ def load_weights(model: DeepseekV3ForCausalLM, weights) -> None:
     mis-shaped or unsupported tensor is an error naming it."""
     cfg = model.config
     params = dict(model.named_parameters(remove_duplicate=False))
-    params.update({n: b for n, b in model.named_buffers() if n.split(".")[-1] not in ("inv_freq", "tokens_per_expert")})
-    experts: dict[str, RoutedExperts] = {n: m for n, m in model.named_modules() if isinstance(m, RoutedExperts)}
+    transient = ("inv_freq", "tokens_per_expert")
+    params.update({n: b for n, b in model.named_buffers() if n.split(".")[-1] not in transient})
+    experts: dict[str, RoutedExperts] = {
+        n: m for n, m in model.named_modules() if isinstance(m, RoutedExperts)}
     pending = {n for n in params if not any(n.startswith(p + ".") for p in experts)}
     if cfg.tie_word_embeddings:
         pending.discard("lm_head.weight")
