@@ -7,11 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_oracle import make_hf_checkpoint
 from namazu.config import ConfigError, ModelConfig
 from namazu.models.checkpoint import CheckpointError, save_checkpoint
 from namazu.models.deepseek_v3 import DeepseekV3ForCausalLM
 from namazu.models.loader import load_model
+
+from hf_oracle import make_hf_checkpoint
 
 BLOCK = (16, 16)
 

@@ -40,7 +40,8 @@ def experts_format_of(config: ModelConfig) -> str:
     if q.get("quant_method") == "modelopt":
         algo = q.get("quant_algo") or (q.get("quantization") or {}).get("quant_algo")
         if algo != "NVFP4":
-            raise CheckpointError(f"quantization_config.quant_algo={algo!r}: only NVFP4 ModelOpt checkpoints are served")
+            raise CheckpointError(f"quantization_config.quant_algo={algo!r}: only NVFP4 ModelOpt checkpoints "
+                                  "are served")
         return "nvfp4"
     return "bf16"
 
