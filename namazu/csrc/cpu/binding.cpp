@@ -1,0 +1,113 @@
+// torch binding of the CPU NVFP4 MoE kernel: registers torch.ops.namazu.nvfp4_moe_cpu.
+// Importing the module `namazu._nvfp4_cpu` loads this library, which registers the op.
+#include <Python.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "nvfp4_moe_cpu.h"
+
+namespace {
+
+void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), "nvfp4_moe_cpu: ", name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "nvfp4_moe_cpu: ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, "nvfp4_moe_cpu: ", name, " must have ", dim, " dims, got shape ", t.sizes());
+}
+
+at::Tensor nvfp4_moe_cpu_op(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                            const at::Tensor& w13_packed, const at::Tensor& w13_scale, const at::Tensor& w13_gs,
+                            const at::Tensor& w2_packed, const at::Tensor& w2_scale, const at::Tensor& w2_gs,
+                            const std::optional<at::Tensor>& a13_scale, const std::optional<at::Tensor>& a2_scale,
+                            int64_t isa) {
+  TORCH_CHECK(x.dim() == 2, "nvfp4_moe_cpu: x must be [N, H], got shape ", x.sizes());
+  check(topk_ids, "topk_ids", at::kLong, 2);
+  check(w13_packed, "w13_packed", at::kByte, 3);
+  check(w13_scale, "w13_scale", at::kFloat8_e4m3fn, 3);
+  check(w13_gs, "w13_gs", at::kFloat, 1);
+  check(w2_packed, "w2_packed", at::kByte, 3);
+  check(w2_scale, "w2_scale", at::kFloat8_e4m3fn, 3);
+  check(w2_gs, "w2_gs", at::kFloat, 1);
+  const int64_t N = x.size(0), H = x.size(1), E = w13_packed.size(0), I = w13_packed.size(1) / 2;
+  const int64_t k = topk_ids.size(1);
+  TORCH_CHECK(topk_ids.size(0) == N && topk_weights.sizes() == topk_ids.sizes(),
+              "nvfp4_moe_cpu: topk_ids ", topk_ids.sizes(), " and topk_weights ", topk_weights.sizes(),
+              " must both be [N, k] with N = ", N);
+  TORCH_CHECK(H % 16 == 0 && I % 16 == 0 && I > 0, "nvfp4_moe_cpu: hidden ", H, " and intermediate ", I,
+              " must be positive multiples of 16");
+  TORCH_CHECK(w13_packed.sizes() == at::IntArrayRef({E, 2 * I, H / 2}), "nvfp4_moe_cpu: w13_packed ",
+              w13_packed.sizes(), " does not match x's hidden size ", H);
+  TORCH_CHECK(w13_scale.sizes() == at::IntArrayRef({E, 2 * I, H / 16}), "nvfp4_moe_cpu: w13_scale ",
+              w13_scale.sizes(), " must be [E, 2I, H/16]");
+  TORCH_CHECK(w2_packed.sizes() == at::IntArrayRef({E, H, I / 2}), "nvfp4_moe_cpu: w2_packed ", w2_packed.sizes(),
+              " must be [E, H, I/2]");
+  TORCH_CHECK(w2_scale.sizes() == at::IntArrayRef({E, H, I / 16}), "nvfp4_moe_cpu: w2_scale ", w2_scale.sizes(),
+              " must be [E, H, I/16]");
+  TORCH_CHECK(w13_gs.size(0) == E && w2_gs.size(0) == E, "nvfp4_moe_cpu: global scales must be [E]");
+  TORCH_CHECK(a13_scale.has_value() == a2_scale.has_value(),
+              "nvfp4_moe_cpu: W4A4 needs both a13_scale and a2_scale");
+  at::Tensor a13, a2;
+  if (a13_scale.has_value()) {
+    a13 = a13_scale->to(at::kFloat).contiguous();
+    a2 = a2_scale->to(at::kFloat).contiguous();
+    TORCH_CHECK(a13.numel() == E && a2.numel() == E, "nvfp4_moe_cpu: input scales must be [E]");
+  }
+
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor ids = topk_ids.contiguous();
+  const at::Tensor tw = topk_weights.to(at::kFloat).contiguous();
+  const at::Tensor w13p = w13_packed.contiguous(), w13s = w13_scale.contiguous(), g13 = w13_gs.contiguous();
+  const at::Tensor w2p = w2_packed.contiguous(), w2s = w2_scale.contiguous(), g2 = w2_gs.contiguous();
+  at::Tensor out = at::empty({N, H}, xf.options());
+
+  Nvfp4MoeCpuArgs args{};
+  args.num_tokens = N;
+  args.hidden = H;
+  args.inter = I;
+  args.num_experts = E;
+  args.top_k = k;
+  args.x = xf.data_ptr<float>();
+  args.topk_ids = ids.data_ptr<int64_t>();
+  args.topk_weights = tw.data_ptr<float>();
+  args.w13_packed = w13p.data_ptr<uint8_t>();
+  args.w13_scale = static_cast<const uint8_t*>(w13s.data_ptr());
+  args.w13_gs = g13.data_ptr<float>();
+  args.w2_packed = w2p.data_ptr<uint8_t>();
+  args.w2_scale = static_cast<const uint8_t*>(w2s.data_ptr());
+  args.w2_gs = g2.data_ptr<float>();
+  args.a13_scale = a13.defined() ? a13.data_ptr<float>() : nullptr;
+  args.a2_scale = a2.defined() ? a2.data_ptr<float>() : nullptr;
+  args.out = out.data_ptr<float>();
+  args.num_threads = at::get_num_threads();
+  args.isa = static_cast<int>(isa);
+  const int status = nvfp4_moe_cpu(&args);
+  TORCH_CHECK(status != NVFP4_MOE_BAD_EXPERT_ID, "nvfp4_moe_cpu: topk_ids holds an expert id outside [0, ", E, ")");
+  TORCH_CHECK(status != NVFP4_MOE_OUT_OF_MEMORY, "nvfp4_moe_cpu: out of memory for ", N * k, " token rows");
+  TORCH_CHECK(status == NVFP4_MOE_OK, "nvfp4_moe_cpu: failed with status ", status);
+  return out.to(x.scalar_type());
+}
+
+int64_t nvfp4_moe_cpu_isa_op(int64_t isa) { return nvfp4_moe_cpu_resolve_isa(static_cast<int>(isa)); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(namazu, m) {
+  m.def(
+      "nvfp4_moe_cpu(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed, Tensor w13_scale, "
+      "Tensor w13_gs, Tensor w2_packed, Tensor w2_scale, Tensor w2_gs, Tensor? a13_scale=None, "
+      "Tensor? a2_scale=None, int isa=0) -> Tensor");
+  m.def("nvfp4_moe_cpu_isa(int isa=0) -> int", &nvfp4_moe_cpu_isa_op);
+}
+
+TORCH_LIBRARY_IMPL(namazu, CPU, m) { m.impl("nvfp4_moe_cpu", &nvfp4_moe_cpu_op); }
+
+// A Python module with no functions: importing it loads the library and so registers the ops above.
+extern "C" PyMODINIT_FUNC PyInit__nvfp4_cpu(void) {
+  static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_nvfp4_cpu", "NVFP4 MoE CPU kernel (torch.ops.namazu)",
+                            -1, nullptr};
+  return PyModule_Create(&def);
+}
