@@ -1,0 +1,222 @@
+"""Tokenizers of the checkpoints namazu serves, behind one small interface.
+
+Two kinds:
+- HF `tokenizer.json` (DeepSeek-V3, namazu-tiny), loaded with the `tokenizers` library;
+- tiktoken (`tiktoken.model` + `tokenizer_config.json`, as Kimi-K2 ships): base64 BPE ranks, special
+  tokens from `added_tokens_decoder` placed after the ranks, Kimi's pre-tokenization pattern.
+Both read `tokenizer_config.json` for bos/eos and the Jinja2 chat template (also `chat_template.jinja`),
+and `generation_config.json` for extra end-of-sequence ids.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+logger = logging.getLogger(__name__)
+
+# Kimi-K2's pre-tokenization regex (tokenization_kimi.py): Han runs, cased words with English
+# contractions, 1-3 digit groups, punctuation runs, newlines and whitespace.
+KIMI_PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+KIMI_NUM_RESERVED_SPECIAL = 256
+
+
+def _token_content(tok: Any) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+def _raise(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # No HTML escaping and non-ASCII kept, as chat templates written for transformers expect.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class Tokenizer:
+    """encode / decode / chat template for one checkpoint. Use `Tokenizer.from_pretrained(dir)`."""
+
+    def __init__(self, backend: Any, kind: str, config: dict[str, Any], chat_template: str | None,
+                 extra_eos_ids: Sequence[int] = ()):
+        self._backend = backend
+        self.kind = kind
+        self.config = config
+        self.chat_template = chat_template
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        self.bos_token_id = self.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self.token_to_id(self.eos_token) if self.eos_token else None
+        self.add_bos_token = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
+        self.special_ids = self._special_ids()
+        eos = [self.eos_token_id] if self.eos_token_id is not None else []
+        self.eos_token_ids = sorted(set(eos) | set(extra_eos_ids))
+        self._template = None
+
+    # -- loading ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        d = Path(path)
+        if not d.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {d} does not exist")
+        cfg_path = d / "tokenizer_config.json"
+        config = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):   # [{"name": "default", "template": ...}, ...]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        if (d / "chat_template.jinja").exists():
+            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        extra_eos: list[int] = []
+        gen_path = d / "generation_config.json"
+        if gen_path.exists():
+            eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            extra_eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if (d / "tokenizer.json").exists():
+            from tokenizers import Tokenizer as HFTokenizer
+            return cls(HFTokenizer.from_file(str(d / "tokenizer.json")), "hf", config, template, extra_eos)
+        if (d / "tiktoken.model").exists():
+            return cls(_load_tiktoken(d / "tiktoken.model", config), "tiktoken", config, template, extra_eos)
+        raise FileNotFoundError(f"{d} has neither tokenizer.json nor tiktoken.model")
+
+    # -- vocabulary -------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        if self.kind == "hf":
+            return self._backend.get_vocab_size(with_added_tokens=True)
+        return self._backend.n_vocab
+
+    def token_to_id(self, token: str) -> int | None:
+        if self.kind == "hf":
+            return self._backend.token_to_id(token)
+        enc = self._backend
+        if token in enc._special_tokens:
+            return enc._special_tokens[token]
+        try:
+            return enc.encode_single_token(token.encode("utf-8"))
+        except KeyError:
+            return None
+
+    def id_to_token(self, token_id: int) -> str:
+        """The token's text as the vocabulary spells it (for OpenAI `logprobs.content[].token`)."""
+        if self.kind == "hf":
+            tok = self._backend.id_to_token(token_id)
+            return tok if tok is not None else ""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes a single token stands for (may be part of a character)."""
+        if self.kind == "tiktoken":
+            return self._backend.decode_single_token_bytes(token_id)
+        if token_id in self.special_ids:
+            return self.id_to_token(token_id).encode("utf-8")
+        tok = self._backend.id_to_token(token_id) or ""
+        decoder = self._backend.decoder
+        if decoder is not None and type(decoder).__name__ == "ByteLevel":
+            table = _byte_level_table()
+            if all(c in table for c in tok):
+                return bytes(table[c] for c in tok)
+        return self._backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def _special_ids(self) -> set[int]:
+        if self.kind == "tiktoken":
+            return set(self._backend._special_tokens.values())
+        ids = {int(i) for i, t in self.config.get("added_tokens_decoder", {}).items() if t.get("special", True)}
+        ids |= {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+        return ids
+
+    # -- text <-> ids -----------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Special-token text (e.g. from a chat template) becomes the special token. With
+        add_special_tokens, BOS is prepended when the tokenizer config asks for it."""
+        if self.kind == "hf":
+            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            prepend = add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id)
+        else:
+            ids = self._backend.encode(text, allowed_special="all")
+            prepend = add_special_tokens and self.add_bos_token
+        return [self.bos_token_id, *ids] if prepend else list(ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self.kind == "hf":
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        return self._backend.decode(list(ids), errors="replace")
+
+    # -- chat -------------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """Renders the checkpoint's Jinja2 chat template (as transformers does, sandboxed)."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' "
+                             "or chat_template.jinja); send a plain prompt instead")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[int]:
+        # The template writes BOS itself when the model wants one.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs),
+                           add_special_tokens=False)
+
+
+def _load_tiktoken(model_file: Path, config: dict[str, Any]) -> Any:
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = load_tiktoken_bpe(str(model_file))
+    n = len(ranks)
+    specials = {t["content"]: int(i) for i, t in config.get("added_tokens_decoder", {}).items()}
+    taken = set(specials.values())
+    for i in range(n, n + KIMI_NUM_RESERVED_SPECIAL):
+        if i not in taken:
+            specials[f"<|reserved_token_{i}|>"] = i
+    bad = [s for s, i in specials.items() if i < n]
+    if bad:
+        raise ValueError(f"{model_file}: special tokens {bad[:3]} have ids inside the BPE ranks (< {n})")
+    pattern = config.get("pat_str", KIMI_PAT_STR)
+    return tiktoken.Encoding(name=model_file.parent.name or "tiktoken", pat_str=pattern,
+                             mergeable_ranks=ranks, special_tokens=specials)
+
+
+_BYTE_TABLE: dict[str, int] | None = None
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte <-> printable-character map used by byte-level BPE vocabularies (inverse)."""
+    global _BYTE_TABLE
+    if _BYTE_TABLE is None:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+            range(ord("®"), ord("ÿ") + 1))
+        cs = bs[:]
+        k = 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + k)
+                k += 1
+        _BYTE_TABLE = {chr(c): b for b, c in zip(bs, cs)}
+    return _BYTE_TABLE
