@@ -144,10 +144,11 @@ def torch_moe_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Reference MoE over BF16 stacked weights (w13 [E, 2I, H] gate rows first, w2 [E, H, I]).
 
-    Accumulates each expert GEMM in x's dtype, as the kernels' inputs are; the final weighted sum is fp32.
+    Computes in fp32 from the given values (bf16 products are exact in fp32), so a kernel's error against
+    it is the kernel's own rounding; the result is cast to x's dtype once.
     """
     d = dispatch(topk_ids, w13.shape[0])
-    xs = permute(x, d)
+    xs = permute(x, d).float()
     h = silu_and_mul(grouped_gemm(xs, lambda e: w13[e], d.counts))
     ys = grouped_gemm(h, lambda e: w2[e], d.counts)
     if ys.numel() == 0:
@@ -182,3 +183,50 @@ def torch_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         return torch.zeros_like(x)
     ys = gemm(silu_and_mul(h), w.w2_packed, w.w2_scale, w.w2_gs, w.a2_scale)
     return unpermute(ys, d, topk_weights, x.shape[0]).to(x.dtype)
+
+
+@dataclass
+class BlockDispatch:
+    """Expert-sorted rows padded so every `block_m` rows belong to one expert: the layout grouped-GEMM
+    kernels (Triton, CUDA) tile over. Built with static shapes and no host sync.
+
+    Padded row p holds pair `sorted_pairs[p]` (a sentinel equal to N*k marks padding); row block b
+    belongs to expert `block_expert[b]`; only the first `total_rows` (a device scalar) rows are used.
+    """
+
+    sorted_pairs: torch.Tensor   # [max_rows] int32
+    block_expert: torch.Tensor   # [max_rows / block_m] int32
+    total_rows: torch.Tensor     # [1] int32
+    block_m: int
+    num_pairs: int
+
+    @property
+    def max_rows(self) -> int:
+        return self.sorted_pairs.shape[0]
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of the padded row count: at most min(E, pairs) experts each waste < block_m rows."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def block_dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockDispatch:
+    """Sorts (token, slot) pairs by expert and pads each expert's rows to a multiple of `block_m`."""
+    flat = topk_ids.reshape(-1)
+    m = flat.numel()
+    max_rows = max(max_padded_rows(m, num_experts, block_m), block_m)
+    order, counts, offsets = sort_by_expert(topk_ids, num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    sorted_experts = flat[order]
+    rank = torch.arange(m, device=flat.device) - offsets[sorted_experts]
+    dest = padded_start[sorted_experts] + rank
+    sorted_pairs = torch.full((max_rows,), m, dtype=torch.int32, device=flat.device)
+    sorted_pairs[dest] = order.to(torch.int32)
+    block_start = torch.arange(0, max_rows, block_m, device=flat.device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).clamp(max=num_experts - 1)
+    total = padded_end[-1:].to(torch.int32)
+    return BlockDispatch(sorted_pairs=sorted_pairs, block_expert=block_expert.to(torch.int32), total_rows=total,
+                         block_m=block_m, num_pairs=m)
