@@ -1,0 +1,181 @@
+"""The OpenAI-compatible ASGI app (starlette): routes, API-key check, body limit, errors, metrics.
+
+Handlers only parse, tokenize and await the engine's output streams; the engine steps in its own
+thread and worker process, so nothing here can hold up a step.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.common import EngineClient, ServerState, now
+from server.errors import APIError, http_error
+from server.metrics import ServerMetrics
+from server.serving_chat import create_chat_completion
+from server.serving_completions import create_completion
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+OPEN_PATHS = frozenset({"/health"})
+
+
+def build_app(engine: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_logprobs: int = 20) -> Starlette:
+    """The app around a started engine. `api_key` None: no authentication."""
+    metrics = ServerMetrics(engine.stats)
+    state = ServerState(engine=engine, served_model_name=served_model_name or engine.model_name,
+                        max_logprobs=max_logprobs, metrics=metrics, max_request_bytes=max_request_bytes)
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/completions", _generation(create_completion), methods=["POST"]),
+        Route("/v1/chat/completions", _generation(create_chat_completion), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={
+        APIError: _api_error, HTTPException: _http_exception, Exception: _internal_error})
+    app.state.server = state
+    app.add_middleware(_AuthMiddleware, api_key=api_key)
+    app.add_middleware(_StatusCounter, metrics=metrics, paths={r.path for r in routes})
+    return app
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+# -- handlers ---------------------------------------------------------------------------------------------
+async def health(request: Request) -> Response:
+    stats = _state(request).engine.stats()
+    if not stats.get("alive", True):
+        return JSONResponse({"status": "engine not running"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def prometheus(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.served_model_name, "object": "model", "created": now(), "owned_by": "namazu",
+            "max_model_len": state.engine.max_model_len}
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
+
+
+async def get_model(request: Request) -> Response:
+    state = _state(request)
+    state.check_model(request.path_params["model"])
+    return JSONResponse(_model_card(state))
+
+
+def _generation(handler: Any) -> Any:
+    async def endpoint(request: Request) -> Response:
+        state = _state(request)
+        body = await _read_json(request, state.max_request_bytes)
+        return await handler(request, state, body, state.metrics.tracker())
+    return endpoint
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(int(length), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw:
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the request body ({size} bytes or more) exceeds the server's limit of {limit} "
+                         "bytes (--max-request-bytes)", code="request_too_large")
+
+
+# -- errors -----------------------------------------------------------------------------------------------
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    if exc.status >= 500:
+        logger.error("%s %s: %s", request.method, request.url.path, exc.message)
+    return exc.response()
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return APIError(404, f"no route {request.method} {request.url.path}; see /v1/models, "
+                             "/v1/completions, /v1/chat/completions, /health, /metrics",
+                        code="not_found").response()
+    return http_error(exc.status_code, exc.detail).response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("internal error on %s %s", request.method, request.url.path)
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+
+
+# -- middleware -------------------------------------------------------------------------------------------
+class _AuthMiddleware:
+    """`Authorization: Bearer KEY` on every path but /health (constant-time compare)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None):
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        what = "no API key provided" if not header else "incorrect API key provided"
+        resp = APIError(401, f"{what}; send 'Authorization: Bearer <key>' with the key the server was "
+                             "started with (--api-key)", code="invalid_api_key").response()
+        await resp(scope, receive, send)
+
+
+class _StatusCounter:
+    """Counts responses by route and status code (unknown paths are one label, 'other')."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, paths: set[str]):
+        self.app, self.metrics, self.paths = app, metrics, paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = path if path in self.paths else ("/v1/models/{model}" if path.startswith("/v1/models/")
+                                                 else "other")
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,255 @@
+"""What both OpenAI endpoints share: the engine interface they use, context-length checks, merging the
+output streams of several prompts, SSE framing, usage, and aborting on client disconnect."""
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from starlette.requests import Request
+
+from namazu.sampling_params import SamplingParams
+from server.errors import APIError, invalid
+from server.metrics import RequestTracker, ServerMetrics
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineClient(Protocol):
+    """The part of namazu.engine.AsyncEngine the server uses."""
+
+    tokenizer: Any
+    max_model_len: int
+    model_name: str
+    vocab_size: int
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str) -> AsyncIterator[Any]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class ServerState:
+    """Everything a handler needs, stored on app.state."""
+
+    engine: EngineClient
+    served_model_name: str
+    max_logprobs: int
+    metrics: ServerMetrics
+    max_request_bytes: int
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                                f"'{self.served_model_name}'", param="model", code="model_not_found")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise invalid(f"'{param}' has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})", param)
+
+
+def resolve_max_tokens(num_prompt: int, max_tokens: int | None, max_model_len: int,
+                       param: str = "max_tokens", what: str = "prompt") -> int:
+    """The generation budget, or a 400 that states the model's context limit (OpenAI's wording)."""
+    if max_tokens is None:
+        if num_prompt >= max_model_len:
+            raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                          f"{what} is {num_prompt} tokens, which leaves no room for a completion. Please "
+                          f"reduce the length of the {what}.", what, code="context_length_exceeded")
+        return max_model_len - num_prompt
+    if num_prompt + max_tokens > max_model_len:
+        raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                      f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} for the "
+                      f"completion). Please reduce the length of the {what} or '{param}'.",
+                      what if num_prompt >= max_model_len else param, code="context_length_exceeded")
+    return max_tokens
+
+
+async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the iterator's index. On exit (done,
+    error or cancellation) every iterator still running is cancelled and closed."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item, None))
+            await queue.put((i, done, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:      # noqa: BLE001 -- re-raised in the consumer
+            await queue.put((i, done, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, err = await queue.get()
+            if err is not None:
+                raise err
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Runs `work`; if the client goes away first, cancels it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            logger.info("client disconnected from %s; request aborted", request.url.path)
+        watcher.cancel()
+    return await task
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_error(err: APIError) -> bytes:
+    """Errors after the stream started go in-band (the status line is already sent)."""
+    return sse(err.body())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def top_n(entry: dict[int, float] | None, n: int) -> list[tuple[int, float]]:
+    """The n most likely (token, logprob) pairs of one position's logprob dict."""
+    if not entry or n <= 0:
+        return []
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+
+
+class TokenText:
+    """Per-token strings and bytes for logprobs, plus character offsets into the concatenated text."""
+
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            raw = self.tok.token_bytes(token_id)
+            hit = (raw.decode("utf-8", errors="replace"), raw)
+            if len(self._cache) < 65536:
+                self._cache[token_id] = hit
+        return hit
+
+    def text(self, token_id: int) -> str:
+        return self.get(token_id)[0]
+
+
+class OffsetCounter:
+    """Character offset of each token in a text decoded from its bytes (partial characters of a token
+    count for the token where the character completes)."""
+
+    def __init__(self, start: int = 0):
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pos = start
+
+    def add(self, raw: bytes) -> int:
+        at = self.pos
+        self.pos += len(self.dec.decode(raw))
+        return at
+
+
+class GenerationJob:
+    """One HTTP request's engine requests (one per prompt, each with n sequences): starts them, feeds
+    the metrics tracker from their outputs, and aborts whatever has not finished when it ends (done,
+    error or client disconnect)."""
+
+    def __init__(self, state: ServerState, prompt_ids: list[list[int]], params: SamplingParams, rid: str,
+                 tracker: RequestTracker):
+        self.state, self.prompt_ids, self.params = state, prompt_ids, params
+        self.rid, self.tracker = rid, tracker
+        self.created = now()
+        self.engine_ids = [f"{rid}-{i}" for i in range(len(prompt_ids))]
+        self.finished_ids: set[str] = set()
+        self.cached = [0] * len(prompt_ids)
+        self.counted: dict[tuple[int, int], int] = {}      # (prompt, seq index) -> tokens seen
+        self.done_keys: set[tuple[int, int]] = set()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompt_ids)
+
+    def outputs(self) -> AsyncIterator[tuple[int, Any]]:
+        """(prompt index, RequestOutput) as the engine produces them, observed for the metrics."""
+        for p in self.prompt_ids:
+            self.tracker.on_prompt(len(p))
+        streams = [self.state.engine.generate(p, self.params, eid)
+                   for p, eid in zip(self.prompt_ids, self.engine_ids)]
+        return self._observed(merge(streams))
+
+    async def _observed(self, it: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
+        try:
+            async for i, out in it:
+                self._observe(i, out)
+                yield i, out
+            self.tracker.done()
+        finally:
+            for eid in self.engine_ids:
+                if eid not in self.finished_ids:
+                    self.state.engine.abort(eid)
+
+    def _observe(self, i: int, out: Any) -> None:
+        if out.finished:
+            self.finished_ids.add(self.engine_ids[i])
+            self.cached[i] = out.num_cached_tokens or 0
+            self.tracker.on_cached(self.cached[i])
+        for c in out.outputs:
+            key = (i, c.index)
+            self.tracker.on_tokens(key, len(c.token_ids) - self.counted.get(key, 0))
+            self.counted[key] = len(c.token_ids)
+            if c.finish_reason is not None and key not in self.done_keys:
+                self.done_keys.add(key)
+                self.tracker.on_finish(c.finish_reason)

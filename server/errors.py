@@ -1,0 +1,85 @@
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}`.
+
+Status classes the server uses:
+- 400 invalid_request_error: well-formed JSON whose values are out of range or unsupported (prompt over
+  the context limit, temperature < 0, `suffix`, an unknown field), or a body that is not JSON;
+- 401 authentication_error: missing or wrong API key;
+- 404 not_found_error: unknown route or unknown model name;
+- 413 request_too_large: body over --max-request-bytes;
+- 422 invalid_request_error with code "invalid_type": a field of the wrong JSON type, or a required field
+  missing (the body is JSON but not the shape of the request).
+The official `openai` client maps each of these to its typed exception (BadRequestError, ...).
+"""
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from starlette.responses import JSONResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """Raised anywhere in request handling; the app turns it into an OpenAI-style JSON error."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """400: the value of `param` is not acceptable."""
+    return APIError(400, message, param=param, code=code)
+
+
+def wrong_type(param: str, expected: str, got: object) -> APIError:
+    """422: `param` has the wrong JSON type."""
+    return APIError(422, f"'{param}' must be {expected}, got {_json_type(got)}", param=param,
+                    code="invalid_type")
+
+
+def http_error(status: int, detail: str | None = None) -> APIError:
+    """An APIError for a plain HTTP status (unknown route, wrong method)."""
+    return APIError(status, detail or HTTPStatus(status).phrase, code=HTTPStatus(status).phrase.lower()
+                    .replace(" ", "_"))
+
+
+def _json_type(x: object) -> str:
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return "a boolean"
+    if isinstance(x, int):
+        return "an integer"
+    if isinstance(x, float):
+        return "a number"
+    if isinstance(x, str):
+        return "a string"
+    if isinstance(x, list):
+        return "an array"
+    if isinstance(x, dict):
+        return "an object"
+    return type(x).__name__

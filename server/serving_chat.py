@@ -1,0 +1,161 @@
+"""POST /v1/chat/completions: messages rendered by the checkpoint's chat template, one engine request
+with n sequences, the answer as a message or streamed as SSE chunks.
+
+Streaming follows the OpenAI wire format: each choice's first chunk carries `role`, then `content` (and
+`tool_calls`) deltas, then a chunk with its `finish_reason`; with `stream_options.include_usage` every
+chunk has `"usage": null` and one last chunk with no choices carries the usage. When `tools` are given
+(tool_choice auto), Kimi-K2 tool-call sections in the output become `tool_calls` (server/tool_parser.py).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from server.common import (
+    SSE_DONE,
+    GenerationJob,
+    ServerState,
+    TokenText,
+    new_id,
+    resolve_max_tokens,
+    sse,
+    sse_error,
+    top_n,
+    until_disconnect,
+    usage,
+)
+from server.errors import APIError, invalid
+from server.metrics import RequestTracker
+from server.protocol import ChatRequest, make_sampling_params, parse_chat
+from server.tool_parser import ToolCallParser
+
+
+async def create_chat_completion(request: Request, state: ServerState, body: Any,
+                                 tracker: RequestTracker) -> Response:
+    req = parse_chat(body, state.max_logprobs)
+    state.check_model(req.model)
+    engine = state.engine
+    try:
+        prompt_ids = engine.tokenizer.encode_chat(req.messages, add_generation_prompt=True, tools=req.tools)
+    except ValueError as e:
+        raise invalid(f"'messages' cannot be rendered by the model's chat template: {e}", "messages") from None
+    param = "max_completion_tokens" if isinstance(body, dict) and "max_completion_tokens" in body else "max_tokens"
+    max_tokens = resolve_max_tokens(len(prompt_ids), req.max_tokens, engine.max_model_len, param, "messages")
+    sampling = req.sampling
+    if req.tool_choice == "auto":
+        # The tool-call section markers are special tokens; the parser needs to see them.
+        sampling.kwargs["skip_special_tokens"] = False
+    params = make_sampling_params(sampling, max_tokens, req.top_logprobs, None, engine.vocab_size)
+    job = _ChatJob(state, req, prompt_ids, params, new_id("chatcmpl"), tracker)
+    if sampling.stream:
+        return StreamingResponse(job.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return JSONResponse(await until_disconnect(request, job.run()))
+
+
+class _ChatJob(GenerationJob):
+    def __init__(self, state: ServerState, req: ChatRequest, prompt_ids: list[int], params: Any, rid: str,
+                 tracker: RequestTracker):
+        super().__init__(state, [prompt_ids], params, rid, tracker)
+        self.req = req
+        self.tt = TokenText(state.engine.tokenizer)
+        self.tools = req.tool_choice == "auto"
+
+    def _logprobs(self, ids: list[int], entries: list[dict[int, float]]) -> list[dict[str, Any]]:
+        k = self.req.top_logprobs or 0
+        content = []
+        for t, e in zip(ids, entries):
+            text, raw = self.tt.get(t)
+            top = []
+            for tid, lp in top_n(e, k):
+                ttext, traw = self.tt.get(tid)
+                top.append({"token": ttext, "logprob": lp, "bytes": list(traw)})
+            content.append({"token": text, "logprob": e.get(t), "bytes": list(raw), "top_logprobs": top})
+        return content
+
+    async def run(self) -> dict[str, Any]:
+        final = None
+        async for _, out in self.outputs():
+            if out.finished:
+                final = out
+        choices = []
+        completion_tokens = 0
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            completion_tokens += len(c.token_ids)
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if self.tools:
+                parser = ToolCallParser(self.state.engine.tokenizer)
+                content, calls = parser.parse(c.text)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            lp = None
+            if self.req.logprobs:
+                lp = {"content": self._logprobs(list(c.token_ids), list(c.logprobs or [])), "refusal": None}
+            choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish,
+                            "stop_reason": c.stop_reason})
+        return {"id": self.rid, "object": "chat.completion", "created": self.created,
+                "model": self.state.served_model_name, "choices": choices,
+                "usage": usage(self.num_prompt_tokens, completion_tokens, self.cached[0])}
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        sent: dict[int, tuple[int, int]] = {}        # index -> (tokens, chars) sent
+        parsers: dict[int, ToolCallParser] = {}
+        completion_tokens = 0
+        try:
+            async for _, out in self.outputs():
+                for c in out.outputs:
+                    i = c.index
+                    if i not in sent:
+                        sent[i] = (0, 0)
+                        yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]))
+                        if self.tools:
+                            parsers[i] = ToolCallParser(self.state.engine.tokenizer)
+                    n_tok, n_chr = sent[i]
+                    text = c.text[n_chr:]
+                    new_ids = list(c.token_ids[n_tok:])
+                    sent[i] = (len(c.token_ids), len(c.text))
+                    completion_tokens += len(new_ids)
+                    delta: dict[str, Any] = {}
+                    finish = c.finish_reason
+                    if i in parsers:
+                        p = parsers[i]
+                        content, calls = p.feed(text, final=finish is not None)
+                        if content:
+                            delta["content"] = content
+                        if calls:
+                            delta["tool_calls"] = calls
+                        if finish == "stop" and p.num_calls:
+                            finish = "tool_calls"
+                    elif text:
+                        delta["content"] = text
+                    lp = None
+                    if self.req.logprobs and new_ids:
+                        lp = {"content": self._logprobs(new_ids, list(c.logprobs or [])[n_tok:]),
+                              "refusal": None}
+                    if not delta and lp is None and finish is None:
+                        continue
+                    choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                    if finish is not None:
+                        choice["stop_reason"] = c.stop_reason
+                    yield sse(self._chunk([choice]))
+            if self.req.sampling.include_usage:
+                yield sse(self._chunk([], usage(self.num_prompt_tokens, completion_tokens, self.cached[0])))
+        except APIError as e:
+            yield sse_error(e)
+        except ValueError as e:
+            yield sse_error(APIError(400, str(e)))
+        yield SSE_DONE
+
+    def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+                             "model": self.state.served_model_name, "choices": choices}
+        if self.req.sampling.include_usage:
+            d["usage"] = use
+        return d

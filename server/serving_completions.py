@@ -1,0 +1,197 @@
+"""POST /v1/completions: text (or token ids) in, continuations out, optionally streamed.
+
+`echo` puts the prompt in front of each choice's text; with `logprobs` it also returns the prompt's
+token logprobs (None for the first token), which is how lm-eval-harness scores loglikelihoods; with
+`max_tokens` 0 and `echo` the prompt is only scored. Several prompts run as concurrent engine requests;
+choice i*n + j is prompt i's continuation j.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from server.common import (
+    SSE_DONE,
+    GenerationJob,
+    OffsetCounter,
+    ServerState,
+    TokenText,
+    check_prompt_ids,
+    new_id,
+    resolve_max_tokens,
+    sse,
+    sse_error,
+    top_n,
+    until_disconnect,
+    usage,
+)
+from server.errors import APIError
+from server.metrics import RequestTracker
+from server.protocol import CompletionRequest, make_sampling_params, parse_completion
+
+logger = logging.getLogger(__name__)
+
+
+class _Logprobs:
+    """OpenAI completions logprobs: parallel lists over the tokens of one choice's text."""
+
+    def __init__(self, tt: TokenText, k: int, start_offset: int = 0):
+        self.tt, self.k = tt, k
+        self.offsets = OffsetCounter(start_offset)
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
+        self.text_offset: list[int] = []
+
+    def add(self, token_id: int, entry: dict[int, float] | None) -> None:
+        text, raw = self.tt.get(token_id)
+        self.tokens.append(text)
+        self.text_offset.append(self.offsets.add(raw))
+        if entry is None:           # the first prompt token has no logprob
+            self.token_logprobs.append(None)
+            self.top_logprobs.append(None)
+            return
+        self.token_logprobs.append(entry.get(token_id))
+        self.top_logprobs.append({self.tt.text(t): lp for t, lp in top_n(entry, self.k)})
+
+    def take(self) -> dict[str, Any]:
+        """The entries added since the last take (streaming sends only new tokens)."""
+        out = {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+               "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        return out
+
+
+class _Prompt:
+    def __init__(self, text: str, ids: list[int]):
+        self.text, self.ids = text, ids
+
+
+async def create_completion(request: Request, state: ServerState, body: Any,
+                            tracker: RequestTracker) -> Response:
+    req = parse_completion(body, state.max_logprobs)
+    state.check_model(req.model)
+    engine = state.engine
+    tok = engine.tokenizer
+    prompts: list[_Prompt] = []
+    for i, p in enumerate(req.prompts):
+        param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            ids = tok.encode(p, add_special_tokens=True)
+            if not ids:
+                raise APIError(400, f"'{param}' encodes to no tokens", param=param)
+            prompts.append(_Prompt(p, ids))
+        else:
+            check_prompt_ids(p, engine.vocab_size, param)
+            prompts.append(_Prompt(tok.decode(p, skip_special_tokens=False), list(p)))
+    gen_tokens = max(1, req.max_tokens)      # max_tokens 0 (echo only): one token, discarded
+    for p in prompts:
+        resolve_max_tokens(len(p.ids), gen_tokens, engine.max_model_len)
+    want_prompt_lp = req.echo and req.logprobs is not None
+    params = make_sampling_params(req.sampling, gen_tokens, req.logprobs,
+                                  req.logprobs if want_prompt_lp else None, engine.vocab_size)
+    rid = new_id("cmpl")
+    job = _Job(state, req, prompts, params, rid, tracker)
+    if req.sampling.stream:
+        return StreamingResponse(job.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return JSONResponse(await until_disconnect(request, job.run()))
+
+
+class _Job(GenerationJob):
+    """One completions request: its engine requests and the response built from their outputs."""
+
+    def __init__(self, state: ServerState, req: CompletionRequest, prompts: list[_Prompt], params: Any,
+                 rid: str, tracker: RequestTracker):
+        super().__init__(state, [p.ids for p in prompts], params, rid, tracker)
+        self.req, self.prompts = req, prompts
+        self.n = req.sampling.n
+        self.tt = TokenText(state.engine.tokenizer)
+
+    def _prompt_logprobs(self, i: int, out: Any, lp: _Logprobs) -> None:
+        entries = out.prompt_logprobs or [None] * len(self.prompts[i].ids)
+        for t, e in zip(self.prompts[i].ids, entries):
+            lp.add(t, e)
+
+    async def run(self) -> dict[str, Any]:
+        final: dict[int, Any] = {}
+        async for i, out in self.outputs():
+            if out.finished:
+                final[i] = out
+        choices = []
+        completion_tokens = 0
+        for i, p in enumerate(self.prompts):
+            out = final[i]
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                score_only = self.req.max_tokens == 0
+                text = "" if score_only else c.text
+                ids = [] if score_only else list(c.token_ids)
+                completion_tokens += len(ids)
+                lp = None
+                if self.req.logprobs is not None:
+                    lp = _Logprobs(self.tt, self.req.logprobs)
+                    if self.req.echo:
+                        self._prompt_logprobs(i, out, lp)
+                    for t, e in zip(ids, c.logprobs or []):
+                        lp.add(t, e)
+                    lp = lp.take()
+                choices.append({"index": i * self.n + c.index,
+                                "text": (p.text if self.req.echo else "") + text,
+                                "logprobs": lp,
+                                "finish_reason": "length" if score_only else c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        return {"id": self.rid, "object": "text_completion", "created": self.created,
+                "model": self.state.served_model_name, "choices": choices,
+                "usage": usage(self.num_prompt_tokens, completion_tokens, sum(self.cached))}
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        lps: dict[tuple[int, int], _Logprobs] = {}
+        sent: dict[tuple[int, int], tuple[int, int]] = {}     # (prompt, index) -> (tokens, chars) sent
+        completion_tokens = 0
+        try:
+            async for i, out in self.outputs():
+                for c in out.outputs:
+                    key = (i, c.index)
+                    n_tok, n_chr = sent.get(key, (0, 0))
+                    first = key not in lps
+                    if first:
+                        lps[key] = _Logprobs(self.tt, self.req.logprobs or 0)
+                    lp = lps[key]
+                    text = c.text[n_chr:]
+                    if first and self.req.echo:
+                        text = self.prompts[i].text + text
+                        if self.req.logprobs is not None:
+                            self._prompt_logprobs(i, out, lp)
+                    new_ids = list(c.token_ids[n_tok:])
+                    if self.req.logprobs is not None:
+                        for t, e in zip(new_ids, (c.logprobs or [])[n_tok:]):
+                            lp.add(t, e)
+                    sent[key] = (len(c.token_ids), len(c.text))
+                    completion_tokens += len(new_ids)
+                    if not text and not new_ids and c.finish_reason is None:
+                        continue
+                    chunk = {"index": i * self.n + c.index, "text": text,
+                             "logprobs": lp.take() if self.req.logprobs is not None else None,
+                             "finish_reason": c.finish_reason}
+                    if c.finish_reason is not None:
+                        chunk["stop_reason"] = c.stop_reason
+                    yield sse(self._chunk([chunk]))
+            if self.req.sampling.include_usage:
+                yield sse(self._chunk([], usage(self.num_prompt_tokens, completion_tokens,
+                                                sum(self.cached))))
+        except APIError as e:
+            yield sse_error(e)
+        except ValueError as e:
+            yield sse_error(APIError(400, str(e)))
+        yield SSE_DONE
+
+    def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"id": self.rid, "object": "text_completion", "created": self.created,
+                             "model": self.state.served_model_name, "choices": choices}
+        if self.req.sampling.include_usage:
+            d["usage"] = use
+        return d
