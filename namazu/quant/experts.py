@@ -223,8 +223,9 @@ class NvFP4Experts(RoutedExperts):
                 down = proj == "down_proj"
                 yield e, proj, "weight", packed
                 yield e, proj, "weight_scale", scale
-                yield e, proj, "weight_scale_2", (self.w2_gs if down else self.w13_gs)[e]
-                yield e, proj, "input_scale", (self.a2_scale if down else self.a13_scale)[e]
+                # gate and up carry the same scalars; clones, so writers do not see aliased tensors
+                yield e, proj, "weight_scale_2", (self.w2_gs if down else self.w13_gs)[e].clone()
+                yield e, proj, "input_scale", (self.a2_scale if down else self.a13_scale)[e].clone()
 
     # -- memory -----------------------------------------------------------------------------------------
     def resident_bytes(self) -> int:
