@@ -49,13 +49,14 @@ class IncrementalDetokenizer:
             return new
         return ""
 
-    def append(self, token_id: int) -> str | None:
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
         """Adds one generated token. Returns the stop string it completed, if any (the text is then cut
-        before it, or after it with include_stop_str_in_output)."""
+        before it, or after it with include_stop_str_in_output). check_stop=False (min_tokens not yet
+        reached) only decodes."""
         self.ids.append(token_id)
         before = len(self.text)
         self.text += self._release(final=False)
-        if self.stop and len(self.text) > before:
+        if check_stop and self.stop and len(self.text) > before:
             # Only a window that reaches into the new text can hold a new match.
             start = max(0, before - self.hold)
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]

@@ -1,0 +1,194 @@
+"""Workers: the model runner behind a message interface, one per tensor-parallel rank.
+
+The engine talks to an Executor: `execute(batch)` sends the same StepBatch to every rank and returns
+rank 0's StepResult. `MultiprocExecutor` runs each rank in its own spawned process (the default:
+the engine's Python work never competes with the forward for the GIL, and a crash in the model
+surfaces as an error instead of taking the engine down); `InlineExecutor` runs rank 0 in-process for
+debugging. Tensor parallelism adds ranks here; the engine does not change.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import sys
+import traceback
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from namazu.engine_config import EngineConfig
+from namazu.step_io import StepBatch, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerInfo:
+    rank: int
+    num_kv_blocks: int
+    kv_cache_bytes: int
+    device: str
+    dtype: str
+    vocab_size: int
+
+
+class Worker:
+    """One rank: owns a ModelRunner."""
+
+    def __init__(self, config: EngineConfig, model_path: str | Path, rank: int = 0, world_size: int = 1):
+        from namazu.model_runner import ModelRunner
+
+        self.rank = rank
+        self.runner = ModelRunner(config, model_path, rank, world_size)
+
+    def info(self) -> WorkerInfo:
+        r = self.runner
+        return WorkerInfo(self.rank, r.num_blocks, r.cache.nbytes, str(r.device), str(r.dtype).replace("torch.", ""),
+                          r.model_config.vocab_size)
+
+    def execute(self, batch: StepBatch) -> StepResult | None:
+        result = self.runner.execute(batch)
+        return result if self.rank == 0 else None
+
+
+class WorkerError(RuntimeError):
+    """A worker failed; the message carries its traceback."""
+
+
+class Executor:
+    world_size: int = 1
+
+    def info(self) -> WorkerInfo:
+        raise NotImplementedError
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class InlineExecutor(Executor):
+    def __init__(self, config: EngineConfig, model_path: str | Path):
+        self.worker = Worker(config, model_path)
+
+    def info(self) -> WorkerInfo:
+        return self.worker.info()
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        return self.worker.execute(batch)
+
+
+def _worker_main(conn: Connection, config: EngineConfig, model_path: str, rank: int, world_size: int,
+                 log_level: int) -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    try:
+        worker = Worker(config, model_path, rank, world_size)
+        conn.send(("ok", worker.info()))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break   # the engine is gone
+        if msg is None:
+            break
+        method, args = msg
+        try:
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Spawn re-runs the parent's __main__ script in the child unless told otherwise, so a user script
+    without an `if __name__ == "__main__":` guard would start its own LLM in the worker. The worker needs
+    nothing from __main__ (its arguments are namazu objects), so hide the script path while starting."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec = getattr(main, "__spec__", None)
+    if main is None or path is None or spec is not None:
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
+def _shutdown(procs: list[Any], conns: list[Connection]) -> None:
+    for conn in conns:
+        try:
+            conn.send(None)
+            conn.close()
+        except (OSError, ValueError):
+            pass
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, model_path: str | Path, world_size: int = 1):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, name=f"namazu-worker-{rank}", daemon=True,
+                               args=(child, config, str(model_path), rank, world_size,
+                                     logging.getLogger("namazu").getEffectiveLevel()))
+            with _main_module_hidden():
+                proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        # Ends the workers on close(), when the executor is collected, and at interpreter exit.
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
+        infos = [self._recv(rank) for rank in range(world_size)]
+        self._info = infos[0]
+        logger.info("started %d worker process(es), pid %s", world_size, [p.pid for p in self.procs])
+
+    def _recv(self, rank: int) -> Any:
+        try:
+            status, payload = self.conns[rank].recv()
+        except (EOFError, OSError) as err:
+            code = self.procs[rank].exitcode
+            raise WorkerError(f"worker {rank} (pid {self.procs[rank].pid}) died, exit code {code}") from err
+        if status == "error":
+            raise WorkerError(f"worker {rank} failed:\n{payload}")
+        return payload
+
+    def info(self) -> WorkerInfo:
+        return self._info
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        for conn in self.conns:
+            conn.send(("execute", (batch,)))
+        results = [self._recv(rank) for rank in range(self.world_size)]
+        return results[0]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def make_executor(config: EngineConfig, model_path: str | Path) -> Executor:
+    if config.executor == "inline":
+        return InlineExecutor(config, model_path)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return MultiprocExecutor(config, model_path, config.tensor_parallel_size)
