@@ -86,6 +86,8 @@ class NvFP4Experts(RoutedExperts):
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
         self.nvfp4_mode = mode or default_mode()
         _check_mode(self.nvfp4_mode)
+        # W4A16 runs on the MoE kernel backend; False keeps it on this module's torch reference.
+        self.use_kernels = True
         u8, f8, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
         self.register_buffer("w13_packed", torch.zeros(e, 2 * i, h // 2, dtype=u8, device=device))
         self.register_buffer("w13_scale", torch.zeros(e, 2 * i, h // BLOCK, dtype=f8, device=device))
@@ -242,7 +244,26 @@ class NvFP4Experts(RoutedExperts):
         return 3 * self.num_experts * self.hidden_size * self.intermediate_size
 
     # -- compute ----------------------------------------------------------------------------------------
+    def moe_weights(self):
+        """The packed tensors as the kernels' NVFP4MoEWeights (input scales only in W4A4 mode)."""
+        from namazu.kernels.moe_dispatch import NVFP4MoEWeights
+
+        w4a4 = self.nvfp4_mode == "w4a4"
+        return NVFP4MoEWeights(self.w13_packed, self.w13_scale, self.w13_gs, self.w2_packed, self.w2_scale,
+                               self.w2_gs, self.a13_scale if w4a4 else None, self.a2_scale if w4a4 else None)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.nvfp4_mode == "w4a16" and self.use_kernels:
+            # Serving path: the MoE backend chosen at start-up (C++ on CPU, Triton/CUDA on GPU).
+            from namazu.kernels.backends import get_moe_backend
+
+            return get_moe_backend(x.device).nvfp4(x, topk_ids, topk_weights, self.moe_weights())
+        return self.forward_reference(x, topk_ids, topk_weights)
+
+    def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The torch reference of both modes. W4A4 always runs here: its GEMM outputs and the SwiGLU
+        product are rounded to the activation dtype before the next quantization, as Blackwell MoE
+        pipelines write them (bf16 between GEMMs), which the emulation must reproduce exactly."""
         n, k = topk_ids.shape
         order, counts, _ = sort_by_expert(topk_ids, self.num_experts)
         token = order // k
