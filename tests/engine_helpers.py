@@ -1,0 +1,61 @@
+"""Shared pieces of the engine tests: a tiny random checkpoint, prompts, and the dense greedy oracle."""
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import numpy as np
+import torch
+
+from namazu.assets.random_model import write_random_checkpoint
+from namazu.models.loader import load_model
+
+NEAR_TIE = 1e-4
+
+
+@functools.cache
+def tiny_checkpoint(seed: int = 0) -> str:
+    """Written once per test process (deterministic: same seed, same files)."""
+    path = tempfile.mkdtemp(prefix=f"namazu-tiny-random-{seed}-")
+    write_random_checkpoint(path, size="tiny", seed=seed)
+    return path
+
+
+@functools.cache
+def dense_model(path: str):
+    return load_model(path, dtype="float32", progress=False)
+
+
+def prompts(n: int, lo: int = 3, hi: int = 40, seed: int = 0, prefix: list[int] | None = None) -> list[list[int]]:
+    """Random byte-token prompts (ids < 256: never a special token)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        body = rng.integers(0, 256, int(rng.integers(lo, hi + 1))).tolist()
+        out.append((prefix or []) + body)
+    return out
+
+
+@torch.no_grad()
+def dense_greedy(path: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy continuation by full recomputation without any cache (the oracle), and the top-2 logit gap
+    at each generated position."""
+    model = dense_model(path)
+    ids = list(prompt)
+    gaps = []
+    for _ in range(max_tokens):
+        hidden, _ = model(torch.tensor([ids]))
+        logits = model.compute_logits(hidden[0, -1])
+        top = logits.topk(2)
+        gaps.append(float(top.values[0] - top.values[1]))
+        ids.append(int(top.indices[0]))
+    return ids[len(prompt):], gaps
+
+
+def assert_greedy_equal(got: list[int], ref: list[int], gaps: list[float]) -> None:
+    """Equal up to the first position where the reference itself is a near-tie (then either pick is right)."""
+    for i, (a, b) in enumerate(zip(got, ref)):
+        if a != b:
+            assert gaps[i] < NEAR_TIE, f"differs at {i}: {a} vs {b} (reference top-2 gap {gaps[i]:.2e})"
+            return
+    assert len(got) == len(ref), f"length {len(got)} vs {len(ref)}"
