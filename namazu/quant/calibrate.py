@@ -163,10 +163,13 @@ def calibrate(model: torch.nn.Module, windows: list[torch.Tensor], policy: Quant
                 amax[name] = max(amax.get(name, 0.0), args[0].detach().abs().max().float().item())
             hooks.append(mod.register_forward_pre_hook(record))
     total = 0
+    needs_logits = policy.quantized("lm_head")
     try:
         with torch.inference_mode():
             for ids in tqdm(windows, desc="calibrating", unit="window", disable=not progress):
-                model(ids.unsqueeze(0).to(model.device))
+                hidden, _ = model(ids.unsqueeze(0).to(model.device))
+                if needs_logits:  # lm_head runs outside forward(); observe it only when it is covered
+                    model.compute_logits(hidden)
                 total += ids.numel()
     finally:
         for h in hooks:
