@@ -48,8 +48,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     engine = AsyncEngine(config)
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                        max_request_bytes=parse_bytes(args.max_request_bytes),
-                        max_logprobs=config.max_logprobs)
+                        max_request_bytes=parse_bytes(args.max_request_bytes))
         uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="none",
                             timeout_graceful_shutdown=5)
         server = uvicorn.Server(uv)

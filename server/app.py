@@ -8,7 +8,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -17,7 +17,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.common import EngineClient, ServerState, now
+if TYPE_CHECKING:
+    from namazu.engine import AsyncEngine
+
+from server.common import ServerState, now
 from server.errors import APIError, http_error
 from server.metrics import ServerMetrics
 from server.serving_chat import create_chat_completion
@@ -29,12 +32,13 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 OPEN_PATHS = frozenset({"/health"})
 
 
-def build_app(engine: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_logprobs: int = 20) -> Starlette:
+def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Starlette:
     """The app around a started engine. `api_key` None: no authentication."""
-    metrics = ServerMetrics(engine.stats)
     state = ServerState(engine=engine, served_model_name=served_model_name or engine.model_name,
-                        max_logprobs=max_logprobs, metrics=metrics, max_request_bytes=max_request_bytes)
+                        max_logprobs=engine.config.max_logprobs, metrics=None,  # type: ignore[arg-type]
+                        max_request_bytes=max_request_bytes)
+    metrics = state.metrics = ServerMetrics(state.stats)
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
@@ -57,8 +61,7 @@ def _state(request: Request) -> ServerState:
 
 # -- handlers ---------------------------------------------------------------------------------------------
 async def health(request: Request) -> Response:
-    stats = _state(request).engine.stats()
-    if not stats.get("alive", True):
+    if not _state(request).engine.is_running:
         return JSONResponse({"status": "engine not running"}, status_code=503)
     return JSONResponse({"status": "ok"})
 

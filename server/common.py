@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 
@@ -18,40 +19,47 @@ from namazu.sampling_params import SamplingParams
 from server.errors import APIError, invalid
 from server.metrics import RequestTracker, ServerMetrics
 
+if TYPE_CHECKING:
+    from namazu.engine import AsyncEngine
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineClient(Protocol):
-    """The part of namazu.engine.AsyncEngine the server uses."""
-
-    tokenizer: Any
-    max_model_len: int
-    model_name: str
-    vocab_size: int
-
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[Any]: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def stats(self) -> dict[str, Any]: ...
 
 
 @dataclass
 class ServerState:
     """Everything a handler needs, stored on app.state."""
 
-    engine: EngineClient
+    engine: AsyncEngine
     served_model_name: str
     max_logprobs: int
     metrics: ServerMetrics
     max_request_bytes: int
+    in_flight: int = 0              # engine requests started and not yet finished
+    peak_in_flight: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
             raise APIError(404, f"The model '{name}' does not exist; this server serves "
                                 f"'{self.served_model_name}'", param="model", code="model_not_found")
+
+    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+        """The engine's own admission checks, run before any response byte is sent."""
+        try:
+            self.engine.engine.validate_request(request_id, None, params, prompt_ids)
+        except ValueError as e:
+            raise invalid(str(e), param) from None
+
+    def stats(self) -> dict[str, Any]:
+        """Engine statistics (every EngineStats field) plus the server's in-flight counts."""
+        s = dataclasses.asdict(self.engine.get_stats())
+        s.update(alive=self.engine.is_running, requests_in_flight=self.in_flight,
+                 peak_requests_in_flight=self.peak_in_flight)
+        return s
 
 
 def new_id(prefix: str) -> str:
@@ -226,20 +234,26 @@ class GenerationJob:
         """(prompt index, RequestOutput) as the engine produces them, observed for the metrics."""
         for p in self.prompt_ids:
             self.tracker.on_prompt(len(p))
-        streams = [self.state.engine.generate(p, self.params, eid)
+        streams = [self.state.engine.generate(None, self.params, request_id=eid, prompt_token_ids=p)
                    for p, eid in zip(self.prompt_ids, self.engine_ids)]
         return self._observed(merge(streams))
 
     async def _observed(self, it: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
+        st = self.state
+        st.in_flight += len(self.engine_ids)
+        st.peak_in_flight = max(st.peak_in_flight, st.in_flight)
         try:
             async for i, out in it:
                 self._observe(i, out)
                 yield i, out
             self.tracker.done()
         finally:
+            st.in_flight -= len(self.engine_ids)
             for eid in self.engine_ids:
                 if eid not in self.finished_ids:
-                    self.state.engine.abort(eid)
+                    st.engine.abort(eid)
+            for _ in range(len(self.engine_ids) * self.params.n - len(self.done_keys)):
+                self.tracker.on_finish("abort")
 
     def _observe(self, i: int, out: Any) -> None:
         if out.finished:

@@ -23,35 +23,40 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
+# Engine statistics under the names dashboards expect; any other numeric field is exported as
+# namazu_engine_<field> (a counter if listed in _MONOTONIC, else a gauge), so new engine stats show up
+# without touching this file.
+_RENAMED = {
+    "num_running": ("namazu_num_requests_running", "sequences in the engine's running batch"),
+    "num_waiting": ("namazu_num_requests_waiting", "sequences waiting to be scheduled"),
+    "kv_cache_usage": ("namazu_kv_cache_usage_ratio", "fraction of KV-cache blocks held by live sequences"),
+    "prefix_cache_hit_rate": ("namazu_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / "
+                              "prompt tokens admitted, since start"),
+    "peak_num_running": ("namazu_peak_num_running", "most sequences that shared one engine step"),
+    "requests_in_flight": ("namazu_requests_in_flight", "engine requests the server is streaming now"),
+    "peak_requests_in_flight": ("namazu_peak_requests_in_flight", "most engine requests in flight at once"),
+}
+_MONOTONIC = {"num_preemptions", "num_steps", "num_prompt_tokens", "num_generated_tokens", "num_draft_tokens",
+              "num_accepted_draft_tokens", "prefix_cache_queries", "prefix_cache_hits"}
+
+
 class _EngineCollector(Collector):
-    """Reads engine.stats() when Prometheus scrapes."""
+    """Reads the engine's statistics when Prometheus scrapes."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]]):
         self.stats = stats
 
     def collect(self) -> Iterator[Any]:
-        s = self.stats()
-        gauges = {
-            "num_requests_running": ("num_running", "sequences in the engine's running batch"),
-            "num_requests_waiting": ("num_waiting", "sequences waiting to be scheduled"),
-            "kv_cache_usage_ratio": ("kv_cache_usage", "fraction of KV-cache blocks held by live sequences"),
-            "peak_num_running": ("peak_num_running", "most sequences that shared one engine step"),
-            "num_kv_blocks": ("num_kv_blocks", "KV-cache blocks in the pool"),
-        }
-        for name, (key, doc) in gauges.items():
-            if key in s:
-                yield GaugeMetricFamily(f"namazu_{name}", doc, value=float(s[key]))
-        q, h = s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0)
-        yield GaugeMetricFamily("namazu_prefix_cache_hit_rate", "prompt tokens served from the prefix "
-                                "cache / prompt tokens looked up, since start", value=h / q if q else 0.0)
-        yield CounterMetricFamily("namazu_prefix_cache_queries", "prompt tokens looked up in the prefix "
-                                  "cache", value=float(q))
-        yield CounterMetricFamily("namazu_prefix_cache_hits", "prompt tokens found in the prefix cache",
-                                  value=float(h))
-        for key, doc in (("num_preemptions", "sequences preempted by recompute"),
-                         ("num_steps", "engine steps run")):
-            if key in s:
-                yield CounterMetricFamily(f"namazu_{key}", doc, value=float(s[key]))
+        for key, value in self.stats().items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if key in _RENAMED:
+                name, doc = _RENAMED[key]
+                yield GaugeMetricFamily(name, doc, value=float(value))
+            elif key in _MONOTONIC:
+                yield CounterMetricFamily(f"namazu_engine_{key}", f"engine statistic {key}", value=float(value))
+            else:
+                yield GaugeMetricFamily(f"namazu_engine_{key}", f"engine statistic {key}", value=float(value))
 
 
 class ServerMetrics:

@@ -48,8 +48,10 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     if req.tool_choice == "auto":
         # The tool-call section markers are special tokens; the parser needs to see them.
         sampling.kwargs["skip_special_tokens"] = False
-    params = make_sampling_params(sampling, max_tokens, req.top_logprobs, None, engine.vocab_size)
-    job = _ChatJob(state, req, prompt_ids, params, new_id("chatcmpl"), tracker)
+    params = make_sampling_params(sampling, max_tokens, req.top_logprobs, None, state.vocab_size)
+    rid = new_id("chatcmpl")
+    state.validate(f"{rid}-0", prompt_ids, params, "messages")
+    job = _ChatJob(state, req, prompt_ids, params, rid, tracker)
     if sampling.stream:
         return StreamingResponse(job.stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})

@@ -86,15 +86,17 @@ async def create_completion(request: Request, state: ServerState, body: Any,
                 raise APIError(400, f"'{param}' encodes to no tokens", param=param)
             prompts.append(_Prompt(p, ids))
         else:
-            check_prompt_ids(p, engine.vocab_size, param)
+            check_prompt_ids(p, state.vocab_size, param)
             prompts.append(_Prompt(tok.decode(p, skip_special_tokens=False), list(p)))
     gen_tokens = max(1, req.max_tokens)      # max_tokens 0 (echo only): one token, discarded
     for p in prompts:
         resolve_max_tokens(len(p.ids), gen_tokens, engine.max_model_len)
     want_prompt_lp = req.echo and req.logprobs is not None
     params = make_sampling_params(req.sampling, gen_tokens, req.logprobs,
-                                  req.logprobs if want_prompt_lp else None, engine.vocab_size)
+                                  req.logprobs if want_prompt_lp else None, state.vocab_size)
     rid = new_id("cmpl")
+    for i, p in enumerate(prompts):
+        state.validate(f"{rid}-{i}", p.ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
     job = _Job(state, req, prompts, params, rid, tracker)
     if req.sampling.stream:
         return StreamingResponse(job.stream(), media_type="text/event-stream",

@@ -34,6 +34,7 @@ class LiveServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
+        self.model = model
         self.args = [sys.executable, "-m", "namazu.server", "--model", str(model), "--port", str(self.port),
                      "--log-level", "warning", *extra]
         if api_key:

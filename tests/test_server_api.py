@@ -1,0 +1,263 @@
+"""The OpenAI-compatible server against the official `openai` client, live on 127.0.0.1.
+
+One server (tiny random checkpoint, API key on) serves the whole module. Outputs of a random model are
+arbitrary bytes, so the tests check structure, counts and self-consistency (streamed == non-streamed,
+echo logprobs == generated logprobs, same seed == same text), not particular words.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import httpx
+import openai
+import pytest
+from server_harness import LiveServer, make_tiny_model
+
+from namazu.tokenizer import Tokenizer
+
+KEY = "test-key"
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    with LiveServer(model, "--max-model-len", "256", "--max-num-seqs", "64", "--kv-cache-memory", "32MiB",
+                    "--served-model-name", "tiny", api_key=KEY) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_models_health_and_auth(srv, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(srv.url + "/health").status_code == 200
+    for path in ("/v1/models", "/metrics", "/v1/models/tiny"):
+        r = httpx.get(srv.url + path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_completion_counts_and_list_prompts(client):
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0, extra_body=NO_EOS)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8 and r.usage.prompt_tokens == len("Hello")
+    r = client.completions.create(model="tiny", prompt=["ab", [104, 105, 106]], n=2, max_tokens=3,
+                                  temperature=0, extra_body=NO_EOS)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 12
+    assert r.choices[0].text == r.choices[1].text        # greedy: both samples of a prompt agree
+
+
+def test_completion_echo_logprobs_score_the_prompt(srv, client):
+    tok = Tokenizer.from_pretrained(srv.model)
+    prompt = tok.encode("Hello wo", add_special_tokens=False)
+    g = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, logprobs=3,
+                                  extra_body=NO_EOS)
+    lp = g.choices[0].logprobs
+    assert len(lp.token_logprobs) == 2 and all(len(t) == 3 for t in lp.top_logprobs)
+    # Greedy: the chosen token is the most likely one.
+    assert math.isclose(lp.token_logprobs[0], max(lp.top_logprobs[0].values()), abs_tol=1e-5)
+    # Echo + max_tokens 0 scores a text: the prompt's logprobs, the first one None (lm-eval's loglikelihood).
+    e = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    elp = e.choices[0].logprobs
+    assert e.choices[0].text == "Hello wo" and elp.tokens == list("Hello wo")
+    assert elp.token_logprobs[0] is None and all(x <= 0 for x in elp.token_logprobs[1:])
+    assert elp.text_offset == list(range(len(prompt))) and e.usage.completion_tokens == 0
+    # Echo with generation: prompt text first, then the continuation, logprobs over both.
+    b = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, echo=True, logprobs=1,
+                                  temperature=0, extra_body=NO_EOS)
+    assert b.choices[0].text == "Hello wo" + g.choices[0].text
+    assert len(b.choices[0].logprobs.tokens) == len(prompt) + 2
+    assert b.choices[0].logprobs.token_logprobs[:-2] == pytest.approx(elp.token_logprobs)
+    assert b.choices[0].logprobs.token_logprobs[-2:] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    # Teacher forcing: scoring prompt + a generated token gives the logprob it was generated with.
+    for text in ("Hello wo", "ab", "The ", "xyz", "12", "東"):
+        ids = tok.encode(text, add_special_tokens=False)
+        one = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+                                        extra_body=NO_EOS).choices[0]
+        nxt = tok.encode(one.text, add_special_tokens=False)
+        if len(nxt) != 1 or one.text == "\ufffd":
+            continue                     # a partial UTF-8 byte: its id is not recoverable from the text
+        s = client.completions.create(model="tiny", prompt=ids + nxt, max_tokens=0, echo=True, logprobs=1)
+        assert math.isclose(s.choices[0].logprobs.token_logprobs[-1], one.logprobs.token_logprobs[0],
+                            abs_tol=1e-4)
+        break
+    else:
+        pytest.fail("no prompt produced a whole-character greedy token")
+
+
+def test_chat_stream_equals_non_stream_with_usage(client):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "東京はどこ?"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=12, temperature=0,
+                                          extra_body=NO_EOS)
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=NO_EOS))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks[:-1] if c.choices[0].finish_reason] == ["length"]
+
+
+def test_chat_n_logprobs_and_penalties(client):
+    msgs = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, n=3, max_tokens=5, temperature=1.0, seed=1,
+                                       logprobs=True, top_logprobs=4, extra_body=NO_EOS)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 15
+    for c in r.choices:
+        assert len(c.logprobs.content) == 5
+        for t in c.logprobs.content:
+            tops = [x.logprob for x in t.top_logprobs]
+            assert len(tops) == 4 and tops == sorted(tops, reverse=True) and t.logprob <= tops[0] + 1e-6
+            assert bytes(t.bytes).decode("utf-8", errors="replace") == t.token
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                       presence_penalty=1.5, frequency_penalty=1.0, extra_body=NO_EOS)
+    assert r.usage.completion_tokens == 6
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model="tiny", prompt="The quick", max_tokens=16, temperature=0,
+                                     extra_body=NO_EOS).choices[0].text
+    clean = [i for i, ch in enumerate(base) if ch != "\ufffd" and i > 0]
+    assert clean, f"no usable stop character in {base!r}"
+    stop = base[clean[0]]
+    r = client.completions.create(model="tiny", prompt="The quick", max_tokens=16, temperature=0, stop=[stop],
+                                  extra_body=NO_EOS)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == base[:base.index(stop)]
+    chunks = list(client.completions.create(model="tiny", prompt="The quick", max_tokens=16, temperature=0,
+                                            stop=stop, stream=True, extra_body=NO_EOS))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_seed_reproducible(client):
+    def run(seed):
+        return [c.message.content for c in client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "seed"}], n=2, max_tokens=10, temperature=1.0,
+            seed=seed, extra_body=NO_EOS).choices]
+
+    a, b, c = run(123), run(123), run(124)
+    assert a == b and a != c and a[0] != a[1]
+
+
+def test_prefix_cache_reported_in_usage(client):
+    prompt = "A long shared system prompt that fills several KV blocks. " * 2
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=1)     # lm-eval's scoring pattern
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16 * ((len(prompt) - 1) // 16) - 16
+
+
+def test_invalid_inputs_get_4xx_and_server_keeps_serving(srv, client):
+    h = srv.headers()
+    post = lambda path, **kw: httpx.post(srv.url + path, headers=h, timeout=30, **kw)  # noqa: E731
+    cases = [
+        (post("/v1/completions", json={"model": "tiny", "prompt": "x", "suffix": "y"}), 400, "suffix"),
+        (post("/v1/completions", json={"prompt": "x", "temperature": -1}), 400, "temperature"),
+        (post("/v1/completions", json={"prompt": "x", "max_tokens": 300}), 400, "max_tokens"),
+        (post("/v1/completions", content=b"{not json"), 400, None),
+        (post("/v1/chat/completions", json={"messages": [{"role": "bot", "content": "x"}]}), 400, "messages[0].role"),
+        (post("/v1/completions", json={"prompt": "x", "model": "gpt-9"}), 404, "model"),
+        (httpx.get(srv.url + "/v1/nothing", headers=h), 404, None),
+        (post("/v1/completions", content=b"[" + b"1," * (5 << 20) + b"1]"), 413, None),
+        (post("/v1/completions", json={"prompt": {"text": "x"}}), 422, "prompt"),
+        (post("/v1/chat/completions", json={"model": "tiny"}), 422, "messages"),
+        (post("/v1/completions", json={"prompt": [999999]}), 400, "prompt"),
+    ]
+    for r, status, param in cases:
+        err = r.json()["error"]
+        assert r.status_code == status and err["param"] == param and err["message"] and err["type"], r.text
+    too_long = post("/v1/completions", json={"prompt": "x" * 300, "max_tokens": 1}).json()["error"]["message"]
+    assert "maximum context length is 256 tokens" in too_long
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", suffix="y")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.completions.create(model="tiny", prompt="x", max_tokens="many")
+    r = client.completions.create(model="tiny", prompt="still here", max_tokens=3, extra_body=NO_EOS)
+    assert r.usage.completion_tokens == 3
+
+
+def test_64_concurrent_streams(srv):
+    aclient = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=300,
+                                 http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=100)))
+    n, max_tokens = 64, 24
+
+    async def one(i: int) -> tuple[int, int, int]:
+        stream = await aclient.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"request {i}"}], max_tokens=max_tokens,
+            temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True}, extra_body=NO_EOS)
+        pieces, usage = 0, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces += 1
+            usage = chunk.usage or usage
+        return i, pieces, usage.completion_tokens
+
+    async def watch(done: asyncio.Event) -> float:
+        peak = 0.0
+        async with httpx.AsyncClient() as hc:
+            while not done.is_set():
+                text = (await hc.get(srv.url + "/metrics", headers=srv.headers())).text
+                for line in text.splitlines():
+                    if line.startswith("namazu_num_requests_running "):
+                        peak = max(peak, float(line.split()[1]))
+                await asyncio.sleep(0.05)
+        return peak
+
+    async def main():
+        done = asyncio.Event()
+        watcher = asyncio.ensure_future(watch(done))
+        results = await asyncio.gather(*(one(i) for i in range(n)))
+        done.set()
+        return results, await watcher
+
+    results, sampled_peak = asyncio.run(main())
+    assert sorted(r[0] for r in results) == list(range(n))
+    assert all(r[2] == max_tokens for r in results), results
+    assert all(0 < r[1] <= max_tokens for r in results)
+    m = srv.metrics()
+    # All 64 were being streamed at once (the server's high-water mark of engine requests in flight),
+    # and the engine ran them together: its running count, sampled from /metrics while they streamed.
+    assert m["namazu_peak_requests_in_flight"] >= n
+    assert sampled_peak >= n // 2, sampled_peak
+    if "namazu_peak_num_running" in m:     # the engine's own high-water mark of sequences in one step
+        assert m["namazu_peak_num_running"] >= n
+    assert m["namazu_num_requests_running"] == 0 and m["namazu_requests_in_flight"] == 0
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(srv):
+    before = srv.metrics()
+    body = {"model": "tiny", "prompt": "disconnect me", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as hc:
+        with hc.stream("POST", srv.url + "/v1/completions", json=body, headers=srv.headers()) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(4)]
+            assert any(x.startswith("data: ") for x in got)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = srv.metrics()
+        if m["namazu_num_requests_running"] == 0 and m["namazu_kv_cache_usage_ratio"] == 0.0:
+            break
+        time.sleep(0.1)
+    assert m["namazu_num_requests_running"] == 0 and m["namazu_kv_cache_usage_ratio"] == 0.0
+    # Stopped early: far fewer than the 200 tokens it asked for, and counted as aborted.
+    generated = m["namazu_engine_num_generated_tokens_total"] - before["namazu_engine_num_generated_tokens_total"]
+    assert generated < 150, generated
+    key = 'namazu_request_success_total{finish_reason="abort"}'
+    assert m.get(key, 0) == before.get(key, 0) + 1
