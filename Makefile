@@ -4,10 +4,12 @@ PY := $(VENV)/bin/python
 # CPU build of torch on machines without a GPU (the pinned wheel is available offline there).
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# C++/CUDA kernel sources: editing one rebuilds the extension (pip install -e . runs build_ext).
+CSRC := $(wildcard namazu/csrc/*.cu namazu/csrc/*.h namazu/csrc/*/*.cpp namazu/csrc/*/*.h)
 
 .PHONY: install test lint run bench clean
 
-$(STAMP): requirements.txt requirements-dev.txt setup.py
+$(STAMP): requirements.txt requirements-dev.txt setup.py $(CSRC)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)

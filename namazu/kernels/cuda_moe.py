@@ -13,6 +13,11 @@ BLOCK_M = 16   # NVFP4_GEMM_BLOCK_M in nvfp4_grouped_gemm.h
 K_ALIGN = 128  # NVFP4_GEMM_K_ALIGN
 
 
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Scratch and output buffers (a seam for tests that poison them to prove every element is written)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def load_extension() -> None:
     """Imports the compiled extension (registers torch.ops.namazu.nvfp4_grouped_gemm_cuda)."""
     import namazu._nvfp4_cuda  # noqa: F401
@@ -30,12 +35,12 @@ def cuda_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     top_k = topk_ids.shape[1]
     xb = x.to(torch.bfloat16).contiguous()
     bd = block_dispatch(topk_ids, w.num_experts, BLOCK_M)
-    inter = torch.empty(bd.max_rows, w.intermediate_size, dtype=torch.bfloat16, device=x.device)
+    inter = _empty((bd.max_rows, w.intermediate_size), torch.bfloat16, x.device)
     ops = torch.ops.namazu
     ops.nvfp4_grouped_gemm_cuda(xb, bd.sorted_pairs, bd.block_expert, bd.total_rows, w.w13_packed.contiguous(),
                                 w.w13_scale.contiguous(), w.w13_gs.float().contiguous(), None, inter,
                                 bd.num_pairs, top_k, True)
-    pair_out = torch.empty(n * top_k, hidden, dtype=torch.float32, device=x.device)
+    pair_out = _empty((n * top_k, hidden), torch.float32, x.device)
     tw = topk_weights.reshape(-1).float().contiguous()
     ops.nvfp4_grouped_gemm_cuda(inter, bd.sorted_pairs, bd.block_expert, bd.total_rows, w.w2_packed.contiguous(),
                                 w.w2_scale.contiguous(), w.w2_gs.float().contiguous(), tw, pair_out,

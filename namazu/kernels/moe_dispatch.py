@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from namazu.layers.experts import sort_by_expert
-from namazu.quant.nvfp4 import dequantize_weight, fake_quantize_activation
+from namazu.quant.nvfp4 import dequantize_weight, fake_quantize_activation, input_scale_for, quantize_weight
 
 
 @dataclass
@@ -99,6 +99,41 @@ class NVFP4MoEWeights:
             t = getattr(self, name)
             total += t[0].numel() * t.element_size()
         return total + 8
+
+
+def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, a13_amax: torch.Tensor | None = None,
+                     a2_amax: torch.Tensor | None = None) -> NVFP4MoEWeights:
+    """Stacked high-precision experts (w13 [E, 2I, H], w2 [E, H, I]) -> NVFP4MoEWeights, one expert at a
+    time (gate and up share the global scale: the one of the whole w13[e], the max of the two).
+    With calibrated input amaxes [E] the result carries W4A4 input scales."""
+    parts13 = [quantize_weight(w13[e], name=f"w13[{e}]") for e in range(w13.shape[0])]
+    parts2 = [quantize_weight(w2[e], name=f"w2[{e}]") for e in range(w2.shape[0])]
+    p13, s13, g13 = (torch.stack(t) for t in zip(*parts13))
+    p2, s2, g2 = (torch.stack(t) for t in zip(*parts2))
+    w = NVFP4MoEWeights(p13, s13, g13, p2, s2, g2)
+    if a13_amax is not None and a2_amax is not None:
+        w.a13_scale = input_scale_for(a13_amax).to(w13.device)
+        w.a2_scale = input_scale_for(a2_amax).to(w13.device)
+    w.validate()
+    return w
+
+
+def random_nvfp4_weights(num_experts: int, hidden: int, inter: int, device: torch.device | str = "cpu",
+                         seed: int = 0) -> NVFP4MoEWeights:
+    """Random valid NVFP4 experts without quantizing anything (fast at Kimi-K2 sizes, for benchmarks):
+    uniform FP4 codes, block scales drawn from a narrow E4M3 range, global scales near 1/(6*448)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def packed(*shape):
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8, device=device)
+
+    def scales(*shape):
+        return (torch.rand(shape, generator=g, device=device) * 64 + 16).to(torch.float8_e4m3fn)
+
+    e, h, i = num_experts, hidden, inter
+    gs = torch.full((e,), 0.05 / (6 * 448), device=device)
+    return NVFP4MoEWeights(packed(e, 2 * i, h // 2), scales(e, 2 * i, h // 16), gs.clone(),
+                           packed(e, h, i // 2), scales(e, h, i // 16), gs.clone())
 
 
 def dispatch(topk_ids: torch.Tensor, num_experts: int) -> MoEDispatch:

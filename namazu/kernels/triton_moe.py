@@ -63,6 +63,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Scratch and output buffers (a seam for tests that poison them to prove every element is written)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def pick_config(fmt: str, num_pairs: int, num_experts: int) -> TileConfig:
     if interpreting():
         return INTERPRET_CONFIG
@@ -199,9 +204,9 @@ def _fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     cfg = pick_config(fmt, n * top_k, num_experts)
     x = x.contiguous()
     bd = block_dispatch(topk_ids, num_experts, cfg.block_m)
-    inter_act = torch.empty(bd.max_rows, inter, dtype=x.dtype, device=x.device)
+    inter_act = _empty((bd.max_rows, inter), x.dtype, x.device)
     _launch(x, inter_act, w13, w13_scale, w13_gs, bd, topk_weights, hidden, inter, top_k, True, cfg)
-    pair_out = torch.empty(n * top_k, hidden, dtype=torch.float32, device=x.device)
+    pair_out = _empty((n * top_k, hidden), torch.float32, x.device)
     tw = topk_weights.reshape(-1).float().contiguous()
     _launch(inter_act, pair_out, w2, w2_scale, w2_gs, bd, tw, inter, hidden, top_k, False, cfg)
     return pair_out.view(n, top_k, hidden).sum(1).to(x.dtype)

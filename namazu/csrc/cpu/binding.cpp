@@ -23,7 +23,7 @@ at::Tensor nvfp4_moe_cpu_op(const at::Tensor& x, const at::Tensor& topk_ids, con
                             const at::Tensor& w13_packed, const at::Tensor& w13_scale, const at::Tensor& w13_gs,
                             const at::Tensor& w2_packed, const at::Tensor& w2_scale, const at::Tensor& w2_gs,
                             const std::optional<at::Tensor>& a13_scale, const std::optional<at::Tensor>& a2_scale,
-                            int64_t isa) {
+                            int64_t isa, const std::optional<at::Tensor>& out_buffer) {
   TORCH_CHECK(x.dim() == 2, "nvfp4_moe_cpu: x must be [N, H], got shape ", x.sizes());
   check(topk_ids, "topk_ids", at::kLong, 2);
   check(w13_packed, "w13_packed", at::kByte, 3);
@@ -62,7 +62,15 @@ at::Tensor nvfp4_moe_cpu_op(const at::Tensor& x, const at::Tensor& topk_ids, con
   const at::Tensor tw = topk_weights.to(at::kFloat).contiguous();
   const at::Tensor w13p = w13_packed.contiguous(), w13s = w13_scale.contiguous(), g13 = w13_gs.contiguous();
   const at::Tensor w2p = w2_packed.contiguous(), w2s = w2_scale.contiguous(), g2 = w2_gs.contiguous();
-  at::Tensor out = at::empty({N, H}, xf.options());
+  at::Tensor out;
+  if (out_buffer.has_value()) {  // lets callers reuse a buffer (and tests poison it)
+    out = *out_buffer;
+    check(out, "out", at::kFloat, 2);
+    TORCH_CHECK(out.size(0) == N && out.size(1) == H && out.is_contiguous(),
+                "nvfp4_moe_cpu: out must be a contiguous fp32 [", N, ", ", H, "], got ", out.sizes());
+  } else {
+    out = at::empty({N, H}, xf.options());
+  }
 
   Nvfp4MoeCpuArgs args{};
   args.num_tokens = N;
@@ -99,7 +107,7 @@ TORCH_LIBRARY_FRAGMENT(namazu, m) {
   m.def(
       "nvfp4_moe_cpu(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed, Tensor w13_scale, "
       "Tensor w13_gs, Tensor w2_packed, Tensor w2_scale, Tensor w2_gs, Tensor? a13_scale=None, "
-      "Tensor? a2_scale=None, int isa=0) -> Tensor");
+      "Tensor? a2_scale=None, int isa=0, Tensor(a!)? out=None) -> Tensor");
   m.def("nvfp4_moe_cpu_isa(int isa=0) -> int", &nvfp4_moe_cpu_isa_op);
 }
 

@@ -4,7 +4,7 @@
 // first element in the low nibble, E4M3 block scales (raw bytes) [E, out, in/16], fp32 global scale [E].
 // w13 holds gate rows then up rows ([E, 2I, H/2]); w2 is [E, H, I/2].
 #pragma once
-#include <cstdint>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
