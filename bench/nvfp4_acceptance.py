@@ -1,0 +1,132 @@
+"""NVFP4 acceptance table: quality of experts-only W4A4 NVFP4 vs BF16, and the variants that explain it.
+
+    python bench/nvfp4_acceptance.py --model namazu/assets/namazu-tiny [--out-md FILE]
+
+Rows (each calibrated, written as a ModelOpt checkpoint, reloaded from disk, scored against BF16):
+  main      routed experts only, W4A4, calibrated on Japanese (valid split)
+  (a)       the same calibrated on English only
+  (b)       every linear of the blocks (routed + shared experts, dense MLPs, attention), Japanese calibration
+  (c)       a calibration set so small that some experts stay cold: forcing off -> refused (listed);
+            forcing off + --impute-missing (listed); forcing on
+  w4a16     the main checkpoint run weight-only (the Hopper serving path)
+Evaluation on the Japanese and English test splits: perplexity change, mean KL and top-1 agreement with
+95% paired-bootstrap intervals. Also the measured resident bytes of the quantized experts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from namazu.eval.data import load_tokenizer, token_windows
+from namazu.eval.metrics import compare, score
+from namazu.models.loader import load_model
+from namazu.quant.calibrate import MissingScalesError, calibrate, finalize
+from namazu.quant.checkpoint import load_quantized, save_quantized
+from namazu.quant.policy import QuantPolicy
+from namazu.quant.quantize import experts_resident_bytes, quantize_model
+from namazu.tiny.corpus import default_corpus_dir, split_path
+
+
+def run_row(args, ref, tok, name, calib_windows, policy_name, force, impute, eval_sets, mode="w4a4",
+            workdir="."):
+    model = load_model(args.model, progress=False)
+    policy = QuantPolicy.preset(policy_name)
+    cov, linears, total = calibrate(model, calib_windows, policy, args.min_tokens, force, progress=False)
+    try:
+        stats, report = finalize(cov, linears, total, args.min_tokens, force, impute)
+    except MissingScalesError as e:
+        n = str(e).split(" expert(s)")[0]
+        listed = ", ".join(f"L{c}/E{x}" for c, v in cov.items() for x in (v.tokens == 0).nonzero().flatten().tolist())
+        return {"name": name, "tokens": total, "status": f"refused: {n} experts without a scale ({listed})"}
+    quantize_model(model, policy, stats, mode="w4a4")
+    out = os.path.join(workdir, name.replace(" ", "_").replace("/", "-"))
+    save_quantized(model, out, policy, source_dir=args.model)
+    del model
+    cand = load_quantized(out, mode=mode, progress=False)
+    nbytes, nweights = experts_resident_bytes(cand)
+    status = []
+    for src in ("forced", "imputed", "low"):
+        items = report.by_source(src)
+        if items:
+            status.append(f"{src} {len(items)}: " + ", ".join(f"L{s.layer}/E{s.expert}" for s in items))
+    comps = {label: compare(score(ref, cand, w, desc=f"{name} {label}"), label, args.bootstrap)
+             for label, w in eval_sets.items()}
+    return {"name": name, "tokens": total, "status": "; ".join(status) or "all experts from routed tokens",
+            "comps": comps, "bits": nbytes * 8 / max(nweights, 1), "expert_bytes": nbytes}
+
+
+def fmt_rows(rows, labels) -> str:
+    lines = ["| configuration | calib tokens | expert scales | " + " | ".join(
+        f"{lb} ppl BF16 -> NVFP4 (change % [95% CI]) | {lb} mean KL [95% CI] | {lb} top-1 [95% CI]"
+        for lb in labels) + " |", "|" + "---|" * (3 + 3 * len(labels))]
+    for r in rows:
+        if "comps" not in r:
+            lines.append(f"| {r['name']} | {r['tokens']} | {r['status']} |" + " — |" * (3 * len(labels)))
+            continue
+        cells = []
+        for lb in labels:
+            c = r["comps"][lb]
+            cells.append(f"{c.ppl_ref.value:.3f} -> {c.ppl_cand.value:.3f} ({c.ppl_change_pct.fmt(2)}) | "
+                         f"{c.mean_kl.fmt(4)} | {c.top1_agreement.fmt(4)}")
+        lines.append(f"| {r['name']} | {r['tokens']} | {r['status']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="namazu/assets/namazu-tiny")
+    ap.add_argument("--corpus", default=None, help="corpus directory (default: the project's)")
+    ap.add_argument("--calib-tokens", type=int, default=32768)
+    ap.add_argument("--small-calib-tokens", type=int, default=64, help="the cold-experts row's calibration size")
+    ap.add_argument("--eval-tokens", type=int, default=32768, help="per language")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--min-tokens", type=int, default=32)
+    ap.add_argument("--bootstrap", type=int, default=1000)
+    ap.add_argument("--out-md", default=None, help="also write the table here")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    t0 = time.time()
+    corpus = args.corpus or default_corpus_dir()
+    tok = load_tokenizer(args.model)
+    path = lambda lang, split: [str(split_path(corpus, lang, split))]  # noqa: E731
+    calib_ja = token_windows(path("ja", "valid"), tok, args.seq_len, args.calib_tokens, "ja").windows
+    calib_en = token_windows(path("en", "valid"), tok, args.seq_len, args.calib_tokens, "en").windows
+    small = token_windows(path("ja", "valid"), tok, args.small_calib_tokens, args.small_calib_tokens, "ja").windows
+    evals = {lang: token_windows(path(lang, "test"), tok, args.seq_len, args.eval_tokens, lang).windows
+             for lang in ("ja", "en")}
+    ref = load_model(args.model, progress=False)
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        common = dict(eval_sets=evals, workdir=work)
+        rows.append(run_row(args, ref, tok, "experts-only W4A4, ja calibration", calib_ja, "experts", True, False,
+                            **common))
+        rows.append(run_row(args, ref, tok, "(a) experts-only W4A4, en calibration", calib_en, "experts", True,
+                            False, **common))
+        rows.append(run_row(args, ref, tok, "(b) all linears W4A4, ja calibration", calib_ja, "all-linear", True,
+                            False, **common))
+        for label, force, impute in (("(c) small set, forcing off", False, False),
+                                     ("(c) small set, forcing off, imputed", False, True),
+                                     ("(c) small set, forcing on", True, False)):
+            rows.append(run_row(args, ref, tok, label, small, "experts", force, impute, **common))
+        rows.append(run_row(args, ref, tok, "experts-only W4A16 (Hopper path), ja calibration", calib_ja,
+                            "experts", True, False, mode="w4a16", **common))
+    table = fmt_rows(rows, list(evals))
+    bits = rows[0].get("bits")
+    mem = (f"Resident bytes of the NVFP4 routed experts in the loaded model: {rows[0]['expert_bytes']} "
+           f"= {bits:.3f} bits per expert weight (BF16: 16).") if bits else ""
+    print(table)
+    print(mem)
+    print(f"({time.time() - t0:.0f} s)")
+    if args.out_md:
+        with open(args.out_md, "w", encoding="utf-8") as f:
+            f.write(table + "\n\n" + mem + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
