@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # C++/CUDA kernel sources: editing one rebuilds the extension (pip install -e . runs build_ext).
 CSRC := $(wildcard namazu/csrc/*.cu namazu/csrc/*.h namazu/csrc/*/*.cpp namazu/csrc/*/*.h)
 
-.PHONY: install test lint run bench clean
+.PHONY: install test lint run bench bench-serve clean
 
 $(STAMP): requirements.txt requirements-dev.txt setup.py $(CSRC)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,16 @@ install: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider tests
+
+# The OpenAI-compatible server on the embedded default model; extra flags via ARGS="--api-key ...".
+HOST ?= 127.0.0.1
+PORT ?= 8000
+run: $(STAMP)
+	$(PY) -m namazu.server --host $(HOST) --port $(PORT) $(ARGS)
+
+# Online serving benchmark (Poisson arrivals, shared-prefix multi-turn + random workloads).
+bench-serve: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/serve.py $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check namazu server tests bench
