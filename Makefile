@@ -28,6 +28,10 @@ PORT ?= 8000
 run: $(STAMP)
 	$(PY) -m namazu.server --host $(HOST) --port $(PORT) $(ARGS)
 
+# Offline throughput: namazu vs transformers' generate(), same checkpoint and prompts (writes bench/RESULTS.md).
+bench: $(STAMP)
+	$(PY) bench/throughput.py --write $(ARGS)
+
 # Online serving benchmark (Poisson arrivals, shared-prefix multi-turn + random workloads).
 bench-serve: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/serve.py $(ARGS)
