@@ -130,6 +130,20 @@ def test_chat_n_logprobs_and_penalties(client):
     assert r.usage.completion_tokens == 6
 
 
+def test_chat_with_tools_goes_through_the_tool_parser(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                               "parameters": schema}}]
+    msgs = [{"role": "user", "content": "weather in Osaka?"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, tools=tools, max_tokens=8, temperature=0,
+                                          extra_body=NO_EOS)
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, tools=tools, max_tokens=8,
+                                                 temperature=0, stream=True, extra_body=NO_EOS))
+    # A random model writes no tool-call section: the text passes through unchanged, streamed or not.
+    assert full.choices[0].finish_reason == "length" and full.choices[0].message.tool_calls is None
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+
+
 def test_stop_strings(client):
     base = client.completions.create(model="tiny", prompt="The quick", max_tokens=16, temperature=0,
                                      extra_body=NO_EOS).choices[0].text
@@ -259,5 +273,22 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(srv):
     # Stopped early: far fewer than the 200 tokens it asked for, and counted as aborted.
     generated = m["namazu_engine_num_generated_tokens_total"] - before["namazu_engine_num_generated_tokens_total"]
     assert generated < 150, generated
+    key = 'namazu_request_success_total{finish_reason="abort"}'
+    assert m.get(key, 0) == before.get(key, 0) + 1
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(srv):
+    before = srv.metrics()
+    body = {"model": "tiny", "prompt": "give up on me", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/completions", json=body, headers=srv.headers(), timeout=httpx.Timeout(5, read=0.3))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = srv.metrics()
+        if m["namazu_num_requests_running"] == 0 and m["namazu_kv_cache_usage_ratio"] == 0.0:
+            break
+        time.sleep(0.1)
+    generated = m["namazu_engine_num_generated_tokens_total"] - before["namazu_engine_num_generated_tokens_total"]
+    assert m["namazu_kv_cache_usage_ratio"] == 0.0 and generated < 150, generated
     key = 'namazu_request_success_total{finish_reason="abort"}'
     assert m.get(key, 0) == before.get(key, 0) + 1
