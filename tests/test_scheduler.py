@@ -117,3 +117,20 @@ def test_drafts_are_trimmed_to_max_tokens():
     fake_step(sched, sched.schedule())            # 1 output token; 2 more allowed
     out = sched.schedule({a.seq_id: ([1, 2, 3, 4], None)})
     assert out.scheduled[0].draft_token_ids == [1]  # 1 draft + the bonus token = 2
+
+
+def test_preempted_sequence_longer_than_the_budget_still_runs_without_chunking():
+    bm = BlockManager(6, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=24,
+                      enable_chunked_prefill=False)
+    a = make_seq(6, max_tokens=10)
+    sched.add(a)
+    for _ in range(4):
+        fake_step(sched, sched.schedule())       # 6 prompt + 4 output tokens > budget 8
+    sched._preempt(a)
+    steps = 0
+    while sched.has_unfinished:
+        fake_step(sched, sched.schedule())
+        steps += 1
+        assert steps < 50, "a recomputed sequence longer than the budget never ran"
+    assert a.num_output_tokens == 10

@@ -115,7 +115,7 @@ class Scheduler:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
-            if n < remaining and not self.chunked:
+            if n < remaining and not self._may_chunk(remaining):
                 i += 1
                 continue
             draft_ids, draft_probs = self._trim_drafts(seq, drafts.get(seq.seq_id), budget - n, n == remaining)
@@ -139,7 +139,7 @@ class Scheduler:
                 break
             remaining = seq.num_tokens - num_cached
             n = min(remaining, budget)
-            if n < remaining and not self.chunked:
+            if n < remaining and not self._may_chunk(remaining):
                 self.bm.free_seq(seq)
                 seq.num_computed_tokens = 0
                 break
@@ -149,6 +149,12 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return SchedulerOutput(scheduled, preempted)
+
+    def _may_chunk(self, remaining: int) -> bool:
+        # Without chunked prefill a prompt waits for a step with room for all of it. A sequence that
+        # outgrew the whole budget (prompt + outputs, recomputed after preemption) is chunked anyway,
+        # or it would never run again.
+        return self.chunked or remaining > self.max_num_batched_tokens
 
     def _trim_drafts(self, seq: Sequence, proposal: tuple[list[int], Any] | None, budget: int,
                      at_end: bool) -> tuple[list[int], Any]:
