@@ -3,6 +3,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from namazu.quant.nvfp4 import dequantize_weight, quantize_weight
 
@@ -54,3 +56,19 @@ def test_shared_global_scale_matches_modelopt():
         ref_q, ref_sf, _ = NVFP4QTensor.quantize(t.clone(), 16, weights_scaling_factor_2=shared.clone())
         assert torch.equal(sf.view(torch.uint8), ref_sf.view(torch.uint8))
         assert torch.equal(packed, ref_q._quantized_data)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), log_scale=st.integers(-30, 30), spread=st.floats(0.0, 4.0),
+       rows=st.integers(1, 6), blocks=st.integers(1, 6), bf16=st.booleans())
+def test_property_matches_modelopt_over_magnitudes(seed, log_scale, spread, rows, blocks, bf16):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, 16 * blocks, generator=g) * torch.exp(spread * torch.randn(rows, 16 * blocks, generator=g))
+    w = w * (10.0 ** log_scale)
+    if bf16:
+        w = w.to(torch.bfloat16)
+    packed, sf, s2 = quantize_weight(w)
+    ref_q, ref_sf, ref_s2 = NVFP4QTensor.quantize(w.clone(), 16)
+    assert torch.equal(s2, ref_s2.float().reshape(()))
+    assert torch.equal(sf.view(torch.uint8), ref_sf.view(torch.uint8))
+    assert torch.equal(packed, ref_q._quantized_data)

@@ -34,6 +34,8 @@ def test_all_linear_and_extra_excludes():
     assert p.quantized("model.layers.3.self_attn.q_b_proj") and p.quantized("model.layers.0.mlp.up_proj")
     assert not p.quantized("model.layers.3.mlp.gate") and not p.quantized("lm_head")
     assert not p.experts_quantized(3) and p.experts_quantized(4)
+    # namazu holds one experts module per layer: `experts.*` patterns decide for the whole module
+    assert not p.quantized("model.layers.3.mlp.experts") and p.quantized("model.layers.4.mlp.experts")
     only = QuantPolicy.parse("attention,lm_head")
     assert only.quantized("lm_head") and not only.quantized("model.layers.0.mlp.up_proj")
     assert not only.quantized("model.layers.3.mlp.shared_experts.up_proj")

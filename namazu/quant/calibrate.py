@@ -253,8 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     from namazu.quant.checkpoint import save_quantized
     from namazu.quant.quantize import quantize_model
 
-    model = load_model(args.model, dtype=args.dtype)
     policy = QuantPolicy.parse(args.policy, args.exclude)
+    if policy.quantized("model.layers.1.mlp.gate"):
+        print("refused: the router cannot be written as NVFP4 (use namazu.quant.sensitivity to measure it)",
+              file=sys.stderr)
+        return 2
+    model = load_model(args.model, dtype=args.dtype)
     tok = load_tokenizer(args.tokenizer or args.model)
     windows = token_windows(args.data, tok, args.seq_len, args.max_tokens, "calibration").windows
     coverage, linears, total = calibrate(model, windows, policy, args.min_tokens, args.force)

@@ -27,6 +27,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "all-linear": ("routed_experts", "shared_experts", "dense_mlp", "attention"),
 }
 
+_EXPERTS_MODULE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts$")
 _CLASS_OF = (
     (re.compile(r"^model\.layers\.\d+\.mlp\.experts(\.\d+\.(gate|up|down)_proj)?$"), "routed_experts"),
     (re.compile(r"^model\.layers\.\d+\.mlp\.shared_experts\.(gate|up|down)_proj$"), "shared_experts"),
@@ -95,6 +96,9 @@ class QuantPolicy:
 
     def quantized(self, name: str) -> bool:
         """True if `name` is a quantizable linear and no exclude pattern matches it."""
+        m = _EXPERTS_MODULE.match(name)
+        if m:
+            return self.experts_quantized(int(m.group(1)))
         return module_class(name) is not None and not self.excluded(name)
 
     def experts_quantized(self, layer_idx: int) -> bool:
