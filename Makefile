@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # C++/CUDA kernel sources: editing one rebuilds the extension (pip install -e . runs build_ext).
 CSRC := $(wildcard namazu/csrc/*.cu namazu/csrc/*.h namazu/csrc/*/*.cpp namazu/csrc/*/*.h)
 
-.PHONY: install test lint run bench bench-serve clean
+.PHONY: install test lint run bench bench-serve bench-nvfp4 clean
 
 $(STAMP): requirements.txt requirements-dev.txt setup.py $(CSRC)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +35,11 @@ bench: $(STAMP)
 # Online serving benchmark (Poisson arrivals, shared-prefix multi-turn + random workloads).
 bench-serve: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/serve.py $(ARGS)
+
+# NVFP4 acceptance table (calibration variants vs BF16 with CIs) + resident memory of packed experts.
+bench-nvfp4: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/nvfp4_acceptance.py $(ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/nvfp4_memory.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check namazu server tests bench
