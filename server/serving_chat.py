@@ -8,6 +8,7 @@ chunk has `"usage": null` and one last chunk with no choices carries the usage. 
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,6 +32,8 @@ from server.errors import APIError, invalid
 from server.metrics import RequestTracker
 from server.protocol import ChatRequest, make_sampling_params, parse_chat
 from server.tool_parser import ToolCallParser
+
+logger = logging.getLogger(__name__)
 
 
 async def create_chat_completion(request: Request, state: ServerState, body: Any,
@@ -151,8 +154,9 @@ class _ChatJob(GenerationJob):
                 yield sse(self._chunk([], usage(self.num_prompt_tokens, completion_tokens, self.cached[0])))
         except APIError as e:
             yield sse_error(e)
-        except ValueError as e:
-            yield sse_error(APIError(400, str(e)))
+        except Exception as e:      # noqa: BLE001 -- the status line is sent; report in-band
+            logger.exception("request %s failed mid-stream", self.rid)
+            yield sse_error(APIError(500, f"{type(e).__name__}: {e}"))
         yield SSE_DONE
 
     def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> dict[str, Any]:

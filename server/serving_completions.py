@@ -187,8 +187,9 @@ class _Job(GenerationJob):
                                                 sum(self.cached))))
         except APIError as e:
             yield sse_error(e)
-        except ValueError as e:
-            yield sse_error(APIError(400, str(e)))
+        except Exception as e:      # noqa: BLE001 -- the status line is sent; report in-band
+            logger.exception("request %s failed mid-stream", self.rid)
+            yield sse_error(APIError(500, f"{type(e).__name__}: {e}"))
         yield SSE_DONE
 
     def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> dict[str, Any]:
