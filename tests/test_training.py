@@ -69,9 +69,21 @@ def test_inference_experts_path_matches_training_path():
     model = _toy(3)
     experts = model.moe_layers()[0].experts
     x = torch.randn(13, 64)
-    ids = torch.randint(0, 8, (13, 2))
+    ids = torch.randint(0, 5, (13, 2))  # experts 5..7 get no tokens
     w = torch.rand(13, 2)
     with torch.no_grad():
         a = experts(x, ids, w)
+        c = experts._forward_gathered(x, ids, w)
     b = experts._forward_grouped(x, ids, w)
     torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c, b.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_training_under_bf16_autocast():
+    model = _toy(4)
+    model.train()
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = lm_loss(model, ids)
+    loss.backward()
+    assert torch.isfinite(loss) and model.moe_layers()[0].experts.w13.grad is not None

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
+# torch's grouped GEMM (CPU and sm90+ GPUs); older torch falls back to the gathered reference.
+_HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
 class RoutedExperts(nn.Module):
@@ -41,14 +43,16 @@ class RoutedExperts(nn.Module):
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Groups the N*k (token, slot) pairs by expert.
+    """Groups the N*k (token, slot) pairs by expert, with static shapes and no host sync.
 
     Returns (order [N*k]: indices into the flattened topk pairs, sorted by expert;
     counts [E]; offsets [E+1] cumulative). Token of pair p is p // k.
     """
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add instead of bincount: bincount sizes its output from the data (a device sync on GPU).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     offsets[1:] = torch.cumsum(counts, 0)
     return order, counts, offsets
@@ -101,6 +105,8 @@ class TorchExperts(RoutedExperts):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (self.w13.requires_grad or x.requires_grad):
             return self._forward_grouped(x, topk_ids, topk_weights)
+        if _HAS_GROUPED_MM and x.dtype == self.w13.dtype and x.dtype in (torch.bfloat16, torch.float32):
+            return self._forward_grouped_mm(x, topk_ids, topk_weights)
         return self._forward_gathered(x, topk_ids, topk_weights)
 
     def _forward_grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -109,7 +115,7 @@ class TorchExperts(RoutedExperts):
         order, counts, _ = sort_by_expert(topk_ids, self.num_experts)
         token = order // k
         xs = x[token]
-        # Expert sizes are read on the host to slice; training only. Inference uses the sync-free path.
+        # Expert sizes are read on the host to slice; training only. Inference uses the sync-free paths.
         chunks, start = [], 0
         for e, m in enumerate(counts.tolist()):
             if m:
@@ -118,7 +124,25 @@ class TorchExperts(RoutedExperts):
                 start += m
         out_sorted = torch.cat(chunks, 0) if chunks else xs.new_zeros(0, x.shape[-1])
         w = topk_weights.reshape(-1)[order].to(out_sorted.dtype).unsqueeze(-1)
-        return torch.zeros_like(x).index_add_(0, token, out_sorted * w)
+        # Under autocast the expert matmuls come out in bf16 while x is fp32: accumulate in their dtype.
+        out = out_sorted.new_zeros(x.shape).index_add_(0, token, out_sorted * w)
+        return out.to(x.dtype)
+
+    @torch.no_grad()
+    def _forward_grouped_mm(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Inference: pairs sorted by expert, one grouped GEMM per projection driven by device-side offsets
+        (each expert's weights read once, static shapes, no host sync)."""
+        n, k = topk_ids.shape
+        order, _, offsets = sort_by_expert(topk_ids, self.num_experts)
+        offs = offsets[1:].to(torch.int32)
+        xs = x[order // k]
+        gate, up = F.grouped_mm(xs, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        out_sorted = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        # Un-permute by scatter (deterministic, unlike index_add_ on GPU), then the weighted top-k sum.
+        out_pairs = torch.empty_like(out_sorted)
+        out_pairs[order] = out_sorted
+        w = topk_weights.to(torch.float32).unsqueeze(-1)
+        return (out_pairs.view(n, k, -1).float() * w).sum(1).to(x.dtype)
 
     @torch.no_grad()
     def _forward_gathered(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
