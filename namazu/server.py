@@ -76,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
 
-    uvloop.run(serve(args, config))
+    try:
+        uvloop.run(serve(args, config))
+    except (FileNotFoundError, ValueError) as e:     # bad checkpoint path, config or memory budget
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

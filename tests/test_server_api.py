@@ -186,6 +186,7 @@ def test_invalid_inputs_get_4xx_and_server_keeps_serving(srv, client):
         (post("/v1/chat/completions", json={"messages": [{"role": "bot", "content": "x"}]}), 400, "messages[0].role"),
         (post("/v1/completions", json={"prompt": "x", "model": "gpt-9"}), 404, "model"),
         (httpx.get(srv.url + "/v1/nothing", headers=h), 404, None),
+        (httpx.get(srv.url + "/v1/completions", headers=h), 405, None),
         (post("/v1/completions", content=b"[" + b"1," * (5 << 20) + b"1]"), 413, None),
         (post("/v1/completions", json={"prompt": {"text": "x"}}), 422, "prompt"),
         (post("/v1/chat/completions", json={"model": "tiny"}), 422, "messages"),
