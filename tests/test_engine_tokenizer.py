@@ -105,3 +105,23 @@ def test_chat_template_needs_a_template(tmp_path):
     tok = Tokenizer.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def _parity_dirs():
+    from namazu.assets import default_model_path
+
+    dirs = [tiny_checkpoint()]
+    if (default_model_path() / "tokenizer.json").is_file():
+        dirs.append(str(default_model_path()))
+    return dirs
+
+
+@pytest.mark.parametrize("path", _parity_dirs())
+def test_matches_transformers_tokenizer_and_template(path):
+    from transformers import AutoTokenizer
+
+    ours, ref = Tokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    msgs = [{"role": "system", "content": "あなたは助手です"}, {"role": "user", "content": "東京の天気は？ ok"}]
+    assert ours.apply_chat_template(msgs) == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert ours.encode(TEXT) == ref.encode(TEXT)
+    assert ours.decode(ours.encode(TEXT)) == ref.decode(ref.encode(TEXT), skip_special_tokens=True)
