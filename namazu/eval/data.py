@@ -18,15 +18,13 @@ DOC_SEPARATOR = "\n\n<|doc|>\n"
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The model directory's tokenizer (transformers AutoTokenizer: tokenizer.json + tokenizer_config.json)."""
-    from transformers import AutoTokenizer
+    """The checkpoint's tokenizer, as the engine loads it (HF tokenizer.json or Kimi's tiktoken.model)."""
+    from namazu.tokenizer import Tokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(os.fspath(path))
+        return Tokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{os.fspath(path)}: no tokenizer could be loaded ({e}); pass --tokenizer DIR") from e
-    tok.model_max_length = 1 << 40  # documents are tokenized whole and windowed here
-    return tok
 
 
 def _open_text(path: str) -> str:
@@ -58,8 +56,9 @@ def iter_texts(path: str, tokenizer=None) -> Iterator[str]:
         messages = obj.get("messages") if isinstance(obj, dict) else obj
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError(f"{path}:{lineno}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}]}}")
-        yield tokenizer.apply_chat_template(messages, tokenize=False, tools=obj.get("tools")
-                                            if isinstance(obj, dict) else None)
+        tools = obj.get("tools") if isinstance(obj, dict) else None
+        # A whole conversation, assistant turns included: the text the model reads and writes.
+        yield tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
 
 
 @dataclass

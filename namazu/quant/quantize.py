@@ -61,6 +61,8 @@ def quantize_model(model: nn.Module, policy: QuantPolicy, stats: ActivationStats
         elif cls == "router":
             _fake_quantize_router(mod, _amax(stats, name), name)
         elif isinstance(mod, nn.Linear):
+            if cls == "lm_head" and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+                raise ValueError("lm_head is tied to the embeddings; quantizing it would untie them")
             _set_submodule(model, name, NvFP4Linear.from_linear(mod, _amax(stats, name), mode, name))
         else:
             continue
