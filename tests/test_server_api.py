@@ -100,17 +100,20 @@ def test_completion_echo_logprobs_score_the_prompt(srv, client):
 def test_chat_stream_equals_non_stream_with_usage(client):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "東京はどこ?"}]
     full = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=12, temperature=0,
-                                          extra_body=NO_EOS)
+                                          logprobs=True, top_logprobs=2, extra_body=NO_EOS)
     assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 12
     chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body=NO_EOS))
+                                                 logprobs=True, top_logprobs=2, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body=NO_EOS))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == 12
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
     assert text == full.choices[0].message.content
+    streamed_lp = [t for c in chunks[:-1] if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed_lp] == \
+        [(t.token, round(t.logprob, 4)) for t in full.choices[0].logprobs.content]
     assert [c.choices[0].finish_reason for c in chunks[:-1] if c.choices[0].finish_reason] == ["length"]
 
 
