@@ -128,6 +128,10 @@ class CalibrationReport:
         lines = [f"calibration tokens: {self.total_tokens}; experts: {len(self.experts)}; routed tokens per "
                  f"expert min/median/max = {int(toks.min())}/{int(toks.median())}/{int(toks.max())}"
                  if len(toks) else f"calibration tokens: {self.total_tokens}; no routed experts"]
+        for layer in sorted({s.layer for s in self.experts}):
+            counts = [f"{s.tokens}" + (f"+{s.forced_tokens}f" if s.source == "forced" else "")
+                      for s in self.experts if s.layer == layer]
+            lines.append(f"  layer {layer} routed tokens per expert (+forced): {' '.join(counts)}")
         for src, what in (("routed", "scales from routed tokens"),
                           ("forced", f"below {self.min_tokens} routed tokens, scales from forced tokens"),
                           ("low", f"below {self.min_tokens} routed tokens (forcing off), scales from few tokens"),
