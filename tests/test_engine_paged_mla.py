@@ -1,11 +1,13 @@
 """The paged absorbed-MLA op against the lead's torch reference, over scattered blocks and mixed batches."""
+import pytest
 import torch
 
 from namazu.layers.mla import latent_attention_ref
 from namazu.layers.paged_mla import paged_latent_attention, write_latents
 
 
-def test_paged_attention_matches_reference_over_scattered_blocks():
+@pytest.mark.parametrize("tile_tokens", [8, 256])
+def test_paged_attention_matches_reference_over_scattered_blocks(tile_tokens):
     g = torch.Generator().manual_seed(0)
     h, r, dr, bs, num_blocks = 3, 16, 4, 4, 40
     cache = torch.zeros(num_blocks, bs, r + dr)
@@ -48,7 +50,7 @@ def test_paged_attention_matches_reference_over_scattered_blocks():
         start += k
     scale = 0.3
     got = paged_latent_attention(torch.cat(q_lat), torch.cat(q_pe), cache, block_tables, q_index, q_pos_pad,
-                                 torch.tensor(out_index), r, scale, tile_tokens=8)
+                                 torch.tensor(out_index), r, scale, tile_tokens=tile_tokens)
     ref = torch.cat([latent_attention_ref(q_lat[s], q_pe[s], keys[s][0], keys[s][1], scale, q_pos[s],
                                           torch.arange(ctx_lens[s])) for s in range(3)])
     assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()

@@ -26,33 +26,38 @@ def paged_latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: to
     q_pos [B, Tq]: its position (padding: -1); out_index [N]: each flat query's slot in B * Tq.
     Returns o_lat [N, H, r] in q_lat's dtype."""
     b, tq = q_index.shape
-    bs = kv_cache.shape[1]
+    bs, d = kv_cache.shape[1], kv_cache.shape[2]
     r = kv_lora_rank
     h = q_lat.shape[1]
-    ql = q_lat.float()[q_index]                      # [B, Tq, H, r]
-    qp = q_pe.float()[q_index]                       # [B, Tq, H, dr]
-    m = torch.full((b, h, tq), _MASKED, device=q_lat.device)
-    denom = torch.zeros(b, h, tq, device=q_lat.device)
-    acc = torch.zeros(b, h, tq, r, device=q_lat.device)
+    # [q_lat | q_pe] against the cached [c_kv | k_pe]: one matmul gives both score terms.
+    q = torch.cat([q_lat, q_pe], dim=-1).float()[q_index].view(b, tq * h, d)
     blocks_per_tile = max(1, tile_tokens // bs)
     num_table_blocks = block_tables.shape[1]
+    m = denom = acc = None
     for t0 in range(0, num_table_blocks, blocks_per_tile):
-        tile = block_tables[:, t0:t0 + blocks_per_tile]             # [B, nb]
-        kv = kv_cache[tile].float().view(b, -1, kv_cache.shape[-1])  # [B, nb * bs, r + dr]
-        ckv, kpe = kv[..., :r], kv[..., r:]
-        s = torch.einsum("bqhr,bkr->bhqk", ql, ckv) + torch.einsum("bqhd,bkd->bhqk", qp, kpe)
-        s = s * scale
-        k_pos = t0 * bs + torch.arange(kv.shape[1], device=q_lat.device)
-        visible = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)       # [B, Tq, K]
-        s = s.masked_fill(~visible.unsqueeze(1), _MASKED)
-        m_new = torch.maximum(m, s.amax(dim=-1))
-        alpha = torch.exp(m - m_new)
+        tile = block_tables[:, t0:t0 + blocks_per_tile]                 # [B, nb]
+        kv = kv_cache[tile].float().view(b, -1, d)                      # [B, K, r + dr]
+        s = torch.matmul(q, kv.transpose(1, 2)).view(b, tq, h, -1) * scale
+        k_pos = t0 * bs + torch.arange(kv.shape[1], device=q.device)
+        visible = (k_pos <= q_pos.unsqueeze(-1)).unsqueeze(2)          # [B, Tq, 1, K]
+        s = s.masked_fill(~visible, _MASKED)
+        if num_table_blocks <= blocks_per_tile:                         # one tile: plain softmax
+            p = torch.softmax(s, dim=-1).view(b, tq * h, -1)
+            out = torch.matmul(p, kv[..., :r])
+            return out.view(b * tq, h, r)[out_index].to(q_lat.dtype)
+        tile_max = s.amax(dim=-1)
+        m_new = tile_max if m is None else torch.maximum(m, tile_max)
         p = torch.exp(s - m_new.unsqueeze(-1))
-        denom = denom * alpha + p.sum(dim=-1)
-        acc = acc * alpha.unsqueeze(-1) + torch.einsum("bhqk,bkr->bhqr", p, ckv)
+        pv = torch.matmul(p.view(b, tq * h, -1), kv[..., :r]).view(b, tq, h, r)
+        if m is None:
+            denom, acc = p.sum(dim=-1), pv
+        else:
+            alpha = torch.exp(m - m_new)
+            denom = denom * alpha + p.sum(dim=-1)
+            acc = acc * alpha.unsqueeze(-1) + pv
         m = m_new
-    out = (acc / denom.unsqueeze(-1)).permute(0, 2, 1, 3).reshape(b * tq, h, r)
-    return out[out_index].to(q_lat.dtype)
+    out = acc / denom.unsqueeze(-1)
+    return out.reshape(b * tq, h, r)[out_index].to(q_lat.dtype)
 
 
 def write_latents(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torch.Tensor,
