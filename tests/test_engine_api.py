@@ -23,8 +23,11 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     # A zombie still answers kill(0); read its state.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def wait_dead(pid: int, timeout: float = 20) -> bool:
@@ -217,3 +220,20 @@ def test_engine_config_flags_are_generated():
     assert "--gpu-memory-utilization" in parser.format_help()
     with pytest.raises(ValueError, match="--block-size"):
         EngineConfig(block_size=12)
+
+
+def test_worker_process_ends_at_interpreter_exit(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "leak.py"
+    # No close(), no with, no __main__ guard: the worker must still go away when the interpreter exits.
+    script.write_text(
+        "from namazu import LLM\n"
+        f"llm = LLM({tiny_checkpoint()!r})\n"
+        "print(llm.engine.executor.pids[0], flush=True)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    pid = int(out.stdout.strip().splitlines()[-1])
+    assert wait_dead(pid)
