@@ -172,3 +172,15 @@ def test_activation_quantization_follows_the_blackwell_rule():
     # A block of zeros (or one whose scale underflows) quantizes to zeros, not NaN.
     codes, sf8 = quantize_activation(torch.zeros(1, 16), input_scale_for(1.0))
     assert torch.all(codes == 0) and torch.all(fake_quantize_activation(torch.zeros(1, 16), 0.5) == 0)
+
+
+def test_scale_search_never_worse_and_usually_better():
+    torch.manual_seed(3)
+    w = torch.randn(64, 256) * torch.exp(torch.randn(64, 256) * 0.5)
+    base = quantize_weight(w)
+    searched = quantize_weight(w, scale_search=True)
+    assert torch.equal(searched[2], base[2])                       # same global scale: same format
+    err = lambda q: (dequantize_weight(*q, torch.float32) - w).square().unflatten(-1, (-1, 16)).sum(-1)  # noqa: E731
+    e0, e1 = err(base), err(searched)
+    assert torch.all(e1 <= e0 * (1 + 1e-6))
+    assert e1.sum() < 0.95 * e0.sum()

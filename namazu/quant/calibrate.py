@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not force cold experts to see tokens (then experts may end without a scale)")
     ap.add_argument("--impute-missing", action="store_true",
                     help="give experts without a scale their layer's peer max (listed in the report)")
+    ap.add_argument("--weight-scale-search", action="store_true",
+                    help="pick each weight block's FP8 scale by least squared error instead of the max rule "
+                         "(same format; default off = byte-identical to ModelOpt's max calibration)")
     ap.add_argument("--dtype", default="auto")
     return ap
 
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refused: {e}", file=sys.stderr)
         return 2
     print(report.summary())
-    quantize_model(model, policy, stats, mode="w4a4")
+    quantize_model(model, policy, stats, mode="w4a4", scale_search=args.weight_scale_search)
     save_quantized(model, args.out, policy, source_dir=args.model)
     with open(os.path.join(args.out, "calibration.json"), "w", encoding="utf-8") as f:
         json.dump({"model": args.model, "data": args.data, "policy": policy.exclude_modules, **report.as_dict()},

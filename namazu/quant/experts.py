@@ -119,12 +119,13 @@ class NvFP4Experts(RoutedExperts):
     @torch.no_grad()
     def from_experts(cls, src: RoutedExperts, a13_amax: torch.Tensor | None = None,
                      a2_amax: torch.Tensor | None = None, mode: str | None = None,
-                     name: str = "experts") -> NvFP4Experts:
+                     name: str = "experts", scale_search: bool = False) -> NvFP4Experts:
         """Quantizes high-precision experts (any RoutedExperts yielding `weight`s). gate and up share
         weight_scale_2 = the max of their own.
 
         a13_amax / a2_amax [E] are calibrated input amaxes (gate/up input, down input); without them the
-        input scales stay 0 and only W4A16 can run (W4A4 and saving refuse such experts).
+        input scales stay 0 and only W4A16 can run (W4A4 and saving refuse such experts). `scale_search`:
+        see nvfp4.quantize_weight.
         """
         e_count, h, i = src.num_experts, src.hidden_size, src.intermediate_size
         w = {(e, proj): t for e, proj, param, t in src.expert_params() if param == "weight"}
@@ -133,11 +134,11 @@ class NvFP4Experts(RoutedExperts):
             gate, up, down = (w[(e, p)] for p in PROJS)
             s13 = torch.maximum(global_scale_for(gate), global_scale_for(up))
             for r, (proj, t) in enumerate((("gate_proj", gate), ("up_proj", up))):
-                packed, sf, _ = quantize_weight(t, s13, name=f"{name}.{e}.{proj}.weight")
+                packed, sf, _ = quantize_weight(t, s13, name=f"{name}.{e}.{proj}.weight", scale_search=scale_search)
                 out.w13_packed[e, r * i:(r + 1) * i] = packed
                 out.w13_scale[e, r * i:(r + 1) * i] = sf
             out.w13_gs[e] = s13
-            packed, sf, s2 = quantize_weight(down, name=f"{name}.{e}.down_proj.weight")
+            packed, sf, s2 = quantize_weight(down, name=f"{name}.{e}.down_proj.weight", scale_search=scale_search)
             out.w2_packed[e], out.w2_scale[e], out.w2_gs[e] = packed, sf, s2
         if a13_amax is not None or a2_amax is not None:
             out.set_input_amax(a13_amax, a2_amax)

@@ -38,10 +38,11 @@ class NvFP4Linear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Module, input_amax: float | torch.Tensor | None = None,
-                    mode: str | None = None, name: str = "linear") -> NvFP4Linear:
+                    mode: str | None = None, name: str = "linear", scale_search: bool = False) -> NvFP4Linear:
         w = linear.weight
         out = cls(w.shape[1], w.shape[0], getattr(linear, "bias", None) is not None, mode, w.dtype, w.device)
-        out.qweight, out.weight_scale, out.weight_scale_2 = quantize_weight(w, name=f"{name}.weight")
+        out.qweight, out.weight_scale, out.weight_scale_2 = quantize_weight(w, name=f"{name}.weight",
+                                                                            scale_search=scale_search)
         if out.bias is not None:
             out.bias.copy_(linear.bias)
         if input_amax is not None:

@@ -37,10 +37,11 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, policy: QuantPolicy, stats: ActivationStats | None,
-                   mode: str = "w4a4") -> dict[str, int]:
+                   mode: str = "w4a4", scale_search: bool = False) -> dict[str, int]:
     """Replaces every module the policy covers by its NVFP4 version, in place; returns counts per class.
 
     Without stats (None) only W4A16 is possible: input scales stay unset and W4A4 is refused.
+    `scale_search` picks MSE-optimal block scales (nvfp4.quantize_weight) instead of the max rule.
     """
     if stats is None and mode == "w4a4":
         raise ValueError("W4A4 needs calibrated activation amaxes (run namazu.quant.calibrate)")
@@ -54,7 +55,7 @@ def quantize_model(model: nn.Module, policy: QuantPolicy, stats: ActivationStats
             a2 = stats.experts_a2.get(layer) if stats else None
             if stats is not None and (a13 is None or a2 is None):
                 raise ValueError(f"{name}: no calibration statistics for this layer's experts")
-            q = NvFP4Experts.from_experts(mod, a13, a2, mode=mode, name=name)
+            q = NvFP4Experts.from_experts(mod, a13, a2, mode=mode, name=name, scale_search=scale_search)
             if stats is not None and q.missing_input_scales():
                 raise ValueError(f"{name}: experts {q.missing_input_scales()} have no calibrated input scale")
             _set_submodule(model, name, q)
@@ -63,7 +64,7 @@ def quantize_model(model: nn.Module, policy: QuantPolicy, stats: ActivationStats
         elif isinstance(mod, nn.Linear):
             if cls == "lm_head" and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
                 raise ValueError("lm_head is tied to the embeddings; quantizing it would untie them")
-            _set_submodule(model, name, NvFP4Linear.from_linear(mod, _amax(stats, name), mode, name))
+            _set_submodule(model, name, NvFP4Linear.from_linear(mod, _amax(stats, name), mode, name, scale_search))
         else:
             continue
         counts[cls] = counts.get(cls, 0) + 1
