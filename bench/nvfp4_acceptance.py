@@ -9,6 +9,7 @@ Rows (each calibrated, written as a ModelOpt checkpoint, reloaded from disk, sco
   (c)       a calibration set so small that some experts stay cold: forcing off -> refused (listed);
             forcing off + --impute-missing (listed); forcing on
   w4a16     the main checkpoint run weight-only (the Hopper serving path)
+  mse       the main row with least-squares weight block scales (--weight-scale-search)
 Evaluation on the Japanese and English test splits: perplexity change, mean KL and top-1 agreement with
 95% paired-bootstrap intervals. Also the measured resident bytes of the quantized experts.
 """
@@ -33,7 +34,7 @@ from namazu.tiny.corpus import default_corpus_dir, split_path
 
 
 def run_row(args, ref, tok, name, calib_windows, policy_name, force, impute, eval_sets, mode="w4a4",
-            workdir="."):
+            workdir=".", scale_search=False):
     model = load_model(args.model, progress=False)
     policy = QuantPolicy.preset(policy_name)
     cov, linears, total = calibrate(model, calib_windows, policy, args.min_tokens, force, progress=False)
@@ -43,7 +44,7 @@ def run_row(args, ref, tok, name, calib_windows, policy_name, force, impute, eva
         n = str(e).split(" expert(s)")[0]
         listed = ", ".join(f"L{c}/E{x}" for c, v in cov.items() for x in (v.tokens == 0).nonzero().flatten().tolist())
         return {"name": name, "tokens": total, "status": f"refused: {n} experts without a scale ({listed})"}
-    quantize_model(model, policy, stats, mode="w4a4")
+    quantize_model(model, policy, stats, mode="w4a4", scale_search=scale_search)
     out = os.path.join(workdir, name.replace(" ", "_").replace("/", "-"))
     save_quantized(model, out, policy, source_dir=args.model)
     del model
@@ -115,6 +116,8 @@ def main(argv=None) -> int:
             rows.append(run_row(args, ref, tok, label, small, "experts", force, impute, **common))
         rows.append(run_row(args, ref, tok, "experts-only W4A16 (Hopper path), ja calibration", calib_ja,
                             "experts", True, False, mode="w4a16", **common))
+        rows.append(run_row(args, ref, tok, "experts-only W4A4, ja calibration, MSE block scales", calib_ja,
+                            "experts", True, False, scale_search=True, **common))
     table = fmt_rows(rows, list(evals))
     bits = rows[0].get("bits")
     mem = (f"Resident bytes of the NVFP4 routed experts in the loaded model: {rows[0]['expert_bytes']} "
