@@ -83,3 +83,41 @@ def test_cli_refuses_then_writes_with_imputation(tmp_path, capsys):
     report = json.loads((out / "calibration.json").read_text())
     assert report["summary"]["imputed"] and not report["summary"]["missing"]
     assert (out / "hf_quant_config.json").exists() and (out / "tokenizer.json").exists()
+
+
+def test_cli_converts_a_block_fp8_checkpoint(tmp_path):
+    """DeepSeek-V3 ships block-FP8: the calibrator starts from it (dequantized at load) just as from BF16."""
+    from safetensors.torch import load_file, save_file
+
+    from namazu.quant.checkpoint import load_quantized
+    from namazu.quant.nvfp4 import dequantize_weight
+
+    src, fp8, out = tmp_path / "bf16", tmp_path / "fp8", tmp_path / "out"
+    write_model_dir(str(src))
+    fp8.mkdir()
+    tensors, deq = {}, {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if name.endswith("proj.weight") and t.dim() == 2:
+            scale = t.float().abs().unflatten(0, (-1, 16)).unflatten(-1, (-1, 16)).amax((1, 3)) / 448
+            full = scale.repeat_interleave(16, 0).repeat_interleave(16, 1)
+            tensors[name] = (t.float() / full).to(torch.float8_e4m3fn)
+            tensors[name[:-len("weight")] + "weight_scale_inv"] = scale
+            deq[name] = tensors[name].float() * full
+        else:
+            tensors[name] = t
+    save_file(tensors, fp8 / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (fp8 / f).write_bytes((src / f).read_bytes())
+    data = tmp_path / "calib.txt"
+    data.write_text("Calibration text from a block-FP8 source checkpoint. " * 20)
+    assert cal.main(["--model", str(fp8), "--data", str(data), "--out", str(out), "--seq-len", "64"]) == 0
+    model = load_quantized(out, progress=False)
+    exp = model.model.layers[1].mlp.experts
+    i = exp.intermediate_size
+    w = dequantize_weight(exp.w13_packed[3, :i], exp.w13_scale[3, :i], exp.w13_gs[3], torch.float32)
+    ref = deq["model.layers.1.mlp.experts.3.gate_proj.weight"]
+    assert ((w - ref).norm() / ref.norm()).item() < 0.15
+    assert "weight_scale_inv" not in json.dumps(list(load_file(out / "model.safetensors")))
