@@ -105,7 +105,8 @@ def build_step_batch(scheduled: list[ScheduledSeq], block_size: int, vocab_size:
     row_params: list[tuple] = []
     row_outputs: list[list[int]] = []
     row_prompts: list[list[int]] = []
-    row_allowed: list[tuple[list[int] | None, bool]] = []
+    row_allowed: list[list[int] | None] = []      # allowed_token_ids
+    row_banned: list[list[int]] = []              # end tokens while min_tokens is unmet
     any_draft_probs = any(item.draft_probs is not None for item in scheduled)
 
     for b, item in enumerate(scheduled):
@@ -147,21 +148,21 @@ def build_step_batch(scheduled: list[ScheduledSeq], block_size: int, vocab_size:
                                params.repetition_penalty, seq.seed, n_out))
             row_outputs.append(seq.output_token_ids + item.draft_token_ids[:j])
             row_prompts.append(seq.prompt_token_ids)
-            row_allowed.append((params.allowed_token_ids, n_out < params.min_tokens and bool(banned_ids)))
+            row_allowed.append(params.allowed_token_ids)
+            row_banned.append(banned_ids if n_out < params.min_tokens else [])
 
-    s_items = samplers
     kmax = max((len(d) for d in drafts), default=0)
-    row_layout = np.zeros((len(s_items), kmax + 1), dtype=np.int64)
+    row_layout = np.zeros((len(samplers), kmax + 1), dtype=np.int64)
     for i, lay in enumerate(layouts):
         row_layout[i, :] = lay[0]
         row_layout[i, :len(lay)] = lay
-    draft_ids = np.zeros((len(s_items), kmax), dtype=np.int64)
+    draft_ids = np.zeros((len(samplers), kmax), dtype=np.int64)
     for i, d in enumerate(drafts):
         draft_ids[i, :len(d)] = d
     draft_probs = None
     if any_draft_probs and kmax:
-        draft_probs = np.zeros((len(s_items), kmax, vocab_size), dtype=np.float32)
-        for i, item in enumerate(s_items):
+        draft_probs = np.zeros((len(samplers), kmax, vocab_size), dtype=np.float32)
+        for i, item in enumerate(samplers):
             k = len(item.draft_token_ids)
             if item.draft_probs is not None:
                 draft_probs[i, :k] = np.asarray(item.draft_probs, dtype=np.float32)[:k]
@@ -178,21 +179,19 @@ def build_step_batch(scheduled: list[ScheduledSeq], block_size: int, vocab_size:
     counters = np.asarray([p[8] for p in row_params], dtype=np.int64)
     any_penalty = bool(np.any(pres != 0) or np.any(freq != 0) or np.any(rep != 1))
     bitmask = None
-    if any(a is not None or ban for a, ban in row_allowed):
+    if any(a is not None for a in row_allowed) or any(row_banned):
         words = -(-vocab_size // 32)
         allowed = np.ones((len(row_allowed), words * 32), dtype=bool)
-        for i, ((ids, ban), item) in enumerate(zip(row_allowed, _row_items(s_items))):
+        for i, (ids, banned) in enumerate(zip(row_allowed, row_banned)):
             if ids is not None:
                 allowed[i] = False
                 allowed[i, ids] = True
-            if ban:
-                params = item.seq.params
-                allowed[i, list(params.stop_token_ids or []) + ([] if params.ignore_eos else list(stop_ids))] = False
+            allowed[i, banned] = False
         allowed[:, vocab_size:] = False
         # Bit j of word w is token 32w + j (xgrammar's layout): little-endian bits in little-endian words.
         bitmask = np.packbits(allowed, axis=-1, bitorder="little").view("<u4").view(np.int32)
 
-    max_lp = max((it.seq.params.logprobs for it in s_items if it.seq.params.logprobs is not None), default=-1)
+    max_lp = max((it.seq.params.logprobs for it in samplers if it.seq.params.logprobs is not None), default=-1)
     return StepBatch(
         input_ids=np.asarray(input_ids, dtype=np.int64), positions=np.asarray(positions, dtype=np.int64),
         slot_mapping=np.asarray(slots, dtype=np.int64), block_tables=_pad(tables, 0),
@@ -209,10 +208,5 @@ def build_step_batch(scheduled: list[ScheduledSeq], block_size: int, vocab_size:
         draft_ids=draft_ids, draft_probs=draft_probs,
         prompt_lp_rows=np.asarray(plp_rows, dtype=np.int64), prompt_lp_targets=np.asarray(plp_targets, dtype=np.int64),
         num_prompt_logprobs=num_plp,
-    ), s_items, plp_items
+    ), samplers, plp_items
 
-
-def _row_items(items: list[ScheduledSeq]):
-    for item in items:
-        for _ in range(len(item.draft_token_ids) + 1):
-            yield item
