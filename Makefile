@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # C++/CUDA kernel sources: editing one rebuilds the extension (pip install -e . runs build_ext).
 CSRC := $(wildcard namazu/csrc/*.cu namazu/csrc/*.h namazu/csrc/*/*.cpp namazu/csrc/*/*.h)
 
-.PHONY: install test lint run bench bench-serve bench-nvfp4 clean
+.PHONY: install test lint run bench bench-serve bench-nvfp4 tiny-model clean
 
 $(STAMP): requirements.txt requirements-dev.txt setup.py $(CSRC)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,6 +40,15 @@ bench-serve: $(STAMP)
 bench-nvfp4: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/nvfp4_acceptance.py $(ARGS)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/nvfp4_memory.py
+
+# The embedded default model namazu-tiny, from fixed seeds: tokenizer, training (<= 60 min on 2 CPU cores;
+# the config's time budget caps a slower machine), evaluation + MODEL_CARD.md. Corpus: NAMAZU_CORPUS or
+# ../shared/corpus beside the repository.
+TINY_DIR ?= namazu/assets/namazu-tiny
+tiny-model: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.tokenizer --out $(TINY_DIR)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.train --config namazu/tiny/configs/namazu-tiny.json --out $(TINY_DIR) $(ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.evaluate --model $(TINY_DIR)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check namazu server tests bench

@@ -1,0 +1,107 @@
+"""namazu-tiny data: the chat/tool-call generator is deterministic, valid, and keeps held-out schemas out."""
+import json
+
+import jsonschema
+import pytest
+from tiny_fixtures import write_mini_corpus
+
+from namazu.tiny.baselines import CharTrigramModel, UnigramModel, bits_per_byte, sanity_normalised
+from namazu.tiny.data import ChatDataConfig, generate_chat_examples, heldout_tool_prompts
+from namazu.tiny.evaluate import parse_tool_calls
+from namazu.tiny.tools import HELDOUT_TOOLS, TRAIN_TOOLS
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_mini_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+CFG = ChatDataConfig(seed=7, num_qa=150, num_tool=150)
+
+
+def test_generator_is_deterministic(corpus):
+    a = [e.text for e in generate_chat_examples(corpus, CFG)]
+    b = [e.text for e in generate_chat_examples(corpus, CFG)]
+    assert a == b
+    c = [e.text for e in generate_chat_examples(corpus, ChatDataConfig(seed=8, num_qa=150, num_tool=150))]
+    assert a != c
+    assert len(a) == 300 and len(set(a)) > 200
+
+
+def test_tool_transcripts_are_schema_valid_k2_calls(corpus):
+    tools = {t.name: t for t in TRAIN_TOOLS}
+    examples = generate_chat_examples(corpus, CFG)
+    kinds = {e.kind for e in examples}
+    assert kinds == {"qa", "tool", "no_call"}
+    n = 0
+    for ex in examples:
+        calls = parse_tool_calls(ex.text)
+        if ex.kind != "tool":
+            assert calls == []
+            continue
+        assert len(calls) == 1
+        call = calls[0]
+        declared = {t["function"]["name"] for t in ex.tools}
+        assert call.name in declared and call.call_id == f"functions.{call.name}:0"
+        lang = "ja" if ex.tools[0]["function"]["description"] == tools[ex.tools[0]["function"]["name"]].ja else "en"
+        jsonschema.validate(json.loads(call.arguments), tools[call.name].schema(lang)["parameters"])
+        n += 1
+    assert n > 100
+
+
+def test_heldout_schemas_never_reach_training_data(corpus):
+    assert not {t.name for t in TRAIN_TOOLS} & {t.name for t in HELDOUT_TOOLS}
+    text = "\n".join(e.text for e in generate_chat_examples(corpus, CFG))
+    for t in HELDOUT_TOOLS:
+        assert f"\"{t.name}\"" not in text
+    prompts = heldout_tool_prompts(corpus, 20)
+    for p in prompts:
+        assert p.prompt.endswith("<|im_assistant|>assistant<|im_middle|>")
+        assert {t["function"]["name"] for t in p.tools} <= {t.name for t in HELDOUT_TOOLS}
+        jsonschema.validate(p.reference_arguments, p.schema)
+    assert [p.prompt for p in prompts] == [p.prompt for p in heldout_tool_prompts(corpus, 20)]
+
+
+def test_char_trigram_is_normalised_and_learns(corpus):
+    from namazu.tiny.corpus import read_documents
+
+    m = CharTrigramModel(read_documents(corpus, "ja", "train"))
+    assert sanity_normalised(m, "パ", "ッ") == pytest.approx(1.0, abs=1e-9)
+    assert sanity_normalised(m, "\x02", "\x02") == pytest.approx(1.0, abs=1e-9)
+    seen = bits_per_byte(m, read_documents(corpus, "ja", "test"))
+    unseen = bits_per_byte(m, ["まったく別の文章であり、学習データには現れない。"])
+    assert seen < 1.0 < unseen
+
+
+def test_unigram_add_one():
+    import numpy as np
+
+    u = UnigramModel(np.array([0, 0, 1]), vocab_size=4)  # counts+1: 3, 2, 1, 1 of 7
+    assert u.nll(np.array([0, 3])) == pytest.approx(-np.log(3 / 7) - np.log(1 / 7))
+
+
+def test_sliding_window_nll_matches_one_pass():
+    import numpy as np
+    import torch
+
+    from namazu.config import ModelConfig
+    from namazu.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from namazu.tiny.evaluate import token_nll
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=64,
+                      qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
+                      num_experts_per_tok=2, max_position_embeddings=128)
+    model = DeepseekV3ForCausalLM(cfg, dtype=torch.float32)
+    model.init_weights(0)
+    model.eval()
+    stream = torch.randint(0, 64, (50,))
+    one = token_nll(model, stream, seq_len=64, stride=48, batch_size=2)
+    with torch.no_grad():
+        hidden, _ = model(stream[None, :-1])
+        ref = torch.nn.functional.cross_entropy(model.compute_logits(hidden)[0], stream[1:], reduction="none")
+    assert np.isnan(one[0])
+    np.testing.assert_allclose(one[1:], ref.numpy(), rtol=1e-4, atol=1e-5)
+    windows = token_nll(model, stream, seq_len=16, stride=8, batch_size=3)
+    assert not np.isnan(windows[1:]).any()
+    np.testing.assert_allclose(windows[1:17], ref.numpy()[:16], rtol=1e-4, atol=1e-5)  # first window: full context

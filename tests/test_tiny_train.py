@@ -1,0 +1,66 @@
+"""Smoke run of the namazu-tiny trainer on a toy config: the same code path `make tiny-model` runs."""
+import json
+
+import pytest
+import torch
+from tiny_fixtures import write_mini_corpus
+
+from namazu.tiny import ASSET_DIR
+from namazu.tiny.evaluate import evaluate, write_model_card
+from namazu.tiny.train import TrainConfig, check_design, lr_at, train
+
+CONFIG = ASSET_DIR.parent.parent / "tiny" / "configs" / "smoke.json"
+
+
+def test_smoke_training_lowers_loss_and_writes_a_loadable_model(tmp_path):
+    from namazu.models.loader import load_model
+
+    corpus = write_mini_corpus(tmp_path / "corpus")
+    cfg = TrainConfig.from_json(CONFIG)
+    cfg.threads = 1
+    res = train(cfg, tmp_path / "model", corpus, tokenizer_dir=ASSET_DIR, progress=False)
+    loss = res["history"]["loss"]
+    assert len(loss) == cfg.steps
+    assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 0.5
+    out = tmp_path / "model"
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "loss_curve.png",
+              "train_log.json"):
+        assert (out / f).is_file(), f
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert hf_cfg["scoring_func"] == "sigmoid" and hf_cfg["topk_method"] == "noaux_tc"
+    model = load_model(out, dtype=torch.float32, progress=False)
+    biases = torch.stack([m.gate.e_score_correction_bias for m in model.moe_layers()])
+    assert biases.abs().sum() > 0  # the balancing loop ran and was saved
+
+    # The evaluation that writes the model card runs on the same output.
+    results = evaluate(out, corpus, tool_prompts=2, seq_len=64, stride=48)
+    write_model_card(out, results)
+    assert results["ja"]["tokens"] > 0 and results["ja"]["model_bits_per_byte"] > 0
+    assert results["tools"]["prompts"] == 2
+    assert sum(sum(r) for r in results["expert_load"]["shares"]) == pytest.approx(cfg.model["num_hidden_layers"] - 1)
+    assert "## Expert load" in (out / "MODEL_CARD.md").read_text(encoding="utf-8")
+
+
+def test_lr_schedule_warms_up_then_decays_to_floor():
+    cfg = TrainConfig(model={}, steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(99, cfg) == pytest.approx(1e-4, rel=0.02)
+    assert lr_at(50, cfg, progress=1.0) == pytest.approx(1e-4)  # a time budget can end the schedule early
+
+
+def test_design_check_refuses_dims_off_the_64_grid():
+    from namazu.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=96, intermediate_size=128, moe_intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=2, q_lora_rank=64, kv_lora_rank=64,
+                      qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8)
+    with pytest.raises(ValueError, match="hidden_size"):
+        check_design(cfg)
+
+
+def test_config_rejects_unknown_keys(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps({"model": {}, "stesp": 3}))
+    with pytest.raises(ValueError, match="stesp"):
+        TrainConfig.from_json(p)
