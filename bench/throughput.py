@@ -82,8 +82,11 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def write_results(table: str, command: str, model_desc: str, threads: int) -> None:
+    load = os.getloadavg()[0]
     section = (f"{BEGIN}\n## Engine throughput vs transformers (CPU)\n\n"
-               f"`{command}` -- model: {model_desc}; float32; {threads} torch thread(s); greedy, EOS ignored.\n\n"
+               f"`{command}` -- model: {model_desc}; float32; {threads} torch thread(s); greedy, EOS ignored. "
+               f"Machine: {os.cpu_count()} cores, load average {load:.1f} when written (shared machine: "
+               f"absolute numbers are noisy; the two engines run back to back).\n\n"
                f"{table}\n{END}")
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     if BEGIN in text:
