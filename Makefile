@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # C++/CUDA kernel sources: editing one rebuilds the extension (pip install -e . runs build_ext).
 CSRC := $(wildcard namazu/csrc/*.cu namazu/csrc/*.h namazu/csrc/*/*.cpp namazu/csrc/*/*.h)
 
-.PHONY: install test lint run bench bench-serve bench-nvfp4 tiny-model clean
+.PHONY: install test lint run bench bench-serve bench-nvfp4 bench-kernels gpu-check tiny-model clean
 
 $(STAMP): requirements.txt requirements-dev.txt setup.py $(CSRC)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -49,6 +49,16 @@ tiny-model: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.tokenizer --out $(TINY_DIR)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.train --config namazu/tiny/configs/namazu-tiny.json --out $(TINY_DIR) $(ARGS)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.evaluate --model $(TINY_DIR)
+
+# MoE kernel microbenchmark: every backend, BF16 and NVFP4, vs a roofline measured in the same run
+# (ARGS="--write" updates bench/RESULTS.md; on a GPU machine it runs the Kimi-K2 and namazu-tiny shapes).
+bench-kernels: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/kernels.py $(ARGS)
+
+# On a lent GPU machine: uses that machine's own python3 (no .venv, no installs), builds the CUDA
+# extension, runs the GPU kernel tests, then bench-kernels; staged, under 8 minutes, short final table.
+gpu-check:
+	bash bench/gpu_check.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check namazu server tests bench

@@ -251,7 +251,11 @@ def block_dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Bl
     flat = topk_ids.reshape(-1)
     m = flat.numel()
     max_rows = max(max_padded_rows(m, num_experts, block_m), block_m)
-    order, counts, offsets = sort_by_expert(topk_ids, num_experts)
+    # Counts by scatter_add rather than bincount: bincount sizes its output from the data (a host sync).
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.cumsum(counts, 0) - counts
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
