@@ -116,7 +116,7 @@ def _parity_dirs():
     return dirs
 
 
-@pytest.mark.parametrize("path", _parity_dirs())
+@pytest.mark.parametrize("path", _parity_dirs(), ids=["random", "namazu-tiny"][:len(_parity_dirs())])
 def test_matches_transformers_tokenizer_and_template(path):
     from transformers import AutoTokenizer
 
