@@ -206,9 +206,13 @@ class LLMEngine:
             accepted = result.accepted[s]
             self._drafted += len(item.draft_token_ids)
             self._accepted += accepted
-            self._append(seq, s, accepted + 1, result)
-            if not seq.is_finished:
-                self.scheduler.commit(seq, seq.num_tokens - 1)
+            reason = self._append(seq, s, accepted + 1, result)
+            # KV is valid for every token but the newest; register it in the prefix cache before a
+            # finished sequence releases its blocks, so the next request with this prefix hits.
+            self.scheduler.commit(seq, seq.num_tokens - 1)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                seq.detok.finish()
             req = self.requests[seq.request_id]
             req.first_token_time = req.first_token_time or now
             touched[seq.request_id] = req
@@ -219,8 +223,9 @@ class LLMEngine:
                 del self.requests[rid]
         return outputs
 
-    def _append(self, seq: Sequence, s: int, count: int, result: StepResult) -> None:
-        """Appends up to `count` new tokens, stopping at the first that ends the sequence."""
+    def _append(self, seq: Sequence, s: int, count: int, result: StepResult) -> str | None:
+        """Appends up to `count` new tokens, stopping at the first that ends the sequence; returns the
+        finish reason, if any."""
         params = seq.params
         for j in range(count):
             token = result.tokens[s][j]
@@ -236,9 +241,8 @@ class LLMEngine:
                 seq.cumulative_logprob += result.logprobs[s][j]
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                seq.detok.finish()
-                return
+                return reason
+        return None
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params

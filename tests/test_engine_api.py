@@ -237,3 +237,11 @@ def test_worker_process_ends_at_interpreter_exit(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     pid = int(out.stdout.strip().splitlines()[-1])
     assert wait_dead(pid)
+
+
+def test_a_finished_request_leaves_its_prefix_cached(llm):
+    ids = prompts(1, 50, 50, seed=21)[0]
+    params = SamplingParams(max_tokens=1)
+    first = llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False)[0]
+    again = llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 48   # 3 full blocks of 16
