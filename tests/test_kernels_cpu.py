@@ -47,6 +47,20 @@ def test_w4a4_emulation_matches_reference():
     assert rel_err(out, run_cpp(c, w4a16(c.nvfp4))) > 1e-3, "W4A4 must actually round the activations"
 
 
+def test_w4a4_bf16_matches_the_nvfp4_experts_emulation():
+    """In bf16 the kernel rounds between GEMMs exactly where NvFP4Experts' W4A4 reference does."""
+    from namazu.quant.experts import NvFP4Experts
+
+    c = make_case(12, 128, 64, 6, 2, seed=26, w4a4=True)
+    m = NvFP4Experts(6, 128, 64, mode="w4a4")
+    for name in ("w13_packed", "w13_scale", "w13_gs", "w2_packed", "w2_scale", "w2_gs", "a13_scale", "a2_scale"):
+        getattr(m, name).copy_(getattr(c.nvfp4, name))
+    with torch.no_grad():
+        want = m.forward_reference(c.x, c.topk_ids, c.topk_weights)
+    assert rel_err(run_cpp(c), want) < 2e-3
+    assert rel_err(md.torch_moe_nvfp4(c.x, c.topk_ids, c.topk_weights, c.nvfp4), want) < 2e-3
+
+
 def test_poisoned_output_is_fully_written_and_idle_experts_skipped():
     c = make_case(11, 64, 32, 16, 2, seed=21, experts_used=3)  # 13 of 16 experts get no tokens
     # Poison the idle experts' weights: reading them would show up as NaN in the output.

@@ -196,7 +196,9 @@ def torch_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     """Reference MoE over NVFP4 weights: dequantizes each touched expert to fp32 and runs fp32 GEMMs.
 
     W4A16 when `w.a13_scale` is None; otherwise W4A4 emulation (both GEMM inputs rounded to NVFP4 with the
-    expert's calibrated input scale before each GEMM, products accumulated in fp32).
+    expert's calibrated input scale before each GEMM, products accumulated in fp32). In W4A4 the gate_up
+    output and the SiLU product are rounded to x's dtype before the next quantization, as Blackwell MoE
+    pipelines write them between GEMMs (and as namazu.quant.experts.NvFP4Experts emulates them).
     """
     d = dispatch(topk_ids, w.num_experts)
     xs = permute(x, d).float()
@@ -216,7 +218,12 @@ def torch_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     h = gemm(xs, w.w13_packed, w.w13_scale, w.w13_gs, w.a13_scale)
     if h.numel() == 0:
         return torch.zeros_like(x)
-    ys = gemm(silu_and_mul(h), w.w2_packed, w.w2_scale, w.w2_gs, w.a2_scale)
+    if w4a4:
+        h = h.to(x.dtype).float()
+    act = silu_and_mul(h)
+    if w4a4:
+        act = act.to(x.dtype).float()
+    ys = gemm(act, w.w2_packed, w.w2_scale, w.w2_gs, w.a2_scale)
     return unpermute(ys, d, topk_weights, x.shape[0]).to(x.dtype)
 
 

@@ -52,6 +52,8 @@ at::Tensor nvfp4_moe_cpu_op(const at::Tensor& x, const at::Tensor& topk_ids, con
               "nvfp4_moe_cpu: W4A4 needs both a13_scale and a2_scale");
   at::Tensor a13, a2;
   if (a13_scale.has_value()) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+                "nvfp4_moe_cpu: W4A4 emulation takes bf16 or fp32 activations, got ", x.scalar_type());
     a13 = a13_scale->to(at::kFloat).contiguous();
     a2 = a2_scale->to(at::kFloat).contiguous();
     TORCH_CHECK(a13.numel() == E && a2.numel() == E, "nvfp4_moe_cpu: input scales must be [E]");
@@ -92,6 +94,7 @@ at::Tensor nvfp4_moe_cpu_op(const at::Tensor& x, const at::Tensor& topk_ids, con
   args.out = out.data_ptr<float>();
   args.num_threads = at::get_num_threads();
   args.isa = static_cast<int>(isa);
+  args.round_bf16 = x.scalar_type() == at::kBFloat16 ? 1 : 0;
   const int status = nvfp4_moe_cpu(&args);
   TORCH_CHECK(status != NVFP4_MOE_BAD_EXPERT_ID, "nvfp4_moe_cpu: topk_ids holds an expert id outside [0, ", E, ")");
   TORCH_CHECK(status != NVFP4_MOE_OUT_OF_MEMORY, "nvfp4_moe_cpu: out of memory for ", N * k, " token rows");

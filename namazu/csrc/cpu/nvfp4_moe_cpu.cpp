@@ -71,6 +71,16 @@ float round_e2m1(float v) {
   return std::copysign(r, v);
 }
 
+// fp32 -> nearest bf16 (ties to even), returned as fp32; NaN passes through.
+float round_bf16(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return v;
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&v, &b, 4);
+  return v;
+}
+
 // W4A4: round a row to NVFP4 with the expert's calibrated input scale, in place (dequantized fp32).
 void fake_quant_row(float* x, int64_t n, float input_scale) {
   for (int64_t b = 0; b < n; b += 16) {
@@ -265,9 +275,14 @@ int run(const Nvfp4MoeCpuArgs& a) {
   grouped_gemm(offsets, E, xs.data(), H, a.w13_packed, a.w13_scale, a.w13_gs, 2 * I, h13.data(), table, threads);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t row = 0; row < M; ++row) {
-    const float* g = h13.data() + row * 2 * I;
+    float* g = h13.data() + row * 2 * I;
     float* o = act.data() + row * I;
-    for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * g[I + j];
+    if (a.a2_scale && a.round_bf16) {
+      for (int64_t j = 0; j < 2 * I; ++j) g[j] = round_bf16(g[j]);
+      for (int64_t j = 0; j < I; ++j) o[j] = round_bf16(g[j] / (1.0f + std::exp(-g[j])) * g[I + j]);
+    } else {
+      for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * g[I + j];
+    }
     if (a.a2_scale) fake_quant_row(o, I, a.a2_scale[expert_of_row[row]]);
   }
   grouped_gemm(offsets, E, act.data(), I, a.w2_packed, a.w2_scale, a.w2_gs, H, y.data(), table, threads);

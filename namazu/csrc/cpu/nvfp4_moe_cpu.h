@@ -33,6 +33,8 @@ typedef struct Nvfp4MoeCpuArgs {
   float* out;                 // [N, H], fully written
   int num_threads;            // <= 0: OpenMP's default
   int isa;                    // NVFP4_ISA_*
+  int round_bf16;             // W4A4: round the gate_up output and the SiLU product to bf16 (the caller's
+                              // activations are bf16), as Blackwell pipelines store them between GEMMs
 } Nvfp4MoeCpuArgs;
 
 // Status codes of nvfp4_moe_cpu.
