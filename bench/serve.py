@@ -117,6 +117,8 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict) -> Re
     res.e2e = time.perf_counter() - t0
     res.text = "".join(pieces)
     res.ok = res.output_tokens > 0
+    if not res.ok:
+        res.error = f"stream ended with {len(pieces)} content chunks and usage {res.output_tokens} tokens"
     return res
 
 
@@ -304,15 +306,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server-args", default="", help="extra flags for the started server, e.g. '--max-num-seqs 32'")
     p.add_argument("--api-key", default=os.environ.get("NAMAZU_API_KEY"))
     p.add_argument("--workloads", default="shared-prefix,random")
-    p.add_argument("--rates", default="1,2,4,8", help="request rates (req/s) to sweep; 'inf' sends all at once")
-    p.add_argument("--num-requests", type=int, default=32, help="requests per (workload, rate)")
-    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--rates", default="0.5,1,2,4", help="request rates (req/s) to sweep; 'inf' sends all at once")
+    p.add_argument("--num-requests", type=int, default=24, help="requests per (workload, rate)")
+    p.add_argument("--random-input-len", type=int, default=64)
     p.add_argument("--random-output-len", type=int, default=32)
-    p.add_argument("--shared-prefix-len", type=int, default=512, help="system-prompt tokens shared by all users")
+    p.add_argument("--shared-prefix-len", type=int, default=256, help="system-prompt tokens shared by all users")
     p.add_argument("--num-users", type=int, default=8)
     p.add_argument("--max-turns", type=int, default=4, help="turns per conversation before a user starts over")
-    p.add_argument("--turn-input-len", type=int, default=32)
-    p.add_argument("--turn-output-len", type=int, default=32)
+    p.add_argument("--turn-input-len", type=int, default=16)
+    p.add_argument("--turn-output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results", default=str(HERE / "RESULTS.md"), help="markdown file to update ('' to skip)")
     p.add_argument("--plot", default=str(HERE / "serve_latency.png"))
