@@ -1,5 +1,5 @@
-"""What both OpenAI endpoints share: the engine interface they use, context-length checks, merging the
-output streams of several prompts, SSE framing, usage, and aborting on client disconnect."""
+"""What both OpenAI endpoints share: server state, context-length checks, merging the output streams of
+several prompts, SSE framing, usage, logprob token texts, and aborting on client disconnect."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -97,8 +98,9 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int,
     """Items of several async iterators as they come, tagged with the iterator's index. On exit (done,
     error or cancellation) every iterator still running is cancelled and closed."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
         return
     queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
     done = object()
@@ -243,9 +245,10 @@ class GenerationJob:
         st.in_flight += len(self.engine_ids)
         st.peak_in_flight = max(st.peak_in_flight, st.in_flight)
         try:
-            async for i, out in it:
-                self._observe(i, out)
-                yield i, out
+            async with aclosing(it):
+                async for i, out in it:
+                    self._observe(i, out)
+                    yield i, out
             self.tracker.done()
         finally:
             st.in_flight -= len(self.engine_ids)

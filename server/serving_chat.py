@@ -112,8 +112,9 @@ class _ChatJob(GenerationJob):
         sent: dict[int, tuple[int, int]] = {}        # index -> (tokens, chars) sent
         parsers: dict[int, ToolCallParser] = {}
         completion_tokens = 0
+        outputs = self.outputs()
         try:
-            async for _, out in self.outputs():
+            async for _, out in outputs:
                 for c in out.outputs:
                     i = c.index
                     if i not in sent:
@@ -157,6 +158,8 @@ class _ChatJob(GenerationJob):
         except Exception as e:      # noqa: BLE001 -- the status line is sent; report in-band
             logger.exception("request %s failed mid-stream", self.rid)
             yield sse_error(APIError(500, f"{type(e).__name__}: {e}"))
+        finally:
+            await outputs.aclose()      # aborts what is still running, now rather than at GC
         yield SSE_DONE
 
     def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -154,8 +154,9 @@ class _Job(GenerationJob):
         lps: dict[tuple[int, int], _Logprobs] = {}
         sent: dict[tuple[int, int], tuple[int, int]] = {}     # (prompt, index) -> (tokens, chars) sent
         completion_tokens = 0
+        outputs = self.outputs()
         try:
-            async for i, out in self.outputs():
+            async for i, out in outputs:
                 for c in out.outputs:
                     key = (i, c.index)
                     n_tok, n_chr = sent.get(key, (0, 0))
@@ -190,6 +191,8 @@ class _Job(GenerationJob):
         except Exception as e:      # noqa: BLE001 -- the status line is sent; report in-band
             logger.exception("request %s failed mid-stream", self.rid)
             yield sse_error(APIError(500, f"{type(e).__name__}: {e}"))
+        finally:
+            await outputs.aclose()      # aborts what is still running, now rather than at GC
         yield SSE_DONE
 
     def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> dict[str, Any]:
