@@ -218,8 +218,8 @@ class GenerationJob:
     error or client disconnect)."""
 
     def __init__(self, state: ServerState, prompt_ids: list[list[int]], params: SamplingParams, rid: str,
-                 tracker: RequestTracker):
-        self.state, self.prompt_ids, self.params = state, prompt_ids, params
+                 tracker: RequestTracker, priority: int = 0):
+        self.state, self.prompt_ids, self.params, self.priority = state, prompt_ids, params, priority
         self.rid, self.tracker = rid, tracker
         self.created = now()
         self.engine_ids = [f"{rid}-{i}" for i in range(len(prompt_ids))]
@@ -236,7 +236,8 @@ class GenerationJob:
         """(prompt index, RequestOutput) as the engine produces them, observed for the metrics."""
         for p in self.prompt_ids:
             self.tracker.on_prompt(len(p))
-        streams = [self.state.engine.generate(None, self.params, request_id=eid, prompt_token_ids=p)
+        streams = [self.state.engine.generate(None, self.params, request_id=eid, prompt_token_ids=p,
+                                              priority=self.priority)
                    for p, eid in zip(self.prompt_ids, self.engine_ids)]
         return self._observed(merge(streams))
 

@@ -118,6 +118,7 @@ class SamplingFields:
     seed: int | None
     stream: bool
     include_usage: bool
+    priority: int                    # lower runs first under --scheduling-policy priority
     kwargs: dict[str, Any]
 
 
@@ -156,7 +157,9 @@ def _read_sampling(f: Fields) -> SamplingFields:
     )
     if kwargs["top_p"] == 0.0:
         raise invalid("'top_p' must be greater than 0", "top_p")
-    return SamplingFields(n=n, seed=seed, stream=stream, include_usage=include_usage, kwargs=kwargs)
+    priority = f.int("priority", 0)
+    return SamplingFields(n=n, seed=seed, stream=stream, include_usage=include_usage, priority=priority,
+                          kwargs=kwargs)
 
 
 def make_sampling_params(s: SamplingFields, max_tokens: int, logprobs: int | None,

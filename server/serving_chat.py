@@ -64,7 +64,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
 class _ChatJob(GenerationJob):
     def __init__(self, state: ServerState, req: ChatRequest, prompt_ids: list[int], params: Any, rid: str,
                  tracker: RequestTracker):
-        super().__init__(state, [prompt_ids], params, rid, tracker)
+        super().__init__(state, [prompt_ids], params, rid, tracker, req.sampling.priority)
         self.req = req
         self.tt = TokenText(state.engine.tokenizer)
         self.tools = req.tool_choice == "auto"

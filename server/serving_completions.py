@@ -109,7 +109,7 @@ class _Job(GenerationJob):
 
     def __init__(self, state: ServerState, req: CompletionRequest, prompts: list[_Prompt], params: Any,
                  rid: str, tracker: RequestTracker):
-        super().__init__(state, [p.ids for p in prompts], params, rid, tracker)
+        super().__init__(state, [p.ids for p in prompts], params, rid, tracker, req.sampling.priority)
         self.req, self.prompts = req, prompts
         self.n = req.sampling.n
         self.tt = TokenText(state.engine.tokenizer)

@@ -296,3 +296,23 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(srv):
     assert m["namazu_kv_cache_usage_ratio"] == 0.0 and generated < 150, generated
     key = 'namazu_request_success_total{finish_reason="abort"}'
     assert m.get(key, 0) == before.get(key, 0) + 1
+
+
+def test_metrics_cover_latency_tokens_and_statuses(srv, client):
+    before = srv.metrics()
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "metrics"}], max_tokens=5,
+                                   extra_body={"ignore_eos": True, "priority": -1})
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", temperature=5)
+    m = srv.metrics()
+    delta = lambda k: m.get(k, 0) - before.get(k, 0)  # noqa: E731
+    assert delta("namazu_time_to_first_token_seconds_count") == 1
+    assert delta("namazu_inter_token_latency_seconds_count") == 4       # 5 tokens, 4 gaps
+    assert delta("namazu_e2e_request_latency_seconds_count") == 1
+    assert delta("namazu_generation_tokens_total") == 5 and delta("namazu_prompt_tokens_total") > 0
+    assert delta('namazu_http_requests_total{route="/v1/chat/completions",status="200"}') == 1
+    assert delta('namazu_http_requests_total{route="/v1/completions",status="400"}') == 1
+    assert delta('namazu_request_success_total{finish_reason="length"}') == 1
+    for gauge in ("namazu_num_requests_waiting", "namazu_kv_cache_usage_ratio", "namazu_prefix_cache_hit_rate",
+                  "namazu_engine_num_kv_blocks"):
+        assert gauge in m, gauge
