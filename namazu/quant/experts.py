@@ -11,6 +11,9 @@ Two execution modes, chosen once (a flag, not per call):
   sum is scaled by `alpha = input_scale * weight_scale_2`. GEMM outputs are rounded to the activation
   dtype, as a kernel writes them.
 
+Both modes run on the MoE kernel backend picked at start-up (namazu.kernels.backends); `forward_reference`
+is the torch oracle the backends are tested against.
+
 Storage (the layout the NVFP4 kernels consume, ModelOpt's per-expert tensors stacked over experts):
 w13_packed uint8 [E, 2I, H/2] (gate rows then up rows), w13_scale e4m3 [E, 2I, H/16], w13_gs fp32 [E]
 (gate and up share one weight_scale_2), w2_packed uint8 [E, H, I/2], w2_scale e4m3 [E, H, I/16],
@@ -86,7 +89,7 @@ class NvFP4Experts(RoutedExperts):
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
         self.nvfp4_mode = mode or default_mode()
         _check_mode(self.nvfp4_mode)
-        # W4A16 runs on the MoE kernel backend; False keeps it on this module's torch reference.
+        # Both modes run on the MoE kernel backend; False keeps them on this module's torch reference.
         self.use_kernels = True
         u8, f8, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
         self.register_buffer("w13_packed", torch.zeros(e, 2 * i, h // 2, dtype=u8, device=device))
@@ -254,17 +257,18 @@ class NvFP4Experts(RoutedExperts):
                                self.w2_gs, self.a13_scale if w4a4 else None, self.a2_scale if w4a4 else None)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.nvfp4_mode == "w4a16" and self.use_kernels:
-            # Serving path: the MoE backend chosen at start-up (C++ on CPU, Triton/CUDA on GPU).
+        if self.use_kernels:
+            # The MoE backend chosen at start-up (C++ on CPU, Triton/CUDA on GPU); each backend runs the
+            # W4A4 emulation with the same rounding points as forward_reference (tested).
             from namazu.kernels.backends import get_moe_backend
 
             return get_moe_backend(x.device).nvfp4(x, topk_ids, topk_weights, self.moe_weights())
         return self.forward_reference(x, topk_ids, topk_weights)
 
     def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The torch reference of both modes. W4A4 always runs here: its GEMM outputs and the SwiGLU
-        product are rounded to the activation dtype before the next quantization, as Blackwell MoE
-        pipelines write them (bf16 between GEMMs), which the emulation must reproduce exactly."""
+        """The torch reference of both modes, the oracle of every backend. In W4A4 the GEMM outputs and the
+        SwiGLU product are rounded to the activation dtype before the next quantization, as Blackwell MoE
+        pipelines write them (bf16 between GEMMs)."""
         n, k = topk_ids.shape
         order, counts, _ = sort_by_expert(topk_ids, self.num_experts)
         token = order // k
