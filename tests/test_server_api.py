@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 
 import httpx
@@ -24,8 +25,10 @@ NO_EOS = {"ignore_eos": True}
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    # NAMAZU_SERVER_TEST_ARGS runs the suite under other engine modes, e.g. "--async-scheduling".
+    extra = os.environ.get("NAMAZU_SERVER_TEST_ARGS", "").split()
     with LiveServer(model, "--max-model-len", "256", "--max-num-seqs", "64", "--kv-cache-memory", "32MiB",
-                    "--served-model-name", "tiny", api_key=KEY) as s:
+                    "--served-model-name", "tiny", *extra, api_key=KEY) as s:
         yield s
 
 
