@@ -24,8 +24,8 @@ from namazu.engine_config import EngineConfig
 from namazu.outputs import CompletionOutput, RequestOutput
 from namazu.sampling_params import SamplingParams
 from namazu.scheduler.block_manager import BlockManager
-from namazu.scheduler.scheduler import Scheduler
-from namazu.scheduler.sequence import Sequence
+from namazu.scheduler.scheduler import ScheduledSeq, Scheduler
+from namazu.scheduler.sequence import Sequence, SequenceStatus
 from namazu.spec.drafters import Drafter, NgramDrafter
 from namazu.step_io import StepResult, build_step_batch
 from namazu.tokenizer import Tokenizer
@@ -47,6 +47,16 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class _Launched:
+    """A step submitted to the workers, waiting for its results."""
+
+    scheduled: list[ScheduledSeq]
+    samplers: list[ScheduledSeq]
+    prompt_lp_items: list[tuple[ScheduledSeq, int]]
+    num_prompt_logprobs: int
 
 
 @dataclass
@@ -106,6 +116,11 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self.requests: dict[str, RequestState] = {}
+        # Async scheduling needs every step's outcome known in advance; a verify step's is not.
+        self.async_scheduling = config.async_scheduling and self.drafter is None
+        if config.async_scheduling and self.drafter is not None:
+            logger.warning("--async-scheduling is off: speculative decoding needs each step's acceptance first")
+        self._in_flight: _Launched | None = None
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._num_steps = self._prompt_tokens = self._generated = self._drafted = self._accepted = 0
@@ -175,41 +190,69 @@ class LLMEngine:
         return outs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._in_flight is not None
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the outputs of every request that got new tokens or finished."""
+        """Runs one step; returns the outputs of every request that got new tokens or finished.
+
+        With async scheduling the step launched here is collected by the next call: this call plans
+        and launches step N+1, then collects step N, so planning overlaps the forward."""
+        launched = self._launch()
+        if self.async_scheduling:
+            previous, self._in_flight = self._in_flight, launched
+            return self._collect(previous) if previous is not None else []
+        return self._collect(launched) if launched is not None else []
+
+    def _launch(self) -> _Launched | None:
         if not self.scheduler.has_unfinished:
-            return []
+            return None
         drafts = None
         if self.drafter is not None:
             ready = [s for s in self.scheduler.running if s.num_computed_tokens == s.num_tokens - 1]
             drafts = self.drafter.propose(ready, self.num_speculative_tokens) if ready else None
         plan = self.scheduler.schedule(drafts)
         if plan.is_empty:
-            return []
+            return None
+        prev_rows = {}
+        if self._in_flight is not None:
+            prev_rows = {item.seq.seq_id: s for s, item in enumerate(self._in_flight.samplers)}
         batch, samplers, prompt_lp_items = build_step_batch(plan.scheduled, self.config.block_size,
-                                                            self.vocab_size, self.stop_ids)
-        result = self.executor.execute(batch)
-        self._num_steps += 1
-        touched: dict[str, RequestState] = {}
-        self._take_prompt_logprobs(result, batch.num_prompt_logprobs, prompt_lp_items)
-        row_of = {id(item): s for s, item in enumerate(samplers)}
-        now = time.monotonic()
+                                                            self.vocab_size, self.stop_ids, prev_rows)
+        self.executor.submit(batch)
         for item in plan.scheduled:
+            self.scheduler.submitted(item)
+        self._num_steps += 1
+        return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.num_prompt_logprobs)
+
+    def _collect(self, launched: _Launched) -> list[RequestOutput]:
+        result = self.executor.collect()
+        touched: dict[str, RequestState] = {}
+        self._take_prompt_logprobs(result, launched.num_prompt_logprobs, launched.prompt_lp_items)
+        row_of = {id(item): s for s, item in enumerate(launched.samplers)}
+        now = time.monotonic()
+        for item in launched.scheduled:
             seq = item.seq
+            if seq.is_finished:
+                continue        # aborted, or stopped by a token the host learned after this step launched
+            running = seq.status is SequenceStatus.RUNNING   # not preempted meanwhile
             if not item.samples:
-                self.scheduler.commit(seq, seq.num_computed_tokens + item.num_new_tokens)
+                if running:
+                    self.scheduler.commit(seq, seq.num_computed_tokens)
                 continue
             s = row_of[id(item)]
             accepted = result.accepted[s]
             self._drafted += len(item.draft_token_ids)
             self._accepted += accepted
+            if not item.draft_token_ids:
+                seq.num_pending -= 1
             reason = self._append(seq, s, accepted + 1, result)
-            # KV is valid for every token but the newest; register it in the prefix cache before a
-            # finished sequence releases its blocks, so the next request with this prefix hits.
-            self.scheduler.commit(seq, seq.num_tokens - 1)
+            if running:
+                # KV is valid for every token but the newest (after a verify: up to the last accepted
+                # draft). Register it before a finished sequence releases its blocks, so the next
+                # request with this prefix hits the cache.
+                computed = seq.num_tokens - 1 if item.draft_token_ids else seq.num_computed_tokens
+                self.scheduler.commit(seq, computed)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 seq.detok.finish()
@@ -246,7 +289,7 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
-        n_out = seq.num_output_tokens
+        n_out = len(seq.token_ids) - seq.num_prompt_tokens
         # The token just appended is output number n_out; stops count only past min_tokens.
         can_stop = n_out > params.min_tokens
         if can_stop and not params.ignore_eos and token in self.stop_ids:
@@ -259,7 +302,7 @@ class LLMEngine:
             seq.stop_reason = hit
             return "stop"
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        if n_out >= max_tokens or seq.num_tokens >= self.max_model_len:
+        if n_out >= max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 
@@ -274,7 +317,8 @@ class LLMEngine:
                 n = seq.params.prompt_logprobs
                 lp = dict(zip(result.prompt_top_ids[i][:n], result.prompt_top_logprobs[i][:n]))
                 lp[target] = result.prompt_logprobs[i]
-            assert len(seq.prompt_logprobs) == pos, "prompt logprobs out of order"
+            if seq.is_finished or len(seq.prompt_logprobs) != pos:
+                continue    # aborted, or a recompute after preemption scored this position again
             seq.prompt_logprobs.append(lp)
 
     def _output(self, req: RequestState) -> RequestOutput:

@@ -61,6 +61,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._plan_kv_blocks()
         self.cache = PagedLatentCache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        # The last token each sampling sequence emitted in the previous step, kept on the device: the
+        # next step's pending inputs (async scheduling) are read from here, never from the host.
+        self.last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
         logger.info("rank %d: KV cache %d blocks x %d tokens (%.1f MiB) on %s", rank, self.num_blocks,
                     self.block_size, self.cache.nbytes / 2**20, self.device)
 
@@ -98,6 +101,10 @@ class ModelRunner:
             ids = T(b.output_tokens)
             counts = torch.zeros(ids.shape[0], vocab, device=self.device).scatter_add_(
                 1, ids.clamp(min=0), (ids >= 0).float())
+            if b.relay_count_index is not None:
+                idx = T(b.relay_count_index)
+                pending = self.last_tokens[idx.clamp(min=0)].unsqueeze(-1)
+                counts.scatter_add_(1, pending, (idx >= 0).float().unsqueeze(-1))
         if b.prompt_tokens is not None:
             ids = T(b.prompt_tokens)
             prompt_mask = torch.zeros(ids.shape[0], vocab, device=self.device).scatter_add_(
@@ -121,10 +128,14 @@ class ModelRunner:
         plp_rows, plp_targets = T(b.prompt_lp_rows), T(b.prompt_lp_targets)
         t0 = time.perf_counter()
         with no_host_sync(self.config.debug_no_host_sync):
+            if np.any(b.relay_index >= 0):   # host-side array: no sync
+                relay = T(b.relay_index)
+                input_ids = torch.where(relay >= 0, self.last_tokens[relay.clamp(min=0)], input_ids)
             st = self._sampling_tensors(b)
             with forward_context(PagedAttentionContext(self.cache, meta)):
                 hidden, _ = self.model(input_ids, positions)
             ints, floats = [], []
+            self.last_tokens = self.last_tokens[:0]
             if len(b.logit_rows):
                 logits = self.model.compute_logits(hidden[logit_rows])           # [R, V] fp32
                 processed = process_logits(logits, st)
@@ -139,6 +150,7 @@ class ModelRunner:
                         processed[row_layout], target, draft_ids, draft_probs, num_drafts,
                         st.temperature[first] == 0, st.seeds[first], st.counters[row_layout])
                 ints += [tokens.reshape(-1), accepted]
+                self.last_tokens = tokens.gather(1, accepted.unsqueeze(-1)).squeeze(-1)
                 if b.num_logprobs >= 0:
                     lp, top_ids, top_lp = gather_logprobs(logits[row_layout].flatten(0, 1), tokens.reshape(-1),
                                                           b.num_logprobs)

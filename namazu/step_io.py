@@ -7,6 +7,10 @@ back; rank 0 returns a StepResult of plain lists, the one host read of the step.
 Layout: N query tokens (prefill chunks, decodes, verify rows: last token + drafts) flat; B sequences
 padded to [B, Tq] for attention; R rows whose logits are sampled (1 per decode/prefill end, 1 + k per
 verify); S sampling sequences, each owning rows row_layout[s, :1 + k_s].
+
+Async scheduling: a decode whose input token is still pending (sampled by the step in flight) reads it
+on the device: `relay_index` names the sampling sequence of the previous step that produced it, and
+`relay_count_index` adds it to the penalty counts of the rows that need it.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ class StepBatch:
     q_pos: np.ndarray              # [B, Tq]
     out_index: np.ndarray          # [N]
     logit_rows: np.ndarray         # [R] indices into N
+    relay_index: np.ndarray        # [N] previous step's sampling sequence whose last token is this input, or -1
     # -- sampling, per row ----------------------------------------------------------------------------
     temperature: np.ndarray
     top_k: np.ndarray
@@ -40,6 +45,7 @@ class StepBatch:
     output_tokens: np.ndarray | None   # [R, Lo] generated tokens (+ earlier drafts), -1 padded
     prompt_tokens: np.ndarray | None   # [R, Lp] prompt tokens, -1 padded (repetition penalty)
     bitmask: np.ndarray | None         # [R, W] int32
+    relay_count_index: np.ndarray | None  # [R] pending token to add to output_tokens' counts, or -1
     any_penalty: bool
     any_top_k_top_p: bool
     any_min_p: bool
@@ -80,12 +86,16 @@ def _pad(rows: list[list[int]], fill: int = -1) -> np.ndarray:
     return out
 
 
-def build_step_batch(scheduled: list[ScheduledSeq], block_size: int, vocab_size: int,
-                     stop_ids: list[int]) -> tuple[StepBatch, list[ScheduledSeq], list[tuple[ScheduledSeq, int]]]:
+def build_step_batch(scheduled: list[ScheduledSeq], block_size: int, vocab_size: int, stop_ids: list[int],
+                     prev_rows: dict[int, int] | None = None
+                     ) -> tuple[StepBatch, list[ScheduledSeq], list[tuple[ScheduledSeq, int]]]:
     """Returns the batch, the sampling sequences in row order, and (item, position) per prompt-logprob row.
 
-    `stop_ids` are the end-of-sequence tokens, banned through the bitmask while min_tokens is unmet."""
+    `stop_ids` are the end-of-sequence tokens, banned through the bitmask while min_tokens is unmet.
+    `prev_rows` maps seq_id -> sampling row of the step in flight, for sequences with a pending token."""
+    prev_rows = prev_rows or {}
     input_ids: list[int] = []
+    relay: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     q_rows: list[list[int]] = []
@@ -107,12 +117,19 @@ def build_step_batch(scheduled: list[ScheduledSeq], block_size: int, vocab_size:
     row_prompts: list[list[int]] = []
     row_allowed: list[list[int] | None] = []      # allowed_token_ids
     row_banned: list[list[int]] = []              # end tokens while min_tokens is unmet
+    row_relay: list[int] = []                     # pending token to count for penalties
     any_draft_probs = any(item.draft_probs is not None for item in scheduled)
 
     for b, item in enumerate(scheduled):
         seq = item.seq
-        start = seq.num_computed_tokens
-        toks = seq.token_ids[start:start + item.num_new_tokens] + item.draft_token_ids
+        start = item.start
+        toks = seq.token_ids[start:start + item.num_new_tokens]
+        pending = item.num_new_tokens - len(toks)
+        # Only a decode's single input can be pending: prefill tokens are always known.
+        assert pending == 0 or (pending == 1 and item.num_new_tokens == 1), "pending prompt token"
+        relay += [-1] * len(toks) + ([prev_rows[seq.seq_id]] if pending else [])
+        relay += [-1] * len(item.draft_token_ids)
+        toks = toks + [0] * pending + item.draft_token_ids
         flat0 = len(input_ids)
         pos = list(range(start, start + len(toks)))
         input_ids += toks
@@ -147,6 +164,7 @@ def build_step_batch(scheduled: list[ScheduledSeq], block_size: int, vocab_size:
                                params.top_p, params.min_p, params.presence_penalty, params.frequency_penalty,
                                params.repetition_penalty, seq.seed, n_out))
             row_outputs.append(seq.output_token_ids + item.draft_token_ids[:j])
+            row_relay.append(prev_rows[seq.seq_id] if seq.num_pending else -1)
             row_prompts.append(seq.prompt_token_ids)
             row_allowed.append(params.allowed_token_ids)
             row_banned.append(banned_ids if n_out < params.min_tokens else [])
@@ -196,12 +214,14 @@ def build_step_batch(scheduled: list[ScheduledSeq], block_size: int, vocab_size:
         input_ids=np.asarray(input_ids, dtype=np.int64), positions=np.asarray(positions, dtype=np.int64),
         slot_mapping=np.asarray(slots, dtype=np.int64), block_tables=_pad(tables, 0),
         q_index=_pad(q_rows, 0), q_pos=_pad(q_pos_rows, -1), out_index=np.asarray(out_index, dtype=np.int64),
-        logit_rows=np.asarray(logit_rows, dtype=np.int64),
+        logit_rows=np.asarray(logit_rows, dtype=np.int64), relay_index=np.asarray(relay, dtype=np.int64),
         temperature=temps, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=pres,
         frequency_penalty=freq, repetition_penalty=rep, seeds=seeds, counters=counters,
         output_tokens=_pad(row_outputs) if any_penalty else None,
         prompt_tokens=_pad(row_prompts) if any_penalty and np.any(rep != 1) else None,
         bitmask=bitmask, any_penalty=any_penalty,
+        relay_count_index=(np.asarray(row_relay, dtype=np.int64)
+                           if any_penalty and any(r >= 0 for r in row_relay) else None),
         any_top_k_top_p=bool(np.any(top_k < vocab_size) or np.any(top_p < 1)),
         any_min_p=bool(np.any(min_p > 0)), all_greedy=bool(np.all(temps == 0)), num_logprobs=max_lp,
         row_layout=row_layout, num_drafts=np.asarray([len(d) for d in drafts], dtype=np.int64),

@@ -1,10 +1,11 @@
 """Workers: the model runner behind a message interface, one per tensor-parallel rank.
 
-The engine talks to an Executor: `execute(batch)` sends the same StepBatch to every rank and returns
-rank 0's StepResult. `MultiprocExecutor` runs each rank in its own spawned process (the default:
-the engine's Python work never competes with the forward for the GIL, and a crash in the model
-surfaces as an error instead of taking the engine down); `InlineExecutor` runs rank 0 in-process for
-debugging. Tensor parallelism adds ranks here; the engine does not change.
+The engine talks to an Executor: `submit(batch)` sends the same StepBatch to every rank and returns at
+once; `collect()` waits for rank 0's StepResult. Between the two the engine plans the next step (async
+scheduling); `execute(batch)` is both at once. `MultiprocExecutor` runs each rank in its own spawned
+process (the default: the engine's Python work never competes with the forward for the GIL, and a
+crash in the model surfaces as an error instead of taking the engine down); `InlineExecutor` runs
+rank 0 in-process for debugging. Tensor parallelism adds ranks here; the engine does not change.
 """
 from __future__ import annotations
 
@@ -65,22 +66,36 @@ class Executor:
     def info(self) -> WorkerInfo:
         raise NotImplementedError
 
-    def execute(self, batch: StepBatch) -> StepResult:
+    def submit(self, batch: StepBatch) -> None:
         raise NotImplementedError
+
+    def collect(self) -> StepResult:
+        raise NotImplementedError
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        self.submit(batch)
+        return self.collect()
 
     def close(self) -> None:
         pass
 
 
 class InlineExecutor(Executor):
+    """Rank 0 in the engine's process: a submitted step runs when it is collected (same order and
+    results as a worker process, no overlap)."""
+
     def __init__(self, config: EngineConfig, model_path: str | Path):
         self.worker = Worker(config, model_path)
+        self._queued: list[StepBatch] = []
 
     def info(self) -> WorkerInfo:
         return self.worker.info()
 
-    def execute(self, batch: StepBatch) -> StepResult:
-        return self.worker.execute(batch)
+    def submit(self, batch: StepBatch) -> None:
+        self._queued.append(batch)
+
+    def collect(self) -> StepResult:
+        return self.worker.execute(self._queued.pop(0))
 
 
 def _worker_main(conn: Connection, config: EngineConfig, model_path: str, rank: int, world_size: int,
@@ -173,9 +188,11 @@ class MultiprocExecutor(Executor):
     def info(self) -> WorkerInfo:
         return self._info
 
-    def execute(self, batch: StepBatch) -> StepResult:
+    def submit(self, batch: StepBatch) -> None:
         for conn in self.conns:
             conn.send(("execute", (batch,)))
+
+    def collect(self) -> StepResult:
         results = [self._recv(rank) for rank in range(self.world_size)]
         return results[0]
 

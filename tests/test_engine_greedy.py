@@ -68,8 +68,8 @@ def test_forced_preemption_by_a_tiny_block_pool(shared_prompts, reference):
 def test_batch_of_one_equals_batch_of_sixteen_in_one_step(shared_prompts, reference):
     with LLM(tiny_checkpoint(), executor="inline", max_num_seqs=16) as llm:
         sizes = []
-        execute = llm.engine.executor.execute
-        llm.engine.executor.execute = lambda b: (sizes.append(len(b.row_layout)), execute(b))[1]
+        submit = llm.engine.executor.submit
+        llm.engine.executor.submit = lambda b: (sizes.append(len(b.row_layout)), submit(b))[1]
         together = llm.generate(prompt_token_ids=shared_prompts, sampling_params=GREEDY, use_tqdm=False)
         alone = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY, use_tqdm=False)[0]
                  for p in shared_prompts[:4]]

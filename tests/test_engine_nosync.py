@@ -26,16 +26,16 @@ def test_steps_do_not_sync(drafter_mode):
     with LLM(tiny_checkpoint(), executor="inline", debug_no_host_sync=True, max_num_batched_tokens=24,
              max_num_seqs=8, drafter=drafter, num_speculative_tokens=2 if drafter else 0) as llm:
         kinds = set()
-        execute = llm.engine.executor.execute
+        submit = llm.engine.executor.submit
 
         def spy(b):
             prefill = len(b.input_ids) > len(b.logit_rows)
             kinds.add(("mixed" if prefill and len(b.row_layout) else "prefill") if prefill else "decode")
             if b.draft_ids.shape[1]:
                 kinds.add("verify")
-            return execute(b)
+            return submit(b)
 
-        llm.engine.executor.execute = spy
+        llm.engine.executor.submit = spy
         outs = llm.generate(prompt_token_ids=batch, sampling_params=[features(i) for i in range(8)],
                             use_tqdm=False)
     assert all(o.finished for o in outs)

@@ -68,7 +68,7 @@ class BlockManager:
     def update_block_hashes(self, seq: Sequence) -> None:
         """Extends seq.block_hashes over every full block of its tokens (tokens only ever append)."""
         bs = self.block_size
-        while (len(seq.block_hashes) + 1) * bs <= seq.num_tokens:
+        while (len(seq.block_hashes) + 1) * bs <= len(seq.token_ids):
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
@@ -97,7 +97,7 @@ class BlockManager:
             return []
         self.update_block_hashes(seq)
         hits = []
-        for h in seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]:
+        for h in seq.block_hashes[: (len(seq.token_ids) - 1) // self.block_size]:
             block = self.cached.get(h)
             if block is None:
                 break
@@ -108,7 +108,7 @@ class BlockManager:
         """Maps a waiting sequence's cached prefix into its table and allocates blocks for its first
         `num_new_tokens` uncached tokens. Returns the number of cached tokens, or None (and changes
         nothing) if the pool is too small."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        assert not seq.block_table and seq.num_computed_tokens == 0 and seq.num_pending == 0
         hits = self._prefix_hits(seq)
         num_cached = len(hits) * self.block_size
         num_new_tokens = min(num_new_tokens, seq.num_tokens - num_cached)

@@ -30,10 +30,12 @@ class ScheduledSeq:
     num_new_tokens: int
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: Any = None          # [k, V] draft distribution (stochastic drafter), or None (one-hot)
+    start: int = field(init=False)   # num_computed_tokens when planned (the first new position)
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
 
     @property
     def num_query_tokens(self) -> int:
@@ -113,6 +115,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._exhausted(seq):
+                i += 1      # its last token is pending; the engine finishes it when the value arrives
+                continue
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
             if n < remaining and not self._may_chunk(remaining):
@@ -134,6 +139,8 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash the pool.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break       # preempted while a step was in flight: readmit once its token is known
             num_cached = self.bm.admit(seq, budget)
             if num_cached is None:
                 break
@@ -149,6 +156,10 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return SchedulerOutput(scheduled, preempted)
+
+    def _exhausted(self, seq: Sequence) -> bool:
+        max_tokens = seq.params.max_tokens
+        return seq.num_tokens >= self.max_model_len or (max_tokens is not None and seq.num_output_tokens >= max_tokens)
 
     def _may_chunk(self, remaining: int) -> bool:
         # Without chunked prefill a prompt waits for a step with room for all of it. A sequence that
@@ -169,6 +180,16 @@ class Scheduler:
         if k == 0:
             return [], None
         return list(ids[:k]), (probs[:k] if probs is not None else None)
+
+    def submitted(self, item: ScheduledSeq) -> None:
+        """The step is on its way to the workers. Without drafts its outcome is known in advance: the
+        new tokens' KV will exist and a sampling row adds one (pending) token, so the next step can be
+        planned before the results arrive. Verify rows wait for `commit` (acceptance decides)."""
+        if item.draft_token_ids:
+            return
+        item.seq.num_computed_tokens += item.num_new_tokens
+        if item.samples:
+            item.seq.num_pending += 1
 
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
         """After a step: the KV of the first `num_computed_tokens` tokens is valid. Rolls back blocks

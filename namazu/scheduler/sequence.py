@@ -4,6 +4,11 @@ A request with n > 1 has n sequences; each is scheduled, cached and preempted on
 prompt + output; `num_computed_tokens` is how many of them already have KV in the cache, so prefill,
 chunked prefill, decode and recompute after preemption are all "compute tokens[num_computed:]".
 Draft tokens of a verify step are not in `token_ids` until accepted.
+
+With async scheduling the engine plans a step before the previous step's samples reach the host: a
+sampled token whose value is still on the device is *pending*. It counts in `num_tokens` (the
+scheduler's view: positions, budget, blocks) but not in `token_ids` (known values); the worker feeds
+it to the next step from its device-side copy.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ class Sequence:
     num_committed_blocks: int = 0    # leading blocks registered in the prefix cache
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at the last admission
     num_preemptions: int = 0
+    num_pending: int = 0             # sampled tokens still on the device (async scheduling)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # Results gathered by the engine.
@@ -60,15 +66,18 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens including pending ones: what positions, budgets and blocks are planned for."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
+        """Generated tokens whose values the host knows."""
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Generated tokens including pending ones (the index of the next token to sample)."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
