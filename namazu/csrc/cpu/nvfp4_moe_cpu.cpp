@@ -2,8 +2,8 @@
 // gate_up GEMM -> SiLU-and-mul -> down GEMM, then the top-k weighted sum.
 //
 // Decode is bound by reading weights, so the inner loop streams each weight row once per tile of up to
-// 8 tokens and expands FP4 to fp32 in registers (a 16-entry table lookup by permute), never writing a
-// dequantized copy. Built without -march flags: the AVX2 and AVX-512 paths carry target attributes and
+// 8 tokens (AVX-512: two rows at a time, so each activation load feeds two FMAs) and expands FP4 to
+// fp32 in registers (a 16-entry table lookup by permute), never writing a dequantized copy. Built without -march flags: the AVX2 and AVX-512 paths carry target attributes and
 // are picked at run time, so one build runs on any x86-64 (and the scalar path anywhere else).
 #include "nvfp4_moe_cpu.h"
 
@@ -24,7 +24,7 @@ namespace {
 
 constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-constexpr int kTokTile = 8;   // tokens sharing one pass over a weight row
+constexpr int kTokTile = 8;   // the most token rows a micro-tile takes
 constexpr int kRowBlock = 16;  // weight rows per parallel work item
 
 // E4M3 (fn: no infinities, 0x7F/0xFF are NaN) byte -> fp32, as a table built once.
@@ -93,128 +93,160 @@ void fake_quant_row(float* x, int64_t n, float input_scale) {
   }
 }
 
-// res[t] = gs * sum_k dequant(w)[k] * x[t*ldx + k] for t < NT: one weight row against NT token rows.
-template <int NT>
-void row_dot_scalar(const uint8_t* wp, const uint8_t* ws, int64_t K, const float* x, int64_t ldx, float gs,
-                    float* res) {
-  float acc[NT] = {};
-  float w[16];
-  for (int64_t b = 0; b < K / 16; ++b) {
-    const float s = kE4M3.v[ws[b]];
+// Activation rows are stored with every 16-block reordered as [8 even elements, 8 odd elements]: the
+// low nibbles of a block's 8 packed bytes are its even elements and the high nibbles its odd ones, so
+// in this order the codes expand to a vector without any interleaving.
+void to_nibble_order(float* row, int64_t n) {
+  float tmp[16];
+  for (int64_t b = 0; b < n; b += 16) {
     for (int j = 0; j < 8; ++j) {
-      const uint8_t q = wp[b * 8 + j];
-      w[2 * j] = kE2M1[q & 0xF] * s;
-      w[2 * j + 1] = kE2M1[q >> 4] * s;
+      tmp[j] = row[b + 2 * j];
+      tmp[8 + j] = row[b + 2 * j + 1];
     }
-    for (int t = 0; t < NT; ++t) {
-      const float* xt = x + t * ldx + b * 16;
-      float a = 0.0f;
-      for (int j = 0; j < 16; ++j) a += w[j] * xt[j];
-      acc[t] += a;
+    std::memcpy(row + b, tmp, sizeof(tmp));
+  }
+}
+
+// One micro-tile: NR weight rows x NT token rows over 16-blocks [b0, b1) of K, accumulating into
+// acc[(r * NT + t) * 16 + lane] (16 partial sums per pair, reduced once at the end of the row).
+// Weight row r starts at wp + r * wp_stride (packed) and ws + r * ws_stride (scales); token t at x + t * ldx.
+template <int NR, int NT>
+void tile_scalar(const uint8_t* wp, const uint8_t* ws, int64_t wp_stride, int64_t ws_stride, int64_t b0,
+                 int64_t b1, const float* x, int64_t ldx, float* acc) {
+  for (int r = 0; r < NR; ++r) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float s = kE4M3.v[ws[r * ws_stride + b]];
+      float w[16];
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t q = wp[r * wp_stride + b * 8 + j];
+        w[j] = kE2M1[q & 0xF] * s;
+        w[8 + j] = kE2M1[q >> 4] * s;
+      }
+      for (int t = 0; t < NT; ++t) {
+        float* a = acc + (r * NT + t) * 16;
+        const float* xt = x + t * ldx + b * 16;
+        for (int j = 0; j < 16; ++j) a[j] += w[j] * xt[j];
+      }
     }
   }
-  for (int t = 0; t < NT; ++t) res[t] = acc[t] * gs;
 }
 
 #ifdef NVFP4_X86
-// 8 packed bytes -> 16 codes in element order (low nibble first), zero-extended to bytes.
-__attribute__((target("avx2"))) inline __m128i unpack_codes(const uint8_t* p) {
-  long long q;
-  std::memcpy(&q, p, 8);
-  const __m128i bytes = _mm_cvtsi64_si128(q);
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  return _mm_unpacklo_epi8(lo, hi);
-}
-
-template <int NT>
-__attribute__((target("avx2,fma"))) void row_dot_avx2(const uint8_t* wp, const uint8_t* ws, int64_t K,
-                                                       const float* x, int64_t ldx, float gs, float* res) {
-  // 8-entry magnitude table; the sign bit of the code (bit 3) is moved to the float sign bit.
+template <int NR, int NT>
+__attribute__((target("avx2,fma"))) void tile_avx2(const uint8_t* wp, const uint8_t* ws, int64_t wp_stride,
+                                                    int64_t ws_stride, int64_t b0, int64_t b1, const float* x,
+                                                    int64_t ldx, float* acc) {
+  static_assert(NR == 1, "the AVX2 tile has registers for one weight row");
+  // Magnitudes by the low 3 bits of a code (permutevar8x32 ignores the rest); its bit 3 is the sign.
   const __m256 lut = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-  const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8);
-  __m256 acc0[NT], acc1[NT];
-  for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / 16; ++b) {
-    const __m128i codes = unpack_codes(wp + b * 8);
+  const __m256i lo_sign = _mm256_set1_epi32(0x08), hi_sign = _mm256_set1_epi32(0x80);
+  __m256 ae[NT], ao[NT];
+  for (int t = 0; t < NT; ++t) {
+    ae[t] = _mm256_loadu_ps(acc + t * 16);
+    ao[t] = _mm256_loadu_ps(acc + t * 16 + 8);
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + b * 8)));
     const __m256 s = _mm256_set1_ps(kE4M3.v[ws[b]]);
-    const __m256i c0 = _mm256_cvtepu8_epi32(codes);
-    const __m256i c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8));
-    const __m256 m0 = _mm256_permutevar8x32_ps(lut, _mm256_and_si256(c0, seven));
-    const __m256 m1 = _mm256_permutevar8x32_ps(lut, _mm256_and_si256(c1, seven));
-    const __m256 w0 = _mm256_mul_ps(
-        _mm256_xor_ps(m0, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c0, eight), 28))), s);
-    const __m256 w1 = _mm256_mul_ps(
-        _mm256_xor_ps(m1, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c1, eight), 28))), s);
+    const __m256 we = _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(lut, c),
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, lo_sign), 28))), s);
+    const __m256 wo = _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(lut, _mm256_srli_epi32(c, 4)),
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, hi_sign), 24))), s);
     for (int t = 0; t < NT; ++t) {
       const float* xt = x + t * ldx + b * 16;
-      acc0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xt), acc0[t]);
-      acc1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xt + 8), acc1[t]);
+      ae[t] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xt), ae[t]);
+      ao[t] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xt + 8), ao[t]);
     }
   }
   for (int t = 0; t < NT; ++t) {
-    const __m256 a = _mm256_add_ps(acc0[t], acc1[t]);
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    res[t] = _mm_cvtss_f32(r) * gs;
+    _mm256_storeu_ps(acc + t * 16, ae[t]);
+    _mm256_storeu_ps(acc + t * 16 + 8, ao[t]);
+  }
+  (void)wp_stride;
+  (void)ws_stride;
+}
+
+#define NVFP4_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+
+// One 16-block of NR weight rows against NT token rows, into the accumulators a[r][t].
+template <int NR, int NT>
+NVFP4_AVX512 inline __attribute__((always_inline)) void block_avx512(
+    __m512 (&a)[NR][NT], const uint8_t* wp, const uint8_t* ws, int64_t wp_stride, int64_t ws_stride, int64_t b,
+    const float* x, int64_t ldx) {
+  const __m512 lut = _mm512_loadu_ps(kE2M1);  // permutexvar reads only the low 4 bits of each index
+  const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+  __m512 w[NR];
+  for (int r = 0; r < NR; ++r) {
+    // The 8 packed bytes in both halves; bytes >> 0 index the even elements, >> 4 the odd ones.
+    const __m128i q =
+        _mm_castpd_si128(_mm_loaddup_pd(reinterpret_cast<const double*>(wp + r * wp_stride + b * 8)));
+    const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(q), shifts);
+    w[r] = _mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), _mm512_set1_ps(kE4M3.v[ws[r * ws_stride + b]]));
+  }
+  for (int t = 0; t < NT; ++t) {
+    const __m512 xv = _mm512_loadu_ps(x + t * ldx + b * 16);
+    for (int r = 0; r < NR; ++r) a[r][t] = _mm512_fmadd_ps(w[r], xv, a[r][t]);
   }
 }
 
-template <int NT>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void row_dot_avx512(
-    const uint8_t* wp, const uint8_t* ws, int64_t K, const float* x, int64_t ldx, float gs, float* res) {
-  const __m512 lut = _mm512_loadu_ps(kE2M1);
-  // Two accumulators per token break the FMA dependency chain when few tokens share the row.
-  __m512 acc0[NT], acc1[NT];
-  for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
-  const int64_t nb = K / 16;
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    const __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(unpack_codes(wp + b * 8)), lut),
-                                    _mm512_set1_ps(kE4M3.v[ws[b]]));
-    const __m512 w1 = _mm512_mul_ps(
-        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(unpack_codes(wp + b * 8 + 8)), lut),
-        _mm512_set1_ps(kE4M3.v[ws[b + 1]]));
+template <int NR, int NT>
+NVFP4_AVX512 void tile_avx512(const uint8_t* wp, const uint8_t* ws, int64_t wp_stride, int64_t ws_stride,
+                              int64_t b0, int64_t b1, const float* x, int64_t ldx, float* acc) {
+  // With few (row, token) pairs, one accumulator each would serialise on FMA latency: odd blocks then
+  // go to a second set.
+  constexpr bool kTwoSets = NR * NT <= 4;
+  __m512 a0[NR][NT], a1[NR][NT];
+  for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) {
-      const float* xt = x + t * ldx + b * 16;
-      acc0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt), acc0[t]);
-      acc1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), acc1[t]);
+      a0[r][t] = _mm512_loadu_ps(acc + (r * NT + t) * 16);
+      a1[r][t] = _mm512_setzero_ps();
+    }
+  int64_t b = b0;
+  if constexpr (kTwoSets) {
+    for (; b + 1 < b1; b += 2) {
+      block_avx512<NR, NT>(a0, wp, ws, wp_stride, ws_stride, b, x, ldx);
+      block_avx512<NR, NT>(a1, wp, ws, wp_stride, ws_stride, b + 1, x, ldx);
     }
   }
-  if (b < nb) {
-    const __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(unpack_codes(wp + b * 8)), lut),
-                                    _mm512_set1_ps(kE4M3.v[ws[b]]));
-    for (int t = 0; t < NT; ++t) acc0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * ldx + b * 16), acc0[t]);
-  }
-  for (int t = 0; t < NT; ++t) res[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t])) * gs;
+  for (; b < b1; ++b) block_avx512<NR, NT>(a0, wp, ws, wp_stride, ws_stride, b, x, ldx);
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc + (r * NT + t) * 16, _mm512_add_ps(a0[r][t], a1[r][t]));
 }
 #endif
 
-using RowDot = void (*)(const uint8_t*, const uint8_t*, int64_t, const float*, int64_t, float, float*);
+using TileFn = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, int64_t, const float*, int64_t,
+                        float*);
 
-// Dispatch table per path: entry nt-1 handles a tile of nt tokens.
-#define NVFP4_ROW_TABLE(fn) {&fn<1>, &fn<2>, &fn<3>, &fn<4>, &fn<5>, &fn<6>, &fn<7>, &fn<8>}
-const RowDot kScalar[kTokTile] = NVFP4_ROW_TABLE(row_dot_scalar);
+// A vector path: micro-tiles for 1..tokens token rows, each over `rows` weight rows.
+struct Path {
+  int rows;
+  int tokens;
+  TileFn tile[kTokTile];
+};
+
+#define NVFP4_TILES(fn, nr) {&fn<nr, 1>, &fn<nr, 2>, &fn<nr, 3>, &fn<nr, 4>, &fn<nr, 5>, &fn<nr, 6>, &fn<nr, 7>, &fn<nr, 8>}
+const Path kScalarPath = {1, 8, NVFP4_TILES(tile_scalar, 1)};
 #ifdef NVFP4_X86
-const RowDot kAvx2[kTokTile] = NVFP4_ROW_TABLE(row_dot_avx2);
-const RowDot kAvx512[kTokTile] = NVFP4_ROW_TABLE(row_dot_avx512);
+// AVX2 has 16 registers: one weight row against 4 tokens (8 accumulators). AVX-512 has 32: two rows
+// against 8 tokens (16 accumulators), so every activation load feeds two FMAs.
+const Path kAvx2Path = {1, 4, NVFP4_TILES(tile_avx2, 1)};
+const Path kAvx512Path = {2, 8, NVFP4_TILES(tile_avx512, 2)};
 #endif
 
-const RowDot* row_table(int isa) {
+const Path& path_for(int isa) {
 #ifdef NVFP4_X86
-  if (isa == NVFP4_ISA_AVX512) return kAvx512;
-  if (isa == NVFP4_ISA_AVX2) return kAvx2;
+  if (isa == NVFP4_ISA_AVX512) return kAvx512Path;
+  if (isa == NVFP4_ISA_AVX2) return kAvx2Path;
 #endif
-  return kScalar;
+  return kScalarPath;
 }
 
 // One grouped GEMM: for every expert e with rows, dst[row, r] = src[row, :] . dequant(w[e, r, :]).
-// src rows of expert e are offsets[e]..offsets[e+1], contiguous, K wide; dst is `out_rows` wide.
+// src rows of expert e are offsets[e]..offsets[e+1], contiguous, K wide, in nibble order; dst is
+// `out_rows` wide.
 void grouped_gemm(const std::vector<int64_t>& offsets, int64_t E, const float* src, int64_t K,
                   const uint8_t* packed, const uint8_t* scale, const float* gs, int64_t out_rows, float* dst,
-                  const RowDot* table, int threads) {
+                  const Path& path, int threads) {
   struct Item {
     int64_t e, r0;
   };
@@ -223,20 +255,32 @@ void grouped_gemm(const std::vector<int64_t>& offsets, int64_t E, const float* s
     if (offsets[e + 1] == offsets[e]) continue;  // an expert without tokens: its weights are not read
     for (int64_t r = 0; r < out_rows; r += kRowBlock) items.push_back({e, r});
   }
-  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t n_items = static_cast<int64_t>(items.size()), nb = K / 16;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t it = 0; it < n_items; ++it) {
     const int64_t e = items[it].e, r0 = items[it].r0, r1 = std::min(out_rows, r0 + kRowBlock);
     const int64_t m0 = offsets[e], m = offsets[e + 1] - m0;
     const uint8_t* wp = packed + (e * out_rows) * (K / 2);
     const uint8_t* ws = scale + (e * out_rows) * (K / 16);
-    float res[kTokTile];
-    for (int64_t t0 = 0; t0 < m; t0 += kTokTile) {
-      const int nt = static_cast<int>(std::min<int64_t>(kTokTile, m - t0));
+    alignas(64) float acc[kRowBlock * kTokTile * 16];
+    for (int64_t t0 = 0; t0 < m; t0 += path.tokens) {
+      const int nt = static_cast<int>(std::min<int64_t>(path.tokens, m - t0));
       const float* xt = src + (m0 + t0) * K;
+      std::fill(acc, acc + (r1 - r0) * nt * 16, 0.0f);
+      // Whole rows per pass: K-chunking (to keep the token tile in L1) measured slower here, the
+      // long sequential weight streams matter more. out_rows is a multiple of 16, so a row block always
+      // splits into whole tiles of path.rows.
+      for (int64_t r = r0; r < r1; r += path.rows) {
+        path.tile[nt - 1](wp + r * (K / 2), ws + r * (K / 16), K / 2, K / 16, 0, nb, xt, K,
+                          acc + (r - r0) * nt * 16);
+      }
       for (int64_t r = r0; r < r1; ++r) {
-        table[nt - 1](wp + r * (K / 2), ws + r * (K / 16), K, xt, K, gs[e], res);
-        for (int t = 0; t < nt; ++t) dst[(m0 + t0 + t) * out_rows + r] = res[t];
+        for (int t = 0; t < nt; ++t) {
+          const float* a = acc + ((r - r0) * nt + t) * 16;
+          float sum = 0.0f;
+          for (int j = 0; j < 16; ++j) sum += a[j];
+          dst[(m0 + t0 + t) * out_rows + r] = sum * gs[e];
+        }
       }
     }
   }
@@ -246,7 +290,7 @@ int run(const Nvfp4MoeCpuArgs& a) {
   const int64_t N = a.num_tokens, H = a.hidden, I = a.inter, E = a.num_experts, k = a.top_k;
   if (N < 0 || k < 0 || E <= 0 || H <= 0 || I <= 0 || H % 16 || I % 16) return NVFP4_MOE_BAD_SHAPE;
   const int threads = a.num_threads > 0 ? a.num_threads : omp_get_max_threads();
-  const RowDot* table = row_table(nvfp4_moe_cpu_resolve_isa(a.isa));
+  const Path& path = path_for(nvfp4_moe_cpu_resolve_isa(a.isa));
   const int64_t M = N * k;
 
   // Counting sort of the (token, slot) pairs by expert, stable in pair order.
@@ -271,8 +315,9 @@ int run(const Nvfp4MoeCpuArgs& a) {
     float* dst = xs.data() + row_of_pair[p] * H;
     std::memcpy(dst, a.x + (p / k) * H, H * sizeof(float));
     if (a.a13_scale) fake_quant_row(dst, H, a.a13_scale[a.topk_ids[p]]);
+    to_nibble_order(dst, H);
   }
-  grouped_gemm(offsets, E, xs.data(), H, a.w13_packed, a.w13_scale, a.w13_gs, 2 * I, h13.data(), table, threads);
+  grouped_gemm(offsets, E, xs.data(), H, a.w13_packed, a.w13_scale, a.w13_gs, 2 * I, h13.data(), path, threads);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t row = 0; row < M; ++row) {
     float* g = h13.data() + row * 2 * I;
@@ -284,8 +329,9 @@ int run(const Nvfp4MoeCpuArgs& a) {
       for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * g[I + j];
     }
     if (a.a2_scale) fake_quant_row(o, I, a.a2_scale[expert_of_row[row]]);
+    to_nibble_order(o, I);
   }
-  grouped_gemm(offsets, E, act.data(), I, a.w2_packed, a.w2_scale, a.w2_gs, H, y.data(), table, threads);
+  grouped_gemm(offsets, E, act.data(), I, a.w2_packed, a.w2_scale, a.w2_gs, H, y.data(), path, threads);
 
   // Top-k weighted sum, slots in order, so the result does not depend on the thread count.
 #pragma omp parallel for schedule(static) num_threads(threads)
