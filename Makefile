@@ -36,6 +36,10 @@ bench: $(STAMP)
 bench-serve: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/serve.py $(ARGS)
 
+# Tool calls through the API on held-out schemas (trigger rate, schema-valid arguments, streaming check).
+bench-tools: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/tool_calls.py $(ARGS)
+
 # NVFP4 acceptance table (calibration variants vs BF16 with CIs) + resident memory of packed experts.
 bench-nvfp4: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/nvfp4_acceptance.py $(ARGS)
