@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # C++/CUDA kernel sources: editing one rebuilds the extension (pip install -e . runs build_ext).
 CSRC := $(wildcard namazu/csrc/*.cu namazu/csrc/*.h namazu/csrc/*/*.cpp namazu/csrc/*/*.h)
 
-.PHONY: install test lint run bench bench-serve bench-nvfp4 bench-kernels gpu-check tiny-model clean
+.PHONY: install test lint run bench bench-serve bench-tools bench-nvfp4 bench-kernels gpu-check tiny-model clean
 
 $(STAMP): requirements.txt requirements-dev.txt setup.py $(CSRC)
 	test -x $(PY) || python3 -m venv $(VENV)
