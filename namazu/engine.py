@@ -41,6 +41,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
+    stream: bool = True              # an output every step, or only the final one
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -155,7 +156,9 @@ class LLMEngine:
         return prompt_token_ids
 
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None, priority: int = 0) -> None:
+                    prompt_token_ids: list[int] | None = None, priority: int = 0, stream: bool = True) -> None:
+        """Queues a request. With stream=False, `step()` returns its output only once it finished
+        (offline generation skips building a snapshot per step)."""
         params = params or SamplingParams()
         ids = self.validate_request(request_id, prompt, params, prompt_token_ids)
         seqs = []
@@ -167,7 +170,7 @@ class LLMEngine:
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
             seqs.append(seq)
-        self.requests[request_id] = RequestState(request_id, prompt, ids, params, seqs)
+        self.requests[request_id] = RequestState(request_id, prompt, ids, params, seqs, stream)
         for seq in seqs:
             self.scheduler.add(seq)
         self._prompt_tokens += len(ids)
@@ -261,7 +264,8 @@ class LLMEngine:
             touched[seq.request_id] = req
         outputs = []
         for rid, req in touched.items():
-            outputs.append(self._output(req))
+            if req.stream or req.finished:
+                outputs.append(self._output(req))
             if req.finished:
                 del self.requests[rid]
         return outputs

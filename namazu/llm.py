@@ -81,7 +81,7 @@ class LLM:
         try:
             for (text, ids), p, prio in zip(items, params, prios):
                 rid = f"llm-{next(self._ids)}"
-                engine.add_request(rid, text, p, prompt_token_ids=ids, priority=prio)
+                engine.add_request(rid, text, p, prompt_token_ids=ids, priority=prio, stream=False)
                 order[rid] = len(order)
                 rids.append(rid)
         except Exception:
