@@ -166,8 +166,9 @@ def test_bad_input_gets_clear_errors(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_async_engine_streams_and_cancels():
-    engine = AsyncEngine(EngineConfig(model=tiny_checkpoint(), executor="inline"))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_async_engine_streams_and_cancels(async_scheduling):
+    engine = AsyncEngine(EngineConfig(model=tiny_checkpoint(), executor="inline", async_scheduling=async_scheduling))
 
     async def main():
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
