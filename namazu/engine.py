@@ -85,35 +85,22 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
-        self.executor = make_executor(config, self.model_path)
-        info = self.executor.info()
-        self.worker_info = info
-        bs = config.block_size
-        capacity = info.num_kv_blocks * bs
-        self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, capacity)
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            self.close()
-            raise ValueError(f"--max-model-len={self.max_model_len} exceeds the model's max_position_embeddings="
-                             f"{self.model_config.max_position_embeddings}")
-        # A lone sequence at max_model_len (plus a verify step's drafts) must fit the pool, or preemption
-        # could loop forever.
-        need = self.max_model_len + config.num_speculative_tokens
-        if need > capacity:
-            self.close()
-            raise ValueError(
-                f"the KV cache holds {info.num_kv_blocks} blocks x {bs} = {capacity} tokens, fewer than one "
-                f"sequence of --max-model-len={self.max_model_len}"
-                + (f" + {config.num_speculative_tokens} draft tokens" if config.num_speculative_tokens else "")
-                + "; raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len")
-        self.block_manager = BlockManager(info.num_kv_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.enable_chunked_prefill, config.scheduling_policy)
         if drafter is None and config.speculative_method == "ngram":
             drafter = NgramDrafter(config.ngram_max, config.ngram_min)
         self.drafter = drafter
         self.num_speculative_tokens = config.num_speculative_tokens if drafter is not None else 0
         if drafter is not None and self.num_speculative_tokens == 0:
             raise ValueError("a drafter was given but --num-speculative-tokens is 0")
+        self.executor = make_executor(config, self.model_path)
+        try:
+            self._plan_capacity()
+        except BaseException:
+            self.close()
+            raise
+        self.block_manager = BlockManager(self.worker_info.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.enable_chunked_prefill, config.scheduling_policy)
         self.vocab_size = self.model_config.vocab_size
         self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self.requests: dict[str, RequestState] = {}
@@ -125,8 +112,29 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._num_steps = self._prompt_tokens = self._generated = self._drafted = self._accepted = 0
+        info = self.worker_info
         logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s",
-                    self.model_path, info.num_kv_blocks, bs, self.max_model_len, info.device, info.dtype)
+                    self.model_path, info.num_kv_blocks, config.block_size, self.max_model_len, info.device,
+                    info.dtype)
+
+    def _plan_capacity(self) -> None:
+        """max_model_len from the flag or the model, checked against what the KV cache holds: a lone
+        sequence at max_model_len (plus a verify step's drafts) must fit the pool, or preemption could
+        loop forever."""
+        config, info = self.config, self.executor.info()
+        self.worker_info = info
+        bs, spec = config.block_size, self.num_speculative_tokens
+        capacity = info.num_kv_blocks * bs
+        max_pos = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or min(max_pos, capacity - spec)
+        if self.max_model_len > max_pos:
+            raise ValueError(f"--max-model-len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{max_pos}")
+        if self.max_model_len < 2 or self.max_model_len + spec > capacity:
+            raise ValueError(
+                f"the KV cache holds {info.num_kv_blocks} blocks x {bs} = {capacity} tokens, fewer than one "
+                f"sequence of --max-model-len={self.max_model_len}" + (f" + {spec} draft tokens" if spec else "")
+                + "; raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len")
 
     # -- requests -------------------------------------------------------------------------------------
     def validate_request(self, request_id: str, prompt: str | None, params: SamplingParams,
