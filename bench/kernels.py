@@ -315,11 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", default=["tiny", "k2"])
     p.add_argument("--tokens", nargs="+", type=int, help="token counts (default: per shape and device)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="CPU threads (default: torch's, i.e. OMP_NUM_THREADS)")
     p.add_argument("--write", action="store_true", help="update this device's section of bench/RESULTS.md")
     p.add_argument("--jsonl", help="append every row to this file as it is measured (partial results)")
     p.add_argument("--plot", help="write a time-vs-tokens plot (png)")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     roof = measure_roofline(args.device)
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"

@@ -26,6 +26,9 @@ constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.
                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 constexpr int kTokTile = 8;   // the most token rows a micro-tile takes
 constexpr int kRowBlock = 16;  // weight rows per parallel work item
+// Below this many multiply-adds a parallel region costs more than it saves (waking threads; on a loaded
+// machine a spinning thread can wait out a whole time slice for a descheduled peer), so it runs serially.
+constexpr int64_t kMinParallelWork = int64_t{1} << 21;
 
 // E4M3 (fn: no infinities, 0x7F/0xFF are NaN) byte -> fp32, as a table built once.
 struct E4M3Table {
@@ -256,7 +259,10 @@ void grouped_gemm(const std::vector<int64_t>& offsets, int64_t E, const float* s
     for (int64_t r = 0; r < out_rows; r += kRowBlock) items.push_back({e, r});
   }
   const int64_t n_items = static_cast<int64_t>(items.size()), nb = K / 16;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  const int64_t rows = offsets[E] - offsets[0];
+  // multiply-adds plus weight values expanded
+  const bool parallel = n_items > 1 && (rows * out_rows + n_items * kRowBlock) * K >= kMinParallelWork;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
   for (int64_t it = 0; it < n_items; ++it) {
     const int64_t e = items[it].e, r0 = items[it].r0, r1 = std::min(out_rows, r0 + kRowBlock);
     const int64_t m0 = offsets[e], m = offsets[e + 1] - m0;
@@ -308,9 +314,10 @@ int run(const Nvfp4MoeCpuArgs& a) {
     expert_of_row[row] = e;
   }
 
+  const bool big = M * (H + I) >= kMinParallelWork;  // element-wise passes: parallel only when large
   // Expert-sorted activations, the gate_up output and the down input/output, all fp32.
   std::vector<float> xs(M * H), h13(M * 2 * I), act(M * I), y(M * H);
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (big)
   for (int64_t p = 0; p < M; ++p) {
     float* dst = xs.data() + row_of_pair[p] * H;
     std::memcpy(dst, a.x + (p / k) * H, H * sizeof(float));
@@ -318,7 +325,7 @@ int run(const Nvfp4MoeCpuArgs& a) {
     to_nibble_order(dst, H);
   }
   grouped_gemm(offsets, E, xs.data(), H, a.w13_packed, a.w13_scale, a.w13_gs, 2 * I, h13.data(), path, threads);
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (big)
   for (int64_t row = 0; row < M; ++row) {
     float* g = h13.data() + row * 2 * I;
     float* o = act.data() + row * I;
@@ -334,7 +341,7 @@ int run(const Nvfp4MoeCpuArgs& a) {
   grouped_gemm(offsets, E, act.data(), I, a.w2_packed, a.w2_scale, a.w2_gs, H, y.data(), path, threads);
 
   // Top-k weighted sum, slots in order, so the result does not depend on the thread count.
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (big)
   for (int64_t n = 0; n < N; ++n) {
     float* o = a.out + n * H;
     std::fill(o, o + H, 0.0f);
