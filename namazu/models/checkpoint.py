@@ -100,6 +100,12 @@ def save_checkpoint(model, path: str | os.PathLike, dtype: torch.dtype | None = 
     cfg = model.config
     cfg.torch_dtype = str(dtype or model.dtype).replace("torch.", "")
     cfg.save(path)
+    write_safetensors(tensors, path, max_shard_bytes)
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
+                      max_shard_bytes: int | None = None) -> None:
+    """One model.safetensors, or shards plus model.safetensors.index.json past `max_shard_bytes`."""
     for stale in (INDEX_FILE, SINGLE_FILE):
         if os.path.exists(os.path.join(path, stale)):
             os.remove(os.path.join(path, stale))
