@@ -16,7 +16,10 @@ Evaluation on the Japanese and English test splits: perplexity change, mean KL a
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,10 +43,10 @@ def run_row(args, ref, tok, name, calib_windows, policy_name, force, impute, eva
     cov, linears, total = calibrate(model, calib_windows, policy, args.min_tokens, force, progress=False)
     try:
         stats, report = finalize(cov, linears, total, args.min_tokens, force, impute)
-    except MissingScalesError as e:
-        n = str(e).split(" expert(s)")[0]
-        listed = ", ".join(f"L{c}/E{x}" for c, v in cov.items() for x in (v.tokens == 0).nonzero().flatten().tolist())
-        return {"name": name, "tokens": total, "status": f"refused: {n} experts without a scale ({listed})"}
+    except MissingScalesError:
+        cold = [f"L{c}/E{x}" for c, v in cov.items() for x in (v.tokens == 0).nonzero().flatten().tolist()]
+        return {"name": name, "tokens": total,
+                "status": f"**refused**: {len(cold)} experts without a scale ({_short(cold)})"}
     quantize_model(model, policy, stats, mode="w4a4", scale_search=scale_search)
     out = os.path.join(workdir, name.replace(" ", "_").replace("/", "-"))
     save_quantized(model, out, policy, source_dir=args.model)
@@ -54,11 +57,35 @@ def run_row(args, ref, tok, name, calib_windows, policy_name, force, impute, eva
     for src in ("forced", "imputed", "low"):
         items = report.by_source(src)
         if items:
-            status.append(f"{src} {len(items)}: " + ", ".join(f"L{s.layer}/E{s.expert}" for s in items))
+            status.append(f"{src} {len(items)}: " + _short([f"L{s.layer}/E{s.expert}" for s in items]))
     comps = {label: compare(score(ref, cand, w, desc=f"{name} {label}"), label, args.bootstrap)
              for label, w in eval_sets.items()}
     return {"name": name, "tokens": total, "status": "; ".join(status) or "all experts from routed tokens",
             "comps": comps, "bits": nbytes * 8 / max(nweights, 1), "expert_bytes": nbytes}
+
+
+def _short(names: list[str], keep: int = 12) -> str:
+    return ", ".join(names) if len(names) <= keep else ", ".join(names[:keep]) + f", ... ({len(names)} in all)"
+
+
+def memory_table() -> str:
+    """bench/nvfp4_memory.py in its own process, so its RSS readings see nothing of this one."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nvfp4_memory.py")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, check=True).stdout
+    return out.strip()
+
+
+def write_section(path: str, body: str) -> None:
+    """Replaces the NVFP4 section of bench/RESULTS.md (between its markers) or appends it."""
+    begin, end = "<!-- nvfp4-acceptance:begin -->", "<!-- nvfp4-acceptance:end -->"
+    block = f"{begin}\n{body.strip()}\n{end}\n"
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmark results\n"
+    if begin in text and end in text:
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end) + "\n?", lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def fmt_rows(rows, labels) -> str:
@@ -88,7 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--min-tokens", type=int, default=32)
     ap.add_argument("--bootstrap", type=int, default=1000)
-    ap.add_argument("--out-md", default=None, help="also write the table here")
+    ap.add_argument("--write", action="store_true", help="write the section into bench/RESULTS.md")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     t0 = time.time()
@@ -120,14 +147,22 @@ def main(argv=None) -> int:
                             "experts", True, False, scale_search=True, **common))
     table = fmt_rows(rows, list(evals))
     bits = rows[0].get("bits")
-    mem = (f"Resident bytes of the NVFP4 routed experts in the loaded model: {rows[0]['expert_bytes']} "
-           f"= {bits:.3f} bits per expert weight (BF16: 16).") if bits else ""
-    print(table)
-    print(mem)
-    print(f"({time.time() - t0:.0f} s)")
-    if args.out_md:
-        with open(args.out_md, "w", encoding="utf-8") as f:
-            f.write(table + "\n\n" + mem + "\n")
+    mem = (f"Resident bytes of the NVFP4 routed experts of the loaded checkpoint, measured on the live modules: "
+           f"{rows[0]['expert_bytes']} bytes = {bits:.3f} bits per expert weight (BF16: 16).") if bits else ""
+    rss = memory_table()
+    print(table, mem, rss, f"({time.time() - t0:.0f} s)", sep="\n\n")
+    if args.write:
+        argv_s = " ".join(argv if argv is not None else sys.argv[1:])
+        body = (f"## NVFP4 routed experts: quality and memory ({datetime.date.today()})\n\n"
+                f"`python bench/nvfp4_acceptance.py {argv_s}` on `{args.model}`, CPU, {time.time() - t0:.0f} s. "
+                f"Each row is calibrated with `namazu.quant.calibrate`'s code, written as a ModelOpt NVFP4 "
+                f"checkpoint, loaded back from disk and scored against BF16 on {args.eval_tokens} tokens per "
+                f"language of the corpus test splits (windows of {args.seq_len}; 95% paired-bootstrap intervals "
+                f"over windows, {args.bootstrap} resamples). Calibration: the valid splits, {args.calib_tokens} "
+                f"tokens; the cold-experts rows use {args.small_calib_tokens} tokens; --min-tokens "
+                f"{args.min_tokens}.\n\n{table}\n\n{mem}\n\nRSS of a synthetic MoE layer "
+                f"(`python bench/nvfp4_memory.py`):\n\n{rss}\n")
+        write_section(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), body)
     return 0
 
 
