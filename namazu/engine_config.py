@@ -40,7 +40,7 @@ class EngineConfig:
     model: str | None = _f(None, "checkpoint directory (config.json + safetensors + tokenizer); "
                                  "default: the embedded namazu-tiny model")
     tokenizer: str | None = _f(None, "tokenizer directory if not the model's")
-    dtype: str = _f("auto", "weight and activation dtype; auto = the checkpoint's (float32 on CPU for fp16)",
+    dtype: str = _f("auto", "weight and activation dtype; auto = the checkpoint's on GPU, float32 on CPU",
                     choices=("auto", "float32", "bfloat16", "float16"))
     device: str = _f("auto", "where the model runs; auto = cuda if available else cpu",
                      choices=("auto", "cpu", "cuda"))
@@ -139,7 +139,9 @@ class EngineConfig:
                     kw["choices"] = [c for c in choices if c is not None]
                 if "metavar" in f.metadata:
                     kw["metavar"] = f.metadata["metavar"]
-            if f.default is not None and base is not bool:
+            if base is bool:
+                kw["help"] += f" (default: {'on' if f.default else 'off'})"
+            elif f.default is not None:
                 kw["help"] += f" (default: {f.default})"
             group.add_argument(flag, **kw)
         return parser
