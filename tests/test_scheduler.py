@@ -134,3 +134,21 @@ def test_preempted_sequence_longer_than_the_budget_still_runs_without_chunking()
         steps += 1
         assert steps < 50, "a recomputed sequence longer than the budget never ran"
     assert a.num_output_tokens == 10
+
+
+def test_decodes_are_not_stalled_by_a_long_prefill_ahead_of_them():
+    bm = BlockManager(64, 4, enable_prefix_caching=False)    # so the recompute is a real long prefill
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128)
+    a = make_seq(20, max_tokens=20)               # arrives first
+    b = make_seq(4, max_tokens=20, base=500)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(3):
+        fake_step(sched, sched.schedule())        # both decoding
+    sched._preempt(a)                             # a must now recompute 23 tokens, ahead of b in FCFS
+    fake_step(sched, sched.schedule())            # nothing admitted in the preempting step... a readmitted
+    for _ in range(3):
+        out = sched.schedule()
+        kinds = {id(s.seq): s.num_new_tokens for s in out.scheduled}
+        assert kinds.get(id(b)) == 1, "the running decode was stalled by the recompute"
+        fake_step(sched, out)

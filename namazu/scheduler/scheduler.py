@@ -112,29 +112,33 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if self._exhausted(seq):
-                i += 1      # its last token is pending; the engine finishes it when the value arrives
-                continue
+        # Decodes (and verifies) first, then prompt chunks, each in policy order: a long prefill (a
+        # recompute after preemption, a high-priority prompt) never stalls the running decodes.
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        planned: dict[int, ScheduledSeq] = {}
+        for seq in decoding + [s for s in self.running if s.num_tokens - s.num_computed_tokens != 1]:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or self._exhausted(seq):
+                continue    # preempted below, or its last token is pending (finished when it arrives)
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
             if n < remaining and not self._may_chunk(remaining):
-                i += 1
                 continue
             draft_ids, draft_probs = self._trim_drafts(seq, drafts.get(seq.seq_id), budget - n, n == remaining)
             while not self.bm.grow(seq, seq.num_computed_tokens + n + len(draft_ids)):
-                victim = self.running[-1]
+                victim = self.running[-1]          # the last in policy order
+                if victim.seq_id in planned:       # already planned this step: give its budget back
+                    budget += planned.pop(victim.seq_id).num_query_tokens
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
-                break
-            scheduled.append(ScheduledSeq(seq, n, draft_ids, draft_probs))
+                continue
+            planned[seq.seq_id] = ScheduledSeq(seq, n, draft_ids, draft_probs)
             budget -= n + len(draft_ids)
-            i += 1
+        scheduled.extend(planned.values())
 
         # Admitting new work right after a preemption would only thrash the pool.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
