@@ -11,7 +11,8 @@ Rows (each calibrated, written as a ModelOpt checkpoint, reloaded from disk, sco
   w4a16     the main checkpoint run weight-only (the Hopper serving path)
   mse       the main row with least-squares weight block scales (--weight-scale-search)
 Evaluation on the Japanese and English test splits: perplexity change, mean KL and top-1 agreement with
-95% paired-bootstrap intervals. Also the measured resident bytes of the quantized experts.
+95% paired-bootstrap intervals. Also the measured resident bytes of the quantized experts (live modules
+and process RSS) and the one-class-at-a-time sensitivity sweep.
 """
 from __future__ import annotations
 
@@ -73,6 +74,17 @@ def memory_table() -> str:
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nvfp4_memory.py")
     out = subprocess.run([sys.executable, script], capture_output=True, text=True, check=True).stdout
     return out.strip()
+
+
+def sensitivity_table(args, corpus) -> str:
+    """`python -m namazu.quant.sensitivity` with this run's data, in its own process; its table only."""
+    cmd = [sys.executable, "-m", "namazu.quant.sensitivity", "--model", args.model,
+           "--calib", str(split_path(corpus, "ja", "valid")),
+           "--data", str(split_path(corpus, "ja", "test")), str(split_path(corpus, "en", "test")),
+           "--calib-tokens", str(args.calib_tokens), "--max-tokens", str(args.eval_tokens),
+           "--seq-len", str(args.seq_len), "--bootstrap", str(args.bootstrap)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return "\n".join(line for line in out.splitlines() if line.startswith("|"))
 
 
 def write_section(path: str, body: str) -> None:
@@ -150,7 +162,8 @@ def main(argv=None) -> int:
     mem = (f"Resident bytes of the NVFP4 routed experts of the loaded checkpoint, measured on the live modules: "
            f"{rows[0]['expert_bytes']} bytes = {bits:.3f} bits per expert weight (BF16: 16).") if bits else ""
     rss = memory_table()
-    print(table, mem, rss, f"({time.time() - t0:.0f} s)", sep="\n\n")
+    sens = sensitivity_table(args, corpus)
+    print(table, mem, rss, sens, f"({time.time() - t0:.0f} s)", sep="\n\n")
     if args.write:
         argv_s = " ".join(argv if argv is not None else sys.argv[1:])
         body = (f"## NVFP4 routed experts: quality and memory ({datetime.date.today()})\n\n"
@@ -161,7 +174,9 @@ def main(argv=None) -> int:
                 f"over windows, {args.bootstrap} resamples). Calibration: the valid splits, {args.calib_tokens} "
                 f"tokens; the cold-experts rows use {args.small_calib_tokens} tokens; --min-tokens "
                 f"{args.min_tokens}.\n\n{table}\n\n{mem}\n\nRSS of a synthetic MoE layer "
-                f"(`python bench/nvfp4_memory.py`):\n\n{rss}\n")
+                f"(`python bench/nvfp4_memory.py`):\n\n{rss}\n\n"
+                f"Sensitivity, one module class quantized at a time (W4A4, Japanese calibration; same data; "
+                f"`python -m namazu.quant.sensitivity`):\n\n{sens}\n")
         write_section(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), body)
     return 0
 
