@@ -17,6 +17,7 @@ from typing import Any
 
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +107,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         if self.kind == "hf":
             return self._backend.token_to_id(token)
-        enc = self._backend
-        if token in enc._special_tokens:
-            return enc._special_tokens[token]
         try:
-            return enc.encode_single_token(token.encode("utf-8"))
+            # Special tokens by name, else the token whose bytes are this text.
+            return self._backend.encode_single_token(token if token in self._backend.special_tokens_set
+                                                     else token.encode("utf-8"))
         except KeyError:
             return None
 
@@ -129,7 +129,7 @@ class Tokenizer:
             return self.id_to_token(token_id).encode("utf-8")
         tok = self._backend.id_to_token(token_id) or ""
         decoder = self._backend.decoder
-        if decoder is not None and type(decoder).__name__ == "ByteLevel":
+        if isinstance(decoder, ByteLevelDecoder):
             table = _byte_level_table()
             if all(c in table for c in tok):
                 return bytes(table[c] for c in tok)
@@ -137,7 +137,7 @@ class Tokenizer:
 
     def _special_ids(self) -> set[int]:
         if self.kind == "tiktoken":
-            return set(self._backend._special_tokens.values())
+            return {self._backend.encode_single_token(t) for t in self._backend.special_tokens_set}
         ids = {int(i) for i, t in self.config.get("added_tokens_decoder", {}).items() if t.get("special", True)}
         ids |= {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
         return ids
