@@ -6,7 +6,9 @@ The model writes
 The parser is a small state machine over the decoded text (special tokens kept). Text before the section
 is content; each call becomes one `tool_calls` entry with id `functions.NAME:INDEX`, the name between the
 last '.' and the ':', and the argument JSON streamed as it arrives. A tail that could be the start of a
-marker is held back until the next delta decides it. The end-of-turn token's text is dropped.
+marker is held back until the next delta decides it. The end-of-turn token's text is dropped. A call
+whose name never completes (output cut off) is returned as raw text content; one cut off inside its
+arguments keeps the partial arguments (finish_reason then says "length").
 """
 from __future__ import annotations
 
@@ -67,6 +69,11 @@ class ToolCallParser:
             elif self.state == "header":
                 cut = self._find([ARG_BEGIN])
                 if cut is None:
+                    if final:
+                        # Cut off (or malformed) before the call's name was complete: no call can be
+                        # built, so the client gets the model's raw text rather than nothing.
+                        content.append(SECTION_BEGIN * (self.num_calls == 0) + CALL_BEGIN + self.buf)
+                        self.buf = ""
                     break
                 pos, _ = cut
                 self.header = self.buf[:pos].strip()

@@ -163,3 +163,11 @@ def test_tool_parser_streaming_matches_whole(step):
     assert calls == {0: {"id": "functions.get_weather:0", "name": "get_weather", "arguments": '{"city": "Osaka"}'},
                      1: {"id": "functions.f:1", "name": "f", "arguments": "{}"}}
     assert p.num_calls == 2
+
+
+def test_tool_parser_cut_off_output():
+    cut = SECTION_BEGIN + CALL_BEGIN + "functions.get_wea"
+    assert ToolCallParser(_Tok()).parse("Hi" + cut) == ("Hi" + cut, [])
+    content, calls = ToolCallParser(_Tok()).parse(SECTION_BEGIN + CALL_BEGIN + "functions.f:0" + ARG_BEGIN + '{"a": ')
+    assert content is None and calls == [{"id": "functions.f:0", "type": "function",
+                                          "function": {"name": "f", "arguments": '{"a": '}}]
