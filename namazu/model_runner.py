@@ -16,6 +16,7 @@ import torch
 
 from namazu.context import forward_context
 from namazu.engine_config import EngineConfig
+from namazu.kernels.backends import set_moe_backend
 from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache, kv_bytes_per_block
 from namazu.layers.sampler import SamplingTensors, gather_logprobs, process_logits, sample_from_processed
 from namazu.models.loader import load_model
@@ -34,23 +35,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _select_moe_backend(name: str) -> str:
-    try:
-        from namazu.kernels.backends import set_moe_backend
-    except ImportError as err:
-        if name in ("auto", "torch"):
-            return "torch"
-        raise RuntimeError(f"--moe-backend {name}: namazu.kernels.backends is not available ({err})") from err
-    set_moe_backend(name)
-    return name
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str | Path, rank: int = 0, world_size: int = 1):
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(config.device)
-        _select_moe_backend(config.moe_backend)
+        set_moe_backend(config.moe_backend)      # chosen once per process, before the first forward
         dtype = config.dtype
         if dtype == "auto" and self.device.type == "cpu":
             # Half-precision matmuls on CPU are slow and less exact; serve bf16/fp16 checkpoints in fp32.
