@@ -40,7 +40,8 @@ class ModelRunner:
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(config.device)
-        set_moe_backend(config.moe_backend)      # chosen once per process, before the first forward
+        # Chosen once per process, before the first forward; "auto" leaves NAMAZU_MOE_BACKEND in charge.
+        set_moe_backend(None if config.moe_backend == "auto" else config.moe_backend)
         dtype = config.dtype
         if dtype == "auto" and self.device.type == "cpu":
             # Half-precision matmuls on CPU are slow and less exact; serve bf16/fp16 checkpoints in fp32.
