@@ -47,8 +47,10 @@ class EngineConfig:
     seed: int = _f(0, "engine seed: requests without their own seed draw theirs from it")
     max_model_len: int | None = _f(None, "longest prompt + output in tokens; default: the model's "
                                          "max_position_embeddings, capped by what the KV cache holds")
+    # The names of namazu.kernels.backends.BACKENDS (kept literal so parsing flags does not import torch).
     moe_backend: str = _f("auto", "routed-experts kernel backend (see namazu.kernels.backends); "
-                                  "auto picks the fastest available for the device")
+                                  "auto picks the fastest available for the device",
+                          choices=("auto", "torch", "cpp", "triton", "cuda"))
     # -- KV cache --------------------------------------------------------------------------------------
     block_size: int = _f(16, "tokens per KV-cache block")
     kv_cache_memory: str = _f("256MiB", "KV-cache budget on CPU (e.g. 512MiB, 4GiB)", metavar="SIZE")

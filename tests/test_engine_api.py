@@ -2,6 +2,7 @@
 stop conditions, n > 1, abort at any point, AsyncEngine streaming and cancellation, input errors."""
 import argparse
 import asyncio
+import dataclasses
 import gc
 import os
 import time
@@ -221,6 +222,10 @@ def test_engine_config_flags_are_generated():
     assert "--gpu-memory-utilization" in parser.format_help()
     with pytest.raises(ValueError, match="--block-size"):
         EngineConfig(block_size=12)
+    from namazu.kernels.backends import BACKENDS
+
+    moe = next(f for f in dataclasses.fields(EngineConfig) if f.name == "moe_backend")
+    assert set(moe.metadata["choices"]) == {"auto", *BACKENDS}
 
 
 def test_worker_process_ends_at_interpreter_exit(tmp_path):
