@@ -12,7 +12,7 @@ try:
 except ImportError as exc:  # make install / pip install --no-build-isolation -e . builds it
     pytest.skip(f"C++ CPU extension not built: {exc}", allow_module_level=True)
 
-ISAS = {"scalar": 1, "avx2": 2, "avx512": 3}
+ISAS = {"scalar": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
 
 
 def run_cpp(c, w=None, isa=0, out=None):

@@ -3,7 +3,9 @@
 //
 // Decode is bound by reading weights, so the inner loop streams each weight row once per tile of up to
 // 8 tokens (AVX-512: two rows at a time, so each activation load feeds two FMAs) and expands FP4 to
-// fp32 in registers (a 16-entry table lookup by permute), never writing a dequantized copy. Built without -march flags: the AVX2 and AVX-512 paths carry target attributes and
+// fp32 in registers (a 16-entry table lookup by permute), never writing a dequantized copy. Where the
+// CPU has AVX512_BF16 (W4A16 only), the expanded weights (exact in bf16) and bf16 activations go to
+// bf16 dot products with fp32 accumulation: about 2.7x the fp32 path once a few tokens share an expert. Built without -march flags: the AVX2 and AVX-512 paths carry target attributes and
 // are picked at run time, so one build runs on any x86-64 (and the scalar path anywhere else).
 #include "nvfp4_moe_cpu.h"
 
@@ -84,6 +86,15 @@ float round_bf16(float v) {
   return v;
 }
 
+void to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = round_bf16(src[i]);
+    uint32_t b;
+    std::memcpy(&b, &r, 4);
+    dst[i] = static_cast<uint16_t>(b >> 16);
+  }
+}
+
 // W4A4: round a row to NVFP4 with the expert's calibrated input scale, in place (dequantized fp32).
 void fake_quant_row(float* x, int64_t n, float input_scale) {
   for (int64_t b = 0; b < n; b += 16) {
@@ -115,7 +126,8 @@ void to_nibble_order(float* row, int64_t n) {
 // Weight row r starts at wp + r * wp_stride (packed) and ws + r * ws_stride (scales); token t at x + t * ldx.
 template <int NR, int NT>
 void tile_scalar(const uint8_t* wp, const uint8_t* ws, int64_t wp_stride, int64_t ws_stride, int64_t b0,
-                 int64_t b1, const float* x, int64_t ldx, float* acc) {
+                 int64_t b1, const void* xv, int64_t ldx, float* acc) {
+  const float* x = static_cast<const float*>(xv);
   for (int r = 0; r < NR; ++r) {
     for (int64_t b = b0; b < b1; ++b) {
       const float s = kE4M3.v[ws[r * ws_stride + b]];
@@ -137,8 +149,9 @@ void tile_scalar(const uint8_t* wp, const uint8_t* ws, int64_t wp_stride, int64_
 #ifdef NVFP4_X86
 template <int NR, int NT>
 __attribute__((target("avx2,fma"))) void tile_avx2(const uint8_t* wp, const uint8_t* ws, int64_t wp_stride,
-                                                    int64_t ws_stride, int64_t b0, int64_t b1, const float* x,
+                                                    int64_t ws_stride, int64_t b0, int64_t b1, const void* xv,
                                                     int64_t ldx, float* acc) {
+  const float* x = static_cast<const float*>(xv);
   static_assert(NR == 1, "the AVX2 tile has registers for one weight row");
   // Magnitudes by the low 3 bits of a code (permutevar8x32 ignores the rest); its bit 3 is the sign.
   const __m256 lut = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
@@ -194,7 +207,8 @@ NVFP4_AVX512 inline __attribute__((always_inline)) void block_avx512(
 
 template <int NR, int NT>
 NVFP4_AVX512 void tile_avx512(const uint8_t* wp, const uint8_t* ws, int64_t wp_stride, int64_t ws_stride,
-                              int64_t b0, int64_t b1, const float* x, int64_t ldx, float* acc) {
+                              int64_t b0, int64_t b1, const void* xv, int64_t ldx, float* acc) {
+  const float* x = static_cast<const float*>(xv);
   // With few (row, token) pairs, one accumulator each would serialise on FMA latency: odd blocks then
   // go to a second set.
   constexpr bool kTwoSets = NR * NT <= 4;
@@ -215,29 +229,90 @@ NVFP4_AVX512 void tile_avx512(const uint8_t* wp, const uint8_t* ws, int64_t wp_s
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc + (r * NT + t) * 16, _mm512_add_ps(a0[r][t], a1[r][t]));
 }
+
+#define NVFP4_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+
+// One 16-block of a weight row as 16 fp32 values in nibble order (exactly representable in bf16).
+NVFP4_AVX512_BF16 inline __attribute__((always_inline)) __m512 decode_block_bf16path(const uint8_t* wp,
+                                                                                   const uint8_t* ws, int64_t b) {
+  const __m512 lut = _mm512_loadu_ps(kE2M1);
+  const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+  const __m128i q = _mm_castpd_si128(_mm_loaddup_pd(reinterpret_cast<const double*>(wp + b * 8)));
+  const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(q), shifts);
+  return _mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), _mm512_set1_ps(kE4M3.v[ws[b]]));
+}
+
+// Two 16-blocks (b, b+1) of NR weight rows against NT bf16 token rows with bf16 dot products: each fp32
+// lane accumulates a pair of products; weights and activations share the nibble order, so the pairing
+// is consistent and the sum is the dot product.
+template <int NR, int NT>
+NVFP4_AVX512_BF16 inline __attribute__((always_inline)) void pair_bf16(
+    __m512 (&a)[NR][NT], const uint8_t* wp, const uint8_t* ws, int64_t wp_stride, int64_t ws_stride, int64_t b,
+    bool tail, const uint16_t* x, int64_t ldx) {
+  __m512bh w[NR];
+  for (int r = 0; r < NR; ++r) {
+    const __m512 lo = decode_block_bf16path(wp + r * wp_stride, ws + r * ws_stride, b);
+    const __m512 hi = tail ? _mm512_setzero_ps() : decode_block_bf16path(wp + r * wp_stride, ws + r * ws_stride, b + 1);
+    w[r] = _mm512_cvtne2ps_pbh(hi, lo);
+  }
+  for (int t = 0; t < NT; ++t) {
+    const uint16_t* xt = x + t * ldx + b * 16;
+    const __m512i xi = tail ? _mm512_maskz_loadu_epi16(0xFFFF, xt) : _mm512_loadu_si512(xt);
+    const __m512bh xb = reinterpret_cast<const __m512bh&>(xi);
+    for (int r = 0; r < NR; ++r) a[r][t] = _mm512_dpbf16_ps(a[r][t], w[r], xb);
+  }
+}
+
+template <int NR, int NT>
+NVFP4_AVX512_BF16 void tile_avx512_bf16(const uint8_t* wp, const uint8_t* ws, int64_t wp_stride, int64_t ws_stride,
+                                        int64_t b0, int64_t b1, const void* xv, int64_t ldx, float* acc) {
+  const uint16_t* x = static_cast<const uint16_t*>(xv);
+  constexpr bool kTwoSets = NR * NT <= 4;
+  __m512 a0[NR][NT], a1[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) {
+      a0[r][t] = _mm512_loadu_ps(acc + (r * NT + t) * 16);
+      a1[r][t] = _mm512_setzero_ps();
+    }
+  int64_t b = b0;
+  if constexpr (kTwoSets) {
+    for (; b + 3 < b1; b += 4) {
+      pair_bf16<NR, NT>(a0, wp, ws, wp_stride, ws_stride, b, false, x, ldx);
+      pair_bf16<NR, NT>(a1, wp, ws, wp_stride, ws_stride, b + 2, false, x, ldx);
+    }
+  }
+  for (; b + 1 < b1; b += 2) pair_bf16<NR, NT>(a0, wp, ws, wp_stride, ws_stride, b, false, x, ldx);
+  if (b < b1) pair_bf16<NR, NT>(a0, wp, ws, wp_stride, ws_stride, b, true, x, ldx);
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc + (r * NT + t) * 16, _mm512_add_ps(a0[r][t], a1[r][t]));
+}
 #endif
 
-using TileFn = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, int64_t, const float*, int64_t,
+using TileFn = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, int64_t, const void*, int64_t,
                         float*);
 
-// A vector path: micro-tiles for 1..tokens token rows, each over `rows` weight rows.
+// A vector path: micro-tiles for 1..tokens token rows, each over `rows` weight rows, reading fp32 or
+// bf16 activations.
 struct Path {
   int rows;
   int tokens;
+  bool bf16;
   TileFn tile[kTokTile];
 };
 
 #define NVFP4_TILES(fn, nr) {&fn<nr, 1>, &fn<nr, 2>, &fn<nr, 3>, &fn<nr, 4>, &fn<nr, 5>, &fn<nr, 6>, &fn<nr, 7>, &fn<nr, 8>}
-const Path kScalarPath = {1, 8, NVFP4_TILES(tile_scalar, 1)};
+const Path kScalarPath = {1, 8, false, NVFP4_TILES(tile_scalar, 1)};
 #ifdef NVFP4_X86
 // AVX2 has 16 registers: one weight row against 4 tokens (8 accumulators). AVX-512 has 32: two rows
 // against 8 tokens (16 accumulators), so every activation load feeds two FMAs.
-const Path kAvx2Path = {1, 4, NVFP4_TILES(tile_avx2, 1)};
-const Path kAvx512Path = {2, 8, NVFP4_TILES(tile_avx512, 2)};
+const Path kAvx2Path = {1, 4, false, NVFP4_TILES(tile_avx2, 1)};
+const Path kAvx512Path = {2, 8, false, NVFP4_TILES(tile_avx512, 2)};
+const Path kAvx512Bf16Path = {2, 8, true, NVFP4_TILES(tile_avx512_bf16, 2)};
 #endif
 
 const Path& path_for(int isa) {
 #ifdef NVFP4_X86
+  if (isa == NVFP4_ISA_AVX512_BF16) return kAvx512Bf16Path;
   if (isa == NVFP4_ISA_AVX512) return kAvx512Path;
   if (isa == NVFP4_ISA_AVX2) return kAvx2Path;
 #endif
@@ -245,9 +320,9 @@ const Path& path_for(int isa) {
 }
 
 // One grouped GEMM: for every expert e with rows, dst[row, r] = src[row, :] . dequant(w[e, r, :]).
-// src rows of expert e are offsets[e]..offsets[e+1], contiguous, K wide, in nibble order; dst is
-// `out_rows` wide.
-void grouped_gemm(const std::vector<int64_t>& offsets, int64_t E, const float* src, int64_t K,
+// src rows (fp32, or bf16 bits for a bf16 path) of expert e are offsets[e]..offsets[e+1], contiguous,
+// K wide, in nibble order; dst is `out_rows` wide.
+void grouped_gemm(const std::vector<int64_t>& offsets, int64_t E, const void* src, int64_t K,
                   const uint8_t* packed, const uint8_t* scale, const float* gs, int64_t out_rows, float* dst,
                   const Path& path, int threads) {
   struct Item {
@@ -271,7 +346,7 @@ void grouped_gemm(const std::vector<int64_t>& offsets, int64_t E, const float* s
     alignas(64) float acc[kRowBlock * kTokTile * 16];
     for (int64_t t0 = 0; t0 < m; t0 += path.tokens) {
       const int nt = static_cast<int>(std::min<int64_t>(path.tokens, m - t0));
-      const float* xt = src + (m0 + t0) * K;
+      const void* xt = static_cast<const char*>(src) + (m0 + t0) * K * (path.bf16 ? 2 : 4);
       std::fill(acc, acc + (r1 - r0) * nt * 16, 0.0f);
       // Whole rows per pass: K-chunking (to keep the token tile in L1) measured slower here, the
       // long sequential weight streams matter more. out_rows is a multiple of 16, so a row block always
@@ -296,7 +371,9 @@ int run(const Nvfp4MoeCpuArgs& a) {
   const int64_t N = a.num_tokens, H = a.hidden, I = a.inter, E = a.num_experts, k = a.top_k;
   if (N < 0 || k < 0 || E <= 0 || H <= 0 || I <= 0 || H % 16 || I % 16) return NVFP4_MOE_BAD_SHAPE;
   const int threads = a.num_threads > 0 ? a.num_threads : omp_get_max_threads();
-  const Path& path = path_for(nvfp4_moe_cpu_resolve_isa(a.isa));
+  int isa = nvfp4_moe_cpu_resolve_isa(a.isa);
+  if (isa == NVFP4_ISA_AVX512_BF16 && a.a13_scale) isa = NVFP4_ISA_AVX512;  // W4A4 keeps fp32 activations
+  const Path& path = path_for(isa);
   const int64_t M = N * k;
 
   // Counting sort of the (token, slot) pairs by expert, stable in pair order.
@@ -317,14 +394,17 @@ int run(const Nvfp4MoeCpuArgs& a) {
   const bool big = M * (H + I) >= kMinParallelWork;  // element-wise passes: parallel only when large
   // Expert-sorted activations, the gate_up output and the down input/output, all fp32.
   std::vector<float> xs(M * H), h13(M * 2 * I), act(M * I), y(M * H);
+  // bf16 paths read these copies (x is bf16 already, so only the SiLU product is rounded, as on a GPU).
+  std::vector<uint16_t> xs16(path.bf16 ? M * H : 0), act16(path.bf16 ? M * I : 0);
 #pragma omp parallel for schedule(static) num_threads(threads) if (big)
   for (int64_t p = 0; p < M; ++p) {
     float* dst = xs.data() + row_of_pair[p] * H;
     std::memcpy(dst, a.x + (p / k) * H, H * sizeof(float));
     if (a.a13_scale) fake_quant_row(dst, H, a.a13_scale[a.topk_ids[p]]);
     to_nibble_order(dst, H);
+    if (path.bf16) to_bf16(dst, xs16.data() + row_of_pair[p] * H, H);
   }
-  grouped_gemm(offsets, E, xs.data(), H, a.w13_packed, a.w13_scale, a.w13_gs, 2 * I, h13.data(), path, threads);
+  grouped_gemm(offsets, E, path.bf16 ? static_cast<const void*>(xs16.data()) : xs.data(), H, a.w13_packed, a.w13_scale, a.w13_gs, 2 * I, h13.data(), path, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (big)
   for (int64_t row = 0; row < M; ++row) {
     float* g = h13.data() + row * 2 * I;
@@ -337,8 +417,9 @@ int run(const Nvfp4MoeCpuArgs& a) {
     }
     if (a.a2_scale) fake_quant_row(o, I, a.a2_scale[expert_of_row[row]]);
     to_nibble_order(o, I);
+    if (path.bf16) to_bf16(o, act16.data() + row * I, I);
   }
-  grouped_gemm(offsets, E, act.data(), I, a.w2_packed, a.w2_scale, a.w2_gs, H, y.data(), path, threads);
+  grouped_gemm(offsets, E, path.bf16 ? static_cast<const void*>(act16.data()) : act.data(), I, a.w2_packed, a.w2_scale, a.w2_gs, H, y.data(), path, threads);
 
   // Top-k weighted sum, slots in order, so the result does not depend on the thread count.
 #pragma omp parallel for schedule(static) num_threads(threads) if (big)
@@ -361,7 +442,10 @@ extern "C" int nvfp4_moe_cpu_resolve_isa(int isa) {
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if ((isa == NVFP4_ISA_AUTO || isa == NVFP4_ISA_AVX512) && has512) return NVFP4_ISA_AVX512;
+  const bool has_bf16 = has512 && __builtin_cpu_supports("avx512bf16");
+  if ((isa == NVFP4_ISA_AUTO || isa == NVFP4_ISA_AVX512_BF16) && has_bf16) return NVFP4_ISA_AVX512_BF16;
+  if ((isa == NVFP4_ISA_AUTO || isa == NVFP4_ISA_AVX512 || isa == NVFP4_ISA_AVX512_BF16) && has512)
+    return NVFP4_ISA_AVX512;
   if (isa != NVFP4_ISA_SCALAR && has2) return NVFP4_ISA_AVX2;
 #endif
   (void)isa;

@@ -10,8 +10,16 @@
 extern "C" {
 #endif
 
-// Vector paths; a request for one the CPU lacks falls back to the best one it has.
-enum { NVFP4_ISA_AUTO = 0, NVFP4_ISA_SCALAR = 1, NVFP4_ISA_AVX2 = 2, NVFP4_ISA_AVX512 = 3 };
+// Vector paths; a request for one the CPU lacks falls back to the best one it has. AVX512_BF16 feeds
+// bf16 activations to bf16 dot products (FP4 x E4M3 weights are exact in bf16, accumulation is fp32):
+// W4A16 only, as on Hopper; W4A4 emulation keeps fp32 activations.
+enum {
+  NVFP4_ISA_AUTO = 0,
+  NVFP4_ISA_SCALAR = 1,
+  NVFP4_ISA_AVX2 = 2,
+  NVFP4_ISA_AVX512 = 3,
+  NVFP4_ISA_AVX512_BF16 = 4,
+};
 
 typedef struct Nvfp4MoeCpuArgs {
   int64_t num_tokens;    // N
@@ -47,7 +55,7 @@ enum {
 
 int nvfp4_moe_cpu(const Nvfp4MoeCpuArgs* args);
 
-// The vector path `isa` resolves to on this CPU: NVFP4_ISA_SCALAR, _AVX2 or _AVX512.
+// The vector path `isa` resolves to on this CPU: NVFP4_ISA_SCALAR, _AVX2, _AVX512 or _AVX512_BF16.
 int nvfp4_moe_cpu_resolve_isa(int isa);
 
 #ifdef __cplusplus
