@@ -157,15 +157,17 @@ def build_step_batch(scheduled: list[ScheduledSeq], block_size: int, vocab_size:
         layouts.append(list(range(first, first + k + 1)))
         drafts.append(item.draft_token_ids)
         samplers.append(item)
+        penalized = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
         banned_ids = list(params.stop_token_ids or []) + ([] if params.ignore_eos else list(stop_ids))
         for j in range(k + 1):
             n_out = seq.num_output_tokens + j
             row_params.append((params.temperature, params.top_k if params.top_k > 0 else vocab_size,
                                params.top_p, params.min_p, params.presence_penalty, params.frequency_penalty,
                                params.repetition_penalty, seq.seed, n_out))
-            row_outputs.append(seq.output_token_ids + item.draft_token_ids[:j])
-            row_relay.append(prev_rows[seq.seq_id] if seq.num_pending else -1)
-            row_prompts.append(seq.prompt_token_ids)
+            # Token histories only for rows that use them (copying every output each step is O(n^2)).
+            row_outputs.append(seq.output_token_ids + item.draft_token_ids[:j] if penalized else [])
+            row_relay.append(prev_rows[seq.seq_id] if seq.num_pending and penalized else -1)
+            row_prompts.append(seq.prompt_token_ids if params.repetition_penalty != 1 else [])
             row_allowed.append(params.allowed_token_ids)
             row_banned.append(banned_ids if n_out < params.min_tokens else [])
 
