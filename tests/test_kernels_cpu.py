@@ -107,3 +107,12 @@ def test_mismatched_weights_are_rejected():
     w.w2_packed = w.w2_packed[:, :, :4].contiguous()
     with pytest.raises(RuntimeError, match="w2_packed"):
         run_cpp(c, w)
+
+
+def test_fp32_activations_stay_fp32():
+    """The bf16 dot-product path is for bf16 callers only: an fp32 model keeps fp32 activations."""
+    if torch.ops.namazu.nvfp4_moe_cpu_isa(ISAS["avx512bf16"]) != ISAS["avx512bf16"]:
+        pytest.skip("this CPU has no AVX512_BF16")
+    c = make_case(9, 64, 32, 4, 2, seed=27, dtype=torch.float32)
+    w = w4a16(c.nvfp4)
+    assert torch.equal(run_cpp(c, w, ISAS["avx512bf16"]), run_cpp(c, w, ISAS["avx512"]))

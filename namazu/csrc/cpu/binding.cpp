@@ -94,7 +94,7 @@ at::Tensor nvfp4_moe_cpu_op(const at::Tensor& x, const at::Tensor& topk_ids, con
   args.out = out.data_ptr<float>();
   args.num_threads = at::get_num_threads();
   args.isa = static_cast<int>(isa);
-  args.round_bf16 = x.scalar_type() == at::kBFloat16 ? 1 : 0;
+  args.act_bf16 = x.scalar_type() == at::kBFloat16 ? 1 : 0;
   const int status = nvfp4_moe_cpu(&args);
   TORCH_CHECK(status != NVFP4_MOE_BAD_EXPERT_ID, "nvfp4_moe_cpu: topk_ids holds an expert id outside [0, ", E, ")");
   TORCH_CHECK(status != NVFP4_MOE_OUT_OF_MEMORY, "nvfp4_moe_cpu: out of memory for ", N * k, " token rows");

@@ -372,7 +372,8 @@ int run(const Nvfp4MoeCpuArgs& a) {
   if (N < 0 || k < 0 || E <= 0 || H <= 0 || I <= 0 || H % 16 || I % 16) return NVFP4_MOE_BAD_SHAPE;
   const int threads = a.num_threads > 0 ? a.num_threads : omp_get_max_threads();
   int isa = nvfp4_moe_cpu_resolve_isa(a.isa);
-  if (isa == NVFP4_ISA_AVX512_BF16 && a.a13_scale) isa = NVFP4_ISA_AVX512;  // W4A4 keeps fp32 activations
+  // bf16 dot products only where the activations are bf16 anyway, and not for W4A4 (fp32 emulation).
+  if (isa == NVFP4_ISA_AVX512_BF16 && (a.a13_scale || !a.act_bf16)) isa = NVFP4_ISA_AVX512;
   const Path& path = path_for(isa);
   const int64_t M = N * k;
 
@@ -409,7 +410,7 @@ int run(const Nvfp4MoeCpuArgs& a) {
   for (int64_t row = 0; row < M; ++row) {
     float* g = h13.data() + row * 2 * I;
     float* o = act.data() + row * I;
-    if (a.a2_scale && a.round_bf16) {
+    if (a.a2_scale && a.act_bf16) {
       for (int64_t j = 0; j < 2 * I; ++j) g[j] = round_bf16(g[j]);
       for (int64_t j = 0; j < I; ++j) o[j] = round_bf16(g[j] / (1.0f + std::exp(-g[j])) * g[I + j]);
     } else {

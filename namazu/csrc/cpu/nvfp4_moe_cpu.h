@@ -41,8 +41,9 @@ typedef struct Nvfp4MoeCpuArgs {
   float* out;                 // [N, H], fully written
   int num_threads;            // <= 0: OpenMP's default
   int isa;                    // NVFP4_ISA_*
-  int round_bf16;             // W4A4: round the gate_up output and the SiLU product to bf16 (the caller's
-                              // activations are bf16), as Blackwell pipelines store them between GEMMs
+  int act_bf16;               // the caller's activations are bf16: W4A4 then rounds the gate_up output and
+                              // the SiLU product to bf16 (as Blackwell pipelines store them between GEMMs),
+                              // and W4A16 may take the AVX512_BF16 path; fp32 callers keep fp32 throughout
 } Nvfp4MoeCpuArgs;
 
 // Status codes of nvfp4_moe_cpu.
