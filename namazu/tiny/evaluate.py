@@ -278,7 +278,7 @@ def _fence(s: str) -> str:
     return "```\n" + s.replace("```", "'''") + "\n```"
 
 
-def write_model_card(model_dir: Path, results: dict[str, Any]) -> None:
+def write_model_card(model_dir: Path, results: dict[str, Any], training_note: str = "") -> None:
     cfg = json.loads((model_dir / "config.json").read_text())
     train_log = json.loads((model_dir / "train_log.json").read_text())
     design, tcfg = train_log["design"], train_log["config"]
@@ -360,7 +360,9 @@ def write_model_card(model_dir: Path, results: dict[str, Any]) -> None:
         f"- Wall time {train_log['train_minutes']:.1f} min on {train_log['threads']} CPU threads"
         + (" (stopped by the time budget before the configured step count)" if train_log["stopped_early"] else "")
         + f"; final train loss {h['loss'][-1]:.3f}, valid ja {h['valid_ja'][-1][1]:.3f}, valid en "
-          f"{h['valid_en'][-1][1]:.3f} nats/token.",
+          f"{h['valid_en'][-1][1]:.3f} nats/token. Configured: {tcfg['steps']} steps or a "
+          f"{tcfg['time_budget_minutes']:g}-minute budget, whichever ends first."
+        + (f" {training_note}" if training_note else ""),
         "",
         "![loss curve](loss_curve.png)",
         "",
@@ -442,12 +444,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-card", action="store_true", help="only write eval_results.json")
+    ap.add_argument("--training-note", default="", help="a sentence about the training run for the model card")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     res = evaluate(args.model, args.corpus or default_corpus_dir(), args.tool_prompts, args.temperature,
                    seed=args.seed)
     if not args.no_card:
-        write_model_card(args.model, res)
+        write_model_card(args.model, res, args.training_note)
     ja, en, t = res["ja"], res["en"], res["tools"]
     print(f"{'metric':44s} {'ja':>10s} {'en':>10s}")
     for k in ("model_ppl", "unigram_ppl", "ppl_ratio_vs_unigram", "model_bits_per_byte", "char3gram_bits_per_byte"):
