@@ -36,8 +36,10 @@ stage build 240 build.txt $PY setup.py build_ext --inplace
 stage tests 150 tests.txt $PY -m pytest -q -p no:cacheprovider -x tests/test_kernels_gpu.py \
   tests/test_kernels_cpu.py tests/test_kernels_dispatch.py --junitxml="$OUT_DIR/tests.xml"
 
-stage bench 300 bench.txt $PY bench/kernels.py --device cuda --shapes tiny k2 \
+stage bench 300 bench.txt $PY bench/kernels.py --device cuda --shapes tiny k2 --write \
   --jsonl "$OUT_DIR/bench.jsonl" --plot "$OUT_DIR/kernels.png"
+# --write updated this copy's bench/RESULTS.md (kernels-cuda section): bring it back to commit.
+cp bench/RESULTS.md "$OUT_DIR/RESULTS.md" 2>/dev/null
 
 echo
 echo "| stage | result |"
