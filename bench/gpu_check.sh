@@ -5,6 +5,7 @@
 #   2 build   the C++ extensions in place (CPU kernel + the CUDA NVFP4 grouped GEMM)
 #   3 tests   the GPU kernel tests (and the CPU kernel tests) with pytest
 #   4 bench   bench/kernels.py on the GPU: namazu-tiny and Kimi-K2 shapes, rows saved as they are measured
+#   5 tune    (if time is left) bench/tune_triton.py: candidate Triton tiles at decode and mid sizes
 # Whole run under 8 minutes; each stage has its own time limit so a hang cannot eat the rest.
 # Results go to $OUT (set by the device tool) or ./gpu-check-out; the last lines are a short table.
 set -uo pipefail
@@ -41,10 +42,19 @@ stage bench 300 bench.txt $PY bench/kernels.py --device cuda --shapes tiny k2 --
 # --write updated this copy's bench/RESULTS.md (kernels-cuda section): bring it back to commit.
 cp bench/RESULTS.md "$OUT_DIR/RESULTS.md" 2>/dev/null
 
+# Whatever time is left (of 8 minutes) goes to an offline Triton tile search; its JSON is what a later
+# commit of TILE_CONFIGS would be based on.
+LEFT=$(( 450 - ($(date +%s) - T0) ))
+if [ "$LEFT" -gt 90 ]; then
+  stage tune "$LEFT" tune.txt $PY bench/tune_triton.py --buckets decode mid --budget $(( LEFT - 60 )) \
+    --out "$OUT_DIR/tune.json"
+fi
+
 echo
 echo "| stage | result |"
 echo "|---|---|"
-for s in env build tests bench; do echo "| $s | ${STATUS[$s]:-not run} |"; done
+for s in env build tests bench tune; do echo "| $s | ${STATUS[$s]:-not run} |"; done
 echo "total $(( $(date +%s) - T0 ))s; files in $OUT_DIR"
 grep -E "NVFP4 .*best BF16" "$OUT_DIR/bench.txt" 2>/dev/null | head -12
+grep -E "^(nvfp4|bf16) (decode|mid|prefill): best" "$OUT_DIR/tune.txt" 2>/dev/null
 [ "${STATUS[build]}" = ok ] && [ "${STATUS[tests]}" = ok ] && [ "${STATUS[bench]}" = ok ]

@@ -195,13 +195,13 @@ def _launch(a: torch.Tensor, out: torch.Tensor, w: torch.Tensor, ws: torch.Tenso
 
 def _fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                w2: torch.Tensor, fmt: str, w13_scale=None, w13_gs=None, w2_scale=None, w2_gs=None,
-               inter: int | None = None) -> torch.Tensor:
+               inter: int | None = None, config: TileConfig | None = None) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("the Triton MoE backend needs the `triton` package")
     n, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = w13.shape[0]
-    cfg = pick_config(fmt, n * top_k, num_experts)
+    cfg = config or pick_config(fmt, n * top_k, num_experts)
     x = x.contiguous()
     bd = block_dispatch(topk_ids, num_experts, cfg.block_m)
     inter_act = _empty((bd.max_rows, inter), x.dtype, x.device)
@@ -213,14 +213,15 @@ def _fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
 
 
 def triton_moe_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor) -> torch.Tensor:
-    """Fused MoE over BF16 stacked weights (w13 [E, 2I, H] gate rows first, w2 [E, H, I])."""
+                    w2: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
+    """Fused MoE over BF16 stacked weights (w13 [E, 2I, H] gate rows first, w2 [E, H, I]).
+    `config` overrides the committed tile table (bench/tune_triton.py uses it)."""
     return _fused_moe(x, topk_ids, topk_weights, w13.contiguous(), w2.contiguous(), "bf16",
-                      inter=w13.shape[1] // 2)
+                      inter=w13.shape[1] // 2, config=config)
 
 
 def triton_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                     w: NVFP4MoEWeights) -> torch.Tensor:
+                     w: NVFP4MoEWeights, config: TileConfig | None = None) -> torch.Tensor:
     """Fused MoE over NVFP4 weights, W4A16: packed FP4 dequantized to x's dtype in registers."""
     if w.a13_scale is not None:
         raise ValueError("the Triton MoE kernel is weight-only (W4A16); W4A4 emulation runs on the torch or "
@@ -228,7 +229,7 @@ def triton_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     return _fused_moe(x, topk_ids, topk_weights, w.w13_packed.contiguous(), w.w2_packed.contiguous(), "nvfp4",
                       w13_scale=w.w13_scale.contiguous(), w13_gs=w.w13_gs.float().contiguous(),
                       w2_scale=w.w2_scale.contiguous(), w2_gs=w.w2_gs.float().contiguous(),
-                      inter=w.intermediate_size)
+                      inter=w.intermediate_size, config=config)
 
 
 def aot_compile(arch: int = 90) -> list[str]:
