@@ -4,9 +4,11 @@ measured in the same run.
     python bench/kernels.py [--device cpu|cuda] [--shapes tiny k2] [--tokens 1 16 ...] [--write]
                             [--jsonl FILE] [--plot FILE]          (make bench-kernels)
 
-One row per (shape, tokens, format, backend): median time of the whole layer (sort, gate_up, SiLU-and-mul,
-down, weighted sum), achieved bytes/s and FLOP/s, and percent of the roofline: the time floor
-max(bytes / copy bandwidth, FLOPs / bf16 matmul rate), both measured here first, over the time taken.
+One row per (shape, tokens, format, backend): time of the whole layer (sort, gate_up, SiLU-and-mul,
+down, weighted sum; on GPU the kernel backends are replayed from a CUDA graph, as the engine's decode
+steps run, and the host-synced baselines are timed eagerly; on CPU the median of eager calls),
+achieved bytes/s and FLOP/s, and percent of the roofline: the time floor max(bytes / copy bandwidth,
+FLOPs / bf16 matmul rate), both measured here first, over the time taken.
 Bytes count the weights of the experts the batch actually touches (plus activations in and out);
 FLOPs are 2 * tokens * top_k * 3 * hidden * inter. `rel err` is each output against the torch reference
 of its format on the same inputs (a broken kernel shows here, not only in the tests).
@@ -101,6 +103,31 @@ def timeit(fn: Callable[[], object], device: str, min_time: float = 0.2, max_rep
     return statistics.median(times)
 
 
+def timeit_graph(fn: Callable[[], object], reps: int = 20) -> float:
+    """Seconds per call of `fn` replayed from a CUDA graph: the GPU time of the layer as the engine runs it
+    (decode steps are graph-captured), without the per-launch host overhead that would otherwise hide
+    microsecond kernels. Only for code with no host sync (the kernel backends)."""
+    fn()  # compile / autotune outside the capture
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
 @dataclass
 class Roofline:
     copy_bytes_per_s: float
@@ -146,6 +173,7 @@ class Candidate:
     backend: str
     fn: Callable | None
     why_not: str = ""
+    sync_free: bool = False  # no host sync: timed from a CUDA graph on GPU
 
 
 def candidates(device: str) -> list[Candidate]:
@@ -161,9 +189,11 @@ def candidates(device: str) -> list[Candidate]:
             continue
         ok, why = backends.availability(name, device)
         b = backends.build_backend(name, device) if ok else None
+        kernel = name in ("triton", "cuda")
         if name == "triton":
-            out.append(Candidate("bf16", "triton", b.bf16 if b else None, why))
-        out.append(Candidate("nvfp4", name if name != "torch" else "torch-ref", b.nvfp4 if b else None, why))
+            out.append(Candidate("bf16", "triton", b.bf16 if b else None, why, sync_free=True))
+        out.append(Candidate("nvfp4", name if name != "torch" else "torch-ref", b.nvfp4 if b else None, why,
+                             sync_free=kernel))
     return out
 
 
@@ -213,7 +243,10 @@ def run_shape(shape: Shape, tokens_list: list[int], device: str, roof: Roofline,
                 try:
                     out = c.fn(*args)
                     err = md_rel_err(out, refs[c.fmt])
-                    t = timeit(lambda: c.fn(*args), device)  # noqa: B023
+                    if device == "cuda" and c.sync_free:
+                        t = timeit_graph(lambda: c.fn(*args))  # noqa: B023
+                    else:
+                        t = timeit(lambda: c.fn(*args), device)  # noqa: B023
                 except (RuntimeError, ValueError, NotImplementedError) as exc:
                     row = Row(shape.name, n, c.fmt, c.backend, None, None, None, None, None,
                               f"failed: {str(exc).splitlines()[0][:120]}")
