@@ -243,9 +243,14 @@ def run_shape(shape: Shape, tokens_list: list[int], device: str, roof: Roofline,
                 try:
                     out = c.fn(*args)
                     err = md_rel_err(out, refs[c.fmt])
+                    t, note = None, ""
                     if device == "cuda" and c.sync_free:
-                        t = timeit_graph(lambda: c.fn(*args))  # noqa: B023
-                    else:
+                        try:
+                            t = timeit_graph(lambda: c.fn(*args))  # noqa: B023
+                        except RuntimeError as exc:  # not capturable after all: time it eagerly, say so
+                            torch.cuda.synchronize()
+                            note = f"eager (graph capture failed: {str(exc).splitlines()[0][:60]})"
+                    if t is None:
                         t = timeit(lambda: c.fn(*args), device)  # noqa: B023
                 except (RuntimeError, ValueError, NotImplementedError) as exc:
                     row = Row(shape.name, n, c.fmt, c.backend, None, None, None, None, None,
@@ -254,7 +259,7 @@ def run_shape(shape: Shape, tokens_list: list[int], device: str, roof: Roofline,
                     n_bytes = touched * bytes_per_expert[c.fmt] + 2 * n * h * 2
                     floor = max(n_bytes / roof.copy_bytes_per_s, flops / roof.matmul_flops)
                     row = Row(shape.name, n, c.fmt, c.backend, t * 1e6, n_bytes / t / 1e9, flops / t / 1e9,
-                              100 * floor / t, err)
+                              100 * floor / t, err, note)
             rows.append(row)
             emit(row)
         del refs
@@ -285,7 +290,7 @@ def table(rows: list[Row]) -> str:
             lines.append(f"| {r.shape} | {r.tokens} | {r.fmt} | {r.backend} | - | - | - | - | - | {r.note} |")
             continue
         speed = best_bf16.get((r.shape, r.tokens))
-        ratio = f"{speed / r.time_us:.2f}x" if speed else "-"
+        ratio = (f"{speed / r.time_us:.2f}x" if speed else "-") + (f" ({r.note})" if r.note else "")
         lines.append(f"| {r.shape} | {r.tokens} | {r.fmt} | {r.backend} | {r.time_us:,.0f} | "
                      f"{fmt_num(r.gbytes_per_s, '.1f')} | {fmt_num(r.gflops, ',.0f')} | "
                      f"{fmt_num(r.pct_roofline, '.1f')} | {fmt_num(r.rel_err, '.1e')} | {ratio} |")
