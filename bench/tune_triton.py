@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+from kernels import timeit_graph  # bench/kernels.py, beside this script
 
 from namazu.kernels import moe_dispatch as md
 from namazu.kernels import triton_moe as tm
@@ -30,16 +31,9 @@ def candidates(fmt: str, block_m: int) -> list[tm.TileConfig]:
             for bn, bk, nw, ns in itertools.product((64, 128), ks, (4, 8), (3, 4))]
 
 
-def bench(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3  # us
+def bench(fn) -> float:
+    """Microseconds per call, replayed from a CUDA graph (as decode runs; no launch overhead)."""
+    return timeit_graph(fn) * 1e6
 
 
 def run_config(fmt: str, cfg: tm.TileConfig, inputs: tuple, weights: tuple) -> torch.Tensor:
