@@ -94,6 +94,23 @@ if triton is not None:
         return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
     @triton.jit
+    def _fp4_weights(w_rows, s_rows, k0, K, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT: tl.constexpr):
+        """One [BLOCK_N, BLOCK_K] NVFP4 weight tile as (even-column values, odd-column values), each
+        [BLOCK_N, BLOCK_K / 2] in DOT: the low and high nibbles of the packed bytes, times the block scale
+        (loaded once per 16-block and broadcast over its 8 bytes). The global scale is applied later."""
+        HALF_K: tl.constexpr = BLOCK_K // 2
+        NB: tl.constexpr = BLOCK_K // 16
+        byte = k0 // 2 + tl.arange(0, HALF_K)
+        wb = tl.load(w_rows + byte[None, :], mask=n_ok[:, None] & (byte < K // 2)[None, :], other=0)
+        blk = k0 // 16 + tl.arange(0, NB)
+        sb = tl.load(s_rows + blk[None, :], mask=n_ok[:, None] & (blk < K // 16)[None, :], other=0)
+        scale = tl.reshape(tl.broadcast_to(_e4m3_to_f32(sb)[:, :, None], (BLOCK_N, NB, 8)), (BLOCK_N, HALF_K))
+        w_lo = (_e2m1_to_f32(wb & 0xF) * scale).to(DOT)
+        w_hi = (_e2m1_to_f32(wb >> 4) * scale).to(DOT)
+        return w_lo, w_hi
+
+    @triton.jit
     def _fused_moe_kernel(
         a_ptr, out_ptr, w_ptr, ws_ptr, wgs_ptr, sorted_pairs_ptr, block_expert_ptr, total_rows_ptr,
         topk_w_ptr, num_pairs, K, N_OUT,
@@ -123,27 +140,18 @@ if triton is not None:
             s_base = ws_ptr + e * stride_se
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + 2 * offs_j
-                k_ok = kk < K
                 a_ptrs = a_ptr + a_row[:, None] * stride_am + kk[None, :]
-                a_mask = row_ok[:, None] & k_ok[None, :]
+                a_mask = row_ok[:, None] & (kk < K)[None, :]
                 a_even = tl.load(a_ptrs, mask=a_mask, other=0.0).to(dot_dtype)
                 a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0).to(dot_dtype)
-                byte = k0 // 2 + offs_j
-                w_mask = n_ok[:, None] & k_ok[None, :]
-                wb = tl.load(w_base + offs_n[:, None] * stride_wn + byte[None, :], mask=w_mask, other=0)
-                sb = tl.load(s_base + offs_n[:, None] * stride_sn + (byte // 8)[None, :], mask=w_mask, other=0)
-                scale = _e4m3_to_f32(sb)
-                w_lo = (_e2m1_to_f32(wb & 0xF) * scale).to(dot_dtype)
-                w_hi = (_e2m1_to_f32(wb >> 4) * scale).to(dot_dtype)
+                w_lo, w_hi = _fp4_weights(w_base + offs_n[:, None] * stride_wn, s_base + offs_n[:, None] * stride_sn,
+                                          k0, K, n_ok, BLOCK_N, BLOCK_K, dot_dtype)
                 acc += tl.dot(a_even, tl.trans(w_lo)) + tl.dot(a_odd, tl.trans(w_hi))
                 if GATE_UP:
                     up_rows = offs_n + N_OUT
-                    wb = tl.load(w_base + up_rows[:, None] * stride_wn + byte[None, :], mask=w_mask, other=0)
-                    sb = tl.load(s_base + up_rows[:, None] * stride_sn + (byte // 8)[None, :], mask=w_mask,
-                                 other=0)
-                    scale = _e4m3_to_f32(sb)
-                    w_lo = (_e2m1_to_f32(wb & 0xF) * scale).to(dot_dtype)
-                    w_hi = (_e2m1_to_f32(wb >> 4) * scale).to(dot_dtype)
+                    w_lo, w_hi = _fp4_weights(w_base + up_rows[:, None] * stride_wn,
+                                              s_base + up_rows[:, None] * stride_sn, k0, K, n_ok, BLOCK_N,
+                                              BLOCK_K, dot_dtype)
                     acc_up += tl.dot(a_even, tl.trans(w_lo)) + tl.dot(a_odd, tl.trans(w_hi))
             gs = tl.load(wgs_ptr + e)
             acc = acc * gs
