@@ -90,3 +90,7 @@ def test_every_committed_config_compiles_for_hopper():
     from namazu.kernels.triton_moe import TILE_CONFIGS
     n_variants = 2 * sum(len(t) for t in TILE_CONFIGS.values())
     assert res.stdout.count("sm_90 ok") == n_variants, res.stdout
+    # Every variant streams its tiles through cp.async (software-pipelined), or decode would wait on
+    # each weight load in turn.
+    for line in res.stdout.splitlines():
+        assert int(line.split(" cp.async")[0].rsplit(" ", 1)[-1]) > 0, line

@@ -266,12 +266,19 @@ def aot_compile(arch: int = 90) -> list[str]:
                 consts = {"TOPK": 8, "GATE_UP": gate_up, "FP4": fp4, "UPCAST": False, "BLOCK_M": cfg.block_m,
                           "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
                 sig.update(dict.fromkeys(consts, "constexpr"))
+                # As the JIT specialises them at Kimi-K2 sizes: pointers, K, N_OUT and the row strides are
+                # multiples of 16 (what lets loads be vectorised and software-pipelined).
+                aligned = [n for n, t in sig.items() if t.startswith("*")] + [
+                    "K", "N_OUT", "stride_am", "stride_om", "stride_we", "stride_wn", "stride_se", "stride_sn"]
                 src = ASTSource(fn=kernel, signature=sig,
-                                constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
+                                constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()},
+                                attrs={(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
                 compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                ptx = compiled.asm["ptx"]
                 lines.append(f"{fmt} {'gate_up' if gate_up else 'down'} {cfg}: sm_{arch} ok, "
-                             f"{compiled.metadata.shared} B shared memory")
+                             f"{compiled.metadata.shared} B shared memory, {ptx.count('cp.async.')} cp.async, "
+                             f"{ptx.count('mma.sync')} mma.sync, {ptx.count('wgmma.mma_async')} wgmma")
     return lines
 
 
