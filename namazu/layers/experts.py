@@ -105,6 +105,13 @@ class TorchExperts(RoutedExperts):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (self.w13.requires_grad or x.requires_grad):
             return self._forward_grouped(x, topk_ids, topk_weights)
+        # A kernel backend with its own BF16 kernel (the fused Triton MoE on GPU) takes inference; the
+        # torch paths below are the CPU default and the fallback.
+        from namazu.kernels.backends import get_moe_backend
+
+        backend = get_moe_backend(x.device)
+        if backend.bf16_impl != "torch":
+            return backend.bf16(x, topk_ids, topk_weights, self.w13, self.w2)
         if _HAS_GROUPED_MM and x.dtype == self.w13.dtype and x.dtype in (torch.bfloat16, torch.float32):
             return self._forward_grouped_mm(x, topk_ids, topk_weights)
         return self._forward_gathered(x, topk_ids, topk_weights)
