@@ -105,3 +105,26 @@ def test_sliding_window_nll_matches_one_pass():
     windows = token_nll(model, stream, seq_len=16, stride=8, batch_size=3)
     assert not np.isnan(windows[1:]).any()
     np.testing.assert_allclose(windows[1:17], ref.numpy()[:16], rtol=1e-4, atol=1e-5)  # first window: full context
+
+
+def test_procedural_tools_are_distinct_valid_and_never_heldout(corpus):
+    from namazu.tiny.tools import procedural_tools
+
+    tools = procedural_tools(120, seed=5)  # the generator composes them from its own seed
+    assert tools == procedural_tools(120, seed=5) != procedural_tools(120, seed=6)
+    names = [t.name for t in tools]
+    assert len(set(names)) == 120
+    assert not set(names) & {t.name for t in HELDOUT_TOOLS + TRAIN_TOOLS}
+    with pytest.raises(ValueError, match="procedural tools"):
+        procedural_tools(10_000, seed=3)
+    cfg = ChatDataConfig(seed=5, num_qa=0, num_tool=200, procedural_tools=120)
+    by_name = {t.name: t for t in TRAIN_TOOLS + tools}
+    used = set()
+    for ex in generate_chat_examples(corpus, cfg):
+        for call in parse_tool_calls(ex.text):
+            fn = next(t["function"] for t in ex.tools if t["function"]["name"] == call.name)
+            jsonschema.validate(json.loads(call.arguments), fn["parameters"])
+            used.add(call.name)
+            declared_keys = fn["parameters"]["properties"].keys()
+            assert by_name[call.name].schema("ja")["parameters"]["properties"].keys() == declared_keys
+    assert len(used & set(names)) > 50

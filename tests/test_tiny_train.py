@@ -6,6 +6,7 @@ import torch
 from tiny_fixtures import write_mini_corpus
 
 from namazu.tiny import ASSET_DIR
+from namazu.tiny.data import ChatDataConfig
 from namazu.tiny.evaluate import evaluate, write_model_card
 from namazu.tiny.train import TrainConfig, check_design, lr_at, train
 
@@ -39,6 +40,15 @@ def test_smoke_training_lowers_loss_and_writes_a_loadable_model(tmp_path):
     assert results["tools"]["prompts"] == 2
     assert sum(sum(r) for r in results["expert_load"]["shares"]) == pytest.approx(cfg.model["num_hidden_layers"] - 1)
     assert "## Expert load" in (out / "MODEL_CARD.md").read_text(encoding="utf-8")
+
+    # A second stage continues from the first (tool tuning over procedural schemas) and keeps its log.
+    stage2 = TrainConfig.from_json(CONFIG)
+    stage2.model, stage2.steps, stage2.threads = {}, 4, 1
+    stage2.chat = ChatDataConfig(seed=9, num_qa=20, num_tool=60, procedural_tools=30)
+    res2 = train(stage2, tmp_path / "stage2", corpus, tokenizer_dir=ASSET_DIR, progress=False, init_dir=out)
+    assert res2["previous_stages"][0]["steps_done"] == cfg.steps and res2["steps_done"] == 4
+    with pytest.raises(ValueError, match="leave the config's 'model' empty"):
+        train(cfg, tmp_path / "bad", corpus, tokenizer_dir=ASSET_DIR, progress=False, init_dir=out)
 
 
 def test_lr_schedule_warms_up_then_decays_to_floor():

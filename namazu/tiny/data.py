@@ -23,7 +23,7 @@ from typing import Any
 
 from namazu.tiny.corpus import read_documents
 from namazu.tiny.tokenizer import render_chat
-from namazu.tiny.tools import HELDOUT_TOOLS, TRAIN_TOOLS, Prop, Tool, draw_value
+from namazu.tiny.tools import HELDOUT_TOOLS, TRAIN_TOOLS, Prop, Tool, draw_value, procedural_tools
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class ChatDataConfig:
     english_share: float = 0.2
     system_prompt_share: float = 0.5
     no_call_share: float = 0.1  # tool prompts whose request no declared tool serves: answer in text
+    # Extra procedurally composed tool schemas (tools.procedural_tools) mixed into the training pool.
+    procedural_tools: int = 0
 
 
 @dataclass(frozen=True)
@@ -261,8 +263,9 @@ def _tool_dialog(target: Tool, pool: tuple[Tool, ...], lang: str, rng: random.Ra
     return messages, [t.openai(lang) for t in declared], args
 
 
-def _tool_transcript(target: Tool, lang: str, rng: random.Random, sentences: list[str]) -> ChatExample:
-    messages, tools, args = _tool_dialog(target, TRAIN_TOOLS, lang, rng, sentences)
+def _tool_transcript(target: Tool, pool: tuple[Tool, ...], lang: str, rng: random.Random,
+                     sentences: list[str]) -> ChatExample:
+    messages, tools, args = _tool_dialog(target, pool, lang, rng, sentences)
     call_id = f"functions.{target.name}:0"
     preamble = "" if rng.random() < 0.7 else (
         rng.choice(("承知いたしました。", "確認いたします。")) if lang == "ja" else "Sure.")
@@ -279,9 +282,9 @@ def _tool_transcript(target: Tool, lang: str, rng: random.Random, sentences: lis
     return ChatExample("tool", messages, tools, render_chat(messages, tools))
 
 
-def _no_call(p: _Passages, lang: str, rng: random.Random) -> ChatExample:
+def _no_call(p: _Passages, pool: tuple[Tool, ...], lang: str, rng: random.Random) -> ChatExample:
     # Tools are declared but the request is ordinary Q&A: the right move is to answer in text.
-    declared = rng.sample(TRAIN_TOOLS, rng.randint(1, 3))
+    declared = rng.sample(pool, rng.randint(1, 3))
     messages = _qa_ja(p, rng) if lang == "ja" else _qa_en(p, rng)
     tools = [t.openai(lang) for t in declared]
     return ChatExample("no_call", messages, tools, render_chat(messages, tools))
@@ -292,6 +295,7 @@ def generate_chat_examples(corpus_dir: Path | str, cfg: ChatDataConfig = ChatDat
     """All chat examples of a config, in a fixed order (same config + corpus -> same list)."""
     rng = random.Random(cfg.seed)
     ja, en = _passages(str(corpus_dir), "ja", split), _passages(str(corpus_dir), "en", split)
+    pool = TRAIN_TOOLS + procedural_tools(cfg.procedural_tools, cfg.seed) if cfg.procedural_tools else TRAIN_TOOLS
     out: list[ChatExample] = []
     for _ in range(cfg.num_qa):
         lang = "en" if rng.random() < cfg.english_share else "ja"
@@ -305,10 +309,10 @@ def generate_chat_examples(corpus_dir: Path | str, cfg: ChatDataConfig = ChatDat
     for _ in range(cfg.num_tool):
         lang = "en" if rng.random() < cfg.english_share else "ja"
         if rng.random() < cfg.no_call_share:
-            out.append(_no_call(ja if lang == "ja" else en, lang, rng))
+            out.append(_no_call(ja if lang == "ja" else en, pool, lang, rng))
             continue
-        target = rng.choice(TRAIN_TOOLS)
-        out.append(_tool_transcript(target, lang, rng, ja.sentences if lang == "ja" else en.sentences))
+        target = rng.choice(pool)
+        out.append(_tool_transcript(target, pool, lang, rng, ja.sentences if lang == "ja" else en.sentences))
     return out
 
 

@@ -278,17 +278,26 @@ def _fence(s: str) -> str:
     return "```\n" + s.replace("```", "'''") + "\n```"
 
 
+def _stage_row(i: int, st: dict[str, Any]) -> str:
+    c, h = st["config"], st["history"]
+    chat = c["chat"]
+    return (f"| {i} | {st['steps_done']} | {st['tokens_seen']:,} | {st['train_minutes']:.1f} | {st['threads']} | "
+            f"{c['lr']} | {c['mix']['ja_share']}/{c['mix']['en_share']}/{c['mix']['chat_share']} | "
+            f"{chat['seed']}: {chat['num_qa']}, {chat['num_tool']}; {chat.get('procedural_tools', 0)} | "
+            f"{h['valid_ja'][-1][1]:.3f} / {h['valid_en'][-1][1]:.3f} |")
+
+
 def write_model_card(model_dir: Path, results: dict[str, Any], training_note: str = "") -> None:
     cfg = json.loads((model_dir / "config.json").read_text())
     train_log = json.loads((model_dir / "train_log.json").read_text())
-    design, tcfg = train_log["design"], train_log["config"]
+    design = train_log["design"]
+    stages = train_log.get("previous_stages", []) + [train_log]
     ja, en, tools, load = results["ja"], results["en"], results["tools"], results["expert_load"]
     size = (model_dir / "model.safetensors").stat().st_size
     e = cfg["n_routed_experts"]
     hist_rows = "\n".join(
         f"| {i + cfg['first_k_dense_replace']} | " + " | ".join(f"{s:.3f}" for s in row) + " |"
         for i, row in enumerate(load["shares"]))
-    h = train_log["history"]
     passes = {
         "ja ppl ratio <= 0.06": ja["ppl_ratio_vs_unigram"] <= 0.06,
         "ja bpb below char 3-gram": ja["model_bits_per_byte"] < ja["char3gram_bits_per_byte"],
@@ -340,29 +349,31 @@ def write_model_card(model_dir: Path, results: dict[str, Any], training_note: st
         "",
         "- Corpus: Japanese (main) and English Debian documentation (manuals, man pages, LibreOffice/GIMP help; "
         "see the corpus' SOURCES.md), train split only; test split for evaluation.",
-        f"- Chat data from `namazu/tiny/data.py` (seed {tcfg['chat']['seed']}): {tcfg['chat']['num_qa']} "
-        "business Q&A dialogs in polite Japanese (20% English) built from corpus passages (summaries, "
-        "command explanations from man pages, section explanations, follow-ups, business e-mails) and "
-        f"{tcfg['chat']['num_tool']} tool-call transcripts over {len(TRAIN_TOOLS)} tool schemas "
-        "(10% with tools declared "
-        f"but no call needed). {len(HELDOUT_TOOLS)} further schemas are held out for evaluation only.",
-        f"- Mix per training row: ja text {tcfg['mix']['ja_share']}, en text {tcfg['mix']['en_share']}, chat "
-        f"{tcfg['mix']['chat_share']}; rows of {tcfg['seq_len']} tokens; whole conversations packed per row.",
+        "- Chat data from `namazu/tiny/data.py` (fixed seeds): business Q&A dialogs in polite Japanese (20% "
+        "English) built from corpus passages (summaries, command explanations from man pages, section "
+        "explanations, follow-ups, business e-mails) and Kimi-K2 tool-call transcripts (10% with tools "
+        f"declared but no call needed) over {len(TRAIN_TOOLS)} hand-written tool schemas plus, where a stage "
+        "says so, procedurally composed ones (verb x object names, argument sets drawn from the hand-written "
+        f"arguments). {len(HELDOUT_TOOLS)} further hand-written schemas are held out for evaluation only.",
         "",
         "## Training",
         "",
-        f"- `{train_log['steps_done']}` steps x {tcfg['batch_size']} x {tcfg['seq_len']} tokens = "
-        f"{train_log['tokens_seen']:,} tokens; AdamW (lr {tcfg['lr']}, warmup {tcfg['warmup_steps']}, cosine to "
-        f"{tcfg['min_lr_ratio']}x, wd {tcfg['weight_decay']}, clip {tcfg['grad_clip']}, router lr x"
-        f"{tcfg['router_lr_scale']}), bf16 autocast on CPU, seed {tcfg['seed']}.",
-        f"- Auxiliary-loss-free balancing: correction bias += {tcfg['bias_update_rate']} * sign(mean load - "
-        "load) after every step.",
-        f"- Wall time {train_log['train_minutes']:.1f} min on {train_log['threads']} CPU threads"
-        + (" (stopped by the time budget before the configured step count)" if train_log["stopped_early"] else "")
-        + f"; final train loss {h['loss'][-1]:.3f}, valid ja {h['valid_ja'][-1][1]:.3f}, valid en "
-          f"{h['valid_en'][-1][1]:.3f} nats/token. Configured: {tcfg['steps']} steps or a "
-          f"{tcfg['time_budget_minutes']:g}-minute budget, whichever ends first."
-        + (f" {training_note}" if training_note else ""),
+        "AdamW, warmup + cosine to 0.1x, bf16 autocast on CPU, rows of 512 tokens (whole conversations packed "
+        "per row). Auxiliary-loss-free balancing after every step: correction bias += "
+        f"{stages[-1]['config']['bias_update_rate']} * sign(mean load - load); the router learns at 0.1x "
+        "the lr so the bias keeps up with it.",
+        "",
+        "| stage | steps | tokens | wall min | threads | lr | rows ja/en/chat | chat data (seed: Q&A, tool; "
+        "procedural schemas) | final valid ja / en |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|",
+        *[_stage_row(i + 1, st) for i, st in enumerate(stages)],
+        "",
+        "Each stage runs its configured steps or its time budget, whichever ends first; "
+        + ", ".join(f"stage {i + 1}: {st['config']['steps']} steps / "
+                    + (f"{st['config']['time_budget_minutes']:g} min" if st["config"]["time_budget_minutes"]
+                       else "no time budget")
+                    + (" (ended by the budget)" if st["stopped_early"] else "") for i, st in enumerate(stages))
+        + "." + (f" {training_note}" if training_note else ""),
         "",
         "![loss curve](loss_curve.png)",
         "",

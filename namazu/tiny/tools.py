@@ -320,3 +320,45 @@ def draw_value(p: Prop, rng: random.Random, sentences: list[str]) -> Any:
     if p.kind in _POOLS:
         return rng.choice(_POOLS[p.kind])
     raise ValueError(f"tool property {p.key!r} has unknown value kind {p.kind!r}")
+
+
+_VERBS = (("get", "取得する", "Get"), ("create", "作成する", "Create"), ("update", "更新する", "Update"),
+          ("delete", "削除する", "Delete"), ("search", "検索する", "Search for"), ("reserve", "予約する", "Reserve"),
+          ("send", "送信する", "Send"), ("check", "確認する", "Check"), ("list", "一覧表示する", "List"),
+          ("register", "登録する", "Register"), ("cancel", "取り消す", "Cancel"), ("approve", "承認する", "Approve"))
+_NOUNS = (("invoice", "請求書", "an invoice"), ("order", "注文", "an order"), ("meeting", "会議", "a meeting"),
+          ("report", "報告書", "a report"), ("contract", "契約", "a contract"), ("shipment", "出荷", "a shipment"),
+          ("device", "端末", "a device"), ("budget", "予算", "a budget"), ("server", "サーバ", "a server"),
+          ("backup", "バックアップ", "a backup"), ("customer", "顧客", "a customer"), ("product", "製品", "a product"),
+          ("event", "イベント", "an event"), ("payment", "支払い", "a payment"),
+          ("project", "プロジェクト", "a project"),
+          ("account", "口座", "an account"), ("document", "文書", "a document"), ("survey", "アンケート", "a survey"),
+          ("license", "ライセンス", "a license"), ("vendor", "取引先", "a vendor"))
+
+
+def procedural_tools(n: int, seed: int) -> tuple[Tool, ...]:
+    """`n` distinct tools composed from verbs x nouns x the argument pool of TRAIN_TOOLS.
+
+    Hundreds of names and argument combinations make memorising a schema useless: the only way to write
+    a valid call is to read the declaration, which is what the held-out evaluation asks for. Names and
+    schemas of HELDOUT_TOOLS are never produced.
+    """
+    rng = random.Random(seed)
+    pool: dict[str, Prop] = {}
+    for t in TRAIN_TOOLS:
+        for p in t.props:
+            pool.setdefault(p.key, p)
+    keys = sorted(pool)
+    names = [(v, nn) for v in _VERBS for nn in _NOUNS]
+    heldout = {t.name for t in HELDOUT_TOOLS} | {t.name for t in TRAIN_TOOLS}
+    names = [x for x in names if f"{x[0][0]}_{x[1][0]}" not in heldout]
+    if n > len(names):
+        raise ValueError(f"at most {len(names)} procedural tools can be made, {n} requested")
+    out = []
+    for (verb, noun) in rng.sample(names, n):
+        chosen = rng.sample(keys, rng.randint(1, 4))
+        props = tuple(Prop(**{**pool[k].__dict__, "required": i == 0 or rng.random() < 0.6})
+                      for i, k in enumerate(chosen))
+        out.append(Tool(f"{verb[0]}_{noun[0]}", f"{noun[1]}を{verb[1]}", f"{verb[2]} {noun[2]}", props,
+                        strict=rng.random() < 0.5, result_keys=(f"{noun[0]}_id", "status")))
+    return tuple(out)

@@ -129,8 +129,13 @@ def init_model(mc: ModelConfig, seed: int) -> DeepseekV3ForCausalLM:
         for name, p in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")):
                 p.mul_(scale)
+    return prepare_for_training(model)
+
+
+def prepare_for_training(model: DeepseekV3ForCausalLM) -> DeepseekV3ForCausalLM:
     for moe in model.moe_layers():
         moe.experts.register_forward_pre_hook(_experts_input_to_autocast_dtype)
+    model.train()
     return model
 
 
@@ -167,13 +172,30 @@ def eval_loss(model: DeepseekV3ForCausalLM, rows: torch.Tensor, batch_size: int)
     return total / len(rows)
 
 
-def plot_curve(history: dict[str, list], path: Path) -> None:
+def _concat_stages(history: dict[str, list], previous: list[dict[str, Any]]) -> dict[str, list]:
+    """One history over all stages, later stages' steps offset by the steps before them."""
+    out: dict[str, list] = {"step": [], "loss": [], "valid_ja": [], "valid_en": []}
+    offset = 0
+    for h in [p["history"] for p in previous] + [history]:
+        out["step"] += [offset + s for s in h["step"]]
+        out["loss"] += h["loss"]
+        for k in ("valid_ja", "valid_en"):
+            out[k] += [(offset + s, v) for s, v in h.get(k, [])]
+        offset += len(h["step"])
+    return out
+
+
+def plot_curve(history: dict[str, list], path: Path, previous: list[dict[str, Any]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    if previous:
+        for p in previous:
+            ax.axvline(p["steps_done"], color="gray", ls=":", lw=1)
+        history = _concat_stages(history, previous)
     steps, loss = history["step"], history["loss"]
     ax.plot(steps, loss, lw=0.5, alpha=0.4, label="train (per step)")
     if len(loss) >= 20:
@@ -208,12 +230,16 @@ def save_all(model: DeepseekV3ForCausalLM, out: Path, tok_dir: Path, history: di
         for f in TOKENIZER_FILES:
             shutil.copy(tok_dir / f, out / f)
     (out / "train_log.json").write_text(json.dumps({**meta, "history": history}, indent=1) + "\n")
-    plot_curve(history, out / "loss_curve.png")
+    plot_curve(history, out / "loss_curve.png", meta.get("previous_stages"))
 
 
 def train(cfg: TrainConfig, out: Path, corpus_dir: Path, tokenizer_dir: Path | None = None,
-          progress: bool = True) -> dict[str, Any]:
-    """Runs the whole training; returns the train log (also written to out/train_log.json)."""
+          progress: bool = True, init_dir: Path | None = None) -> dict[str, Any]:
+    """Runs the whole training; returns the train log (also written to out/train_log.json).
+
+    With `init_dir`, training continues from that checkpoint (a later stage): the architecture comes from
+    it, the optimizer starts fresh, and its train_log is kept under `previous_stages`.
+    """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,19 +250,33 @@ def train(cfg: TrainConfig, out: Path, corpus_dir: Path, tokenizer_dir: Path | N
         log.info("no tokenizer in %s: training one (vocab %d)", tok_dir, cfg.vocab_size)
         save_tokenizer(train_tokenizer(training_texts(corpus_dir), cfg.vocab_size), tok_dir)
     tok = load_tokenizer(tok_dir)
-    mc = model_config(cfg, tok)
+    torch.manual_seed(cfg.seed)
+    previous: list[dict[str, Any]] = []
+    if init_dir is not None:
+        from namazu.models.loader import load_model
+
+        if cfg.model:
+            raise ValueError("a stage that continues from --init takes its architecture from that checkpoint; "
+                             "leave the config's 'model' empty")
+        model = prepare_for_training(load_model(init_dir, dtype=torch.float32, progress=False))
+        mc = model.config
+        prev_log = Path(init_dir) / "train_log.json"
+        if prev_log.exists():
+            p = json.loads(prev_log.read_text())
+            previous = p.pop("previous_stages", []) + [p]
+    else:
+        mc = model_config(cfg, tok)
+        model = init_model(mc, cfg.seed)
     design = check_design(mc)
     log.info("model: %s", json.dumps(design))
-
-    torch.manual_seed(cfg.seed)
-    model = init_model(mc, cfg.seed)
-    model.train()
     opt = make_optimizer(model, cfg)
     sampler = build_sampler(tok, corpus_dir, cfg.chat, cfg.mix, cfg.batch_size, cfg.seq_len, cfg.seed)
     valid = {lang: eval_rows(tok, corpus_dir, lang, "valid", cfg.seq_len, cfg.eval_rows) for lang in ("ja", "en")}
 
     history: dict[str, list] = {"step": [], "loss": [], "lr": [], "imbalance": [], "valid_ja": [], "valid_en": []}
     meta: dict[str, Any] = {"config": asdict(cfg), "design": design}
+    if previous:
+        meta["previous_stages"] = previous
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc="train", disable=not progress, mininterval=5)
     stopped_early = False
@@ -300,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--corpus", type=Path, default=None, help="corpus directory (default: $NAMAZU_CORPUS or "
                     "../shared/corpus beside the repository)")
     ap.add_argument("--tokenizer", type=Path, default=None, help="directory with tokenizer.json (default: --out)")
+    ap.add_argument("--init", type=Path, default=None, help="continue from this checkpoint (a later stage)")
     ap.add_argument("--steps", type=int, default=None, help="override the config's step count")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="override the config's time_budget_minutes (0: step-bound)")
@@ -310,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg.steps = args.steps
     if args.time_budget is not None:
         cfg.time_budget_minutes = args.time_budget
-    res = train(cfg, args.out, args.corpus or default_corpus_dir(), args.tokenizer)
+    res = train(cfg, args.out, args.corpus or default_corpus_dir(), args.tokenizer, init_dir=args.init)
     h = res["history"]
     print(f"done: {res['steps_done']} steps in {res['train_minutes']:.1f} min; final train loss "
           f"{h['loss'][-1]:.3f}, valid ja {h['valid_ja'][-1][1]:.3f}, valid en {h['valid_en'][-1][1]:.3f}")
