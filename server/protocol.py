@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from namazu.sampling_params import SamplingParams
@@ -240,8 +240,6 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int | None
     sampling: SamplingFields
-    add_generation_prompt: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_chat(body: Any, max_logprobs: int) -> ChatRequest:
