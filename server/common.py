@@ -83,8 +83,8 @@ def resolve_max_tokens(num_prompt: int, max_tokens: int | None, max_model_len: i
     if max_tokens is None:
         if num_prompt >= max_model_len:
             raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, your "
-                          f"{what} is {num_prompt} tokens, which leaves no room for a completion. Please "
-                          f"reduce the length of the {what}.", what, code="context_length_exceeded")
+                          f"{what} resulted in {num_prompt} tokens, which leaves no room for a completion. "
+                          f"Please reduce the length of the {what}.", what, code="context_length_exceeded")
         return max_model_len - num_prompt
     if num_prompt + max_tokens > max_model_len:
         raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
