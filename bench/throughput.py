@@ -114,14 +114,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     model, desc = pick_model(args.model)
     from namazu.config import ModelConfig
+    from namazu.tokenizer import Tokenizer
 
     vocab = ModelConfig.from_pretrained(model).vocab_size
+    special = Tokenizer.from_pretrained(model).special_ids
+    ordinary = np.asarray([i for i in range(vocab) if i not in special])
     rng = np.random.default_rng(args.seed)
     rows = ["| batch | namazu tok/s | namazu --async-scheduling tok/s | transformers tok/s "
             "| namazu (best) / transformers | greedy agreement |",
             "|---:|---:|---:|---:|---:|---:|"]
     for batch in args.batch:
-        prompts = rng.integers(0, min(vocab, 256), (batch, args.prompt_len)).tolist()
+        prompts = rng.choice(ordinary, (batch, args.prompt_len)).tolist()   # no special tokens
         tokens = batch * args.output_len
         t_nz, out_nz = run_namazu(model, prompts, args.output_len, batch, async_scheduling=False)
         t_as, out_as = run_namazu(model, prompts, args.output_len, batch, async_scheduling=True)
