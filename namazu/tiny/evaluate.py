@@ -375,6 +375,11 @@ def write_model_card(model_dir: Path, results: dict[str, Any], training_note: st
                     + (" (ended by the budget)" if st["stopped_early"] else "") for i, st in enumerate(stages))
         + "." + (f" {training_note}" if training_note else ""),
         "",
+        *([f"Routing-bias calibration after training (`namazu.tiny.balance`): {cal['steps']} bias-only steps of "
+           f"{cal['batch_size']} x {cal['seq_len']} corpus-text tokens (ja {cal['shares']['ja']}, en "
+           f"{cal['shares']['en']}), rate {cal['rate']} decaying to a tenth; per-batch max/mean load "
+           f"{cal['first']['imbalance']:.2f} -> {cal['last']['imbalance']:.2f}. No other weight changes.", ""]
+          if (cal := train_log.get("routing_calibration")) else []),
         "![loss curve](loss_curve.png)",
         "",
         "## Results",
