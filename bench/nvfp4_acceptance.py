@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -132,6 +134,12 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     t0 = time.time()
     corpus = args.corpus or default_corpus_dir()
+    # Every row reloads the model: work on a private copy so a checkpoint rewritten meanwhile cannot mix in.
+    snapshot = tempfile.mkdtemp(prefix="nvfp4-acceptance-")
+    shown_model = args.model
+    args.model = shutil.copytree(args.model, os.path.join(snapshot, "model"))
+    with open(os.path.join(args.model, "model.safetensors"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
     tok = load_tokenizer(args.model)
     path = lambda lang, split: [str(split_path(corpus, lang, split))]  # noqa: E731
     calib_ja = token_windows(path("ja", "valid"), tok, args.seq_len, args.calib_tokens, "ja").windows
@@ -167,7 +175,8 @@ def main(argv=None) -> int:
     if args.write:
         argv_s = " ".join(argv if argv is not None else sys.argv[1:])
         body = (f"## NVFP4 routed experts: quality and memory ({datetime.date.today()})\n\n"
-                f"`python bench/nvfp4_acceptance.py {argv_s}` on `{args.model}`, CPU, {time.time() - t0:.0f} s. "
+                f"`python bench/nvfp4_acceptance.py {argv_s}` on `{shown_model}` (model.safetensors sha256 "
+                f"{digest}...), CPU, {time.time() - t0:.0f} s. "
                 f"Each row is calibrated with `namazu.quant.calibrate`'s code, written as a ModelOpt NVFP4 "
                 f"checkpoint, loaded back from disk and scored against BF16 on {args.eval_tokens} tokens per "
                 f"language of the corpus test splits (windows of {args.seq_len}; 95% paired-bootstrap intervals "
@@ -178,6 +187,7 @@ def main(argv=None) -> int:
                 f"Sensitivity, one module class quantized at a time (W4A4, Japanese calibration; same data; "
                 f"`python -m namazu.quant.sensitivity`):\n\n{sens}\n")
         write_section(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), body)
+    shutil.rmtree(snapshot, ignore_errors=True)
     return 0
 
 
