@@ -45,13 +45,17 @@ bench-nvfp4: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/nvfp4_acceptance.py $(ARGS)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/nvfp4_memory.py
 
-# The embedded default model namazu-tiny, from fixed seeds: tokenizer, training (<= 60 min on 2 CPU cores;
-# the config's time budget caps a slower machine), evaluation + MODEL_CARD.md. Corpus: NAMAZU_CORPUS or
-# ../shared/corpus beside the repository.
+# The embedded default model namazu-tiny, from fixed seeds: tokenizer; stage 1 (corpus + chat, <= 50 min on
+# 2 CPU cores); stage 2 (tool-call tuning over procedurally composed schemas, <= 10 min); routing-bias
+# calibration on corpus text (bias update only, ~1 min); evaluation + MODEL_CARD.md. Each stage stops at
+# its step count or time budget. Corpus: NAMAZU_CORPUS or ../shared/corpus beside the repository.
 TINY_DIR ?= namazu/assets/namazu-tiny
+TINY_STAGE1 ?= build/namazu-tiny-stage1
 tiny-model: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.tokenizer --out $(TINY_DIR)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.train --config namazu/tiny/configs/namazu-tiny.json --out $(TINY_DIR) $(ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.train --config namazu/tiny/configs/namazu-tiny.json --tokenizer $(TINY_DIR) --out $(TINY_STAGE1)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.train --config namazu/tiny/configs/namazu-tiny-tools.json --init $(TINY_STAGE1) --out $(TINY_DIR)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.balance --model $(TINY_DIR)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.evaluate --model $(TINY_DIR)
 
 # MoE kernel microbenchmark: every backend, BF16 and NVFP4, vs a roofline measured in the same run

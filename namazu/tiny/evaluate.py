@@ -406,6 +406,11 @@ def write_model_card(model_dir: Path, results: dict[str, Any], training_note: st
         "",
         "Acceptance checks: " + ", ".join(f"{k}: {'pass' if v else 'FAIL'}" for k, v in passes.items()) + ".",
         "",
+        *(["Known limitation: without a grammar the model does not read unseen schemas. It opens a tool-call "
+           "section in the K2 format but names a tool (and keys) from its training distribution instead of "
+           "the declared ones, so the calls fail validation. Constrained decoding of the arguments (the "
+           "server's `tool_choice` / `strict` path) is what makes its calls valid.", ""]
+          if tools["valid_rate"] < 0.8 else []),
         "## Expert load",
         "",
         f"Share of routed tokens per expert on the ja+en test text (uniform = {1 / e:.3f}, floor 1/(4E) = "
