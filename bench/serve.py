@@ -334,7 +334,9 @@ def main(argv: list[str] | None = None) -> None:
         model_name = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
         pm = PromptMaker(tok_dir, args.seed)
         print(table([]).split("\n")[0] + "\n" + table([]).split("\n")[1], flush=True)
+        load_before = os.getloadavg()[0]
         rows = asyncio.run(bench(args, url, model_name, pm))
+        load_after = os.getloadavg()[0]
     finally:
         if proc is not None:
             proc.terminate()
@@ -350,7 +352,9 @@ def main(argv: list[str] | None = None) -> None:
                  f"{os.environ.get('OMP_NUM_THREADS', 'unset')}); {args.num_requests} requests per point; random: "
                  f"{args.random_input_len} in / {args.random_output_len} out tokens; shared-prefix: "
                  f"{args.shared_prefix_len}-token system prompt, {args.num_users} users, up to {args.max_turns} "
-                 f"turns of {args.turn_input_len} in / {args.turn_output_len} out tokens.")
+                 f"turns of {args.turn_input_len} in / {args.turn_output_len} out tokens. 1-minute load "
+                 f"average {load_before:.1f} at the start, {load_after:.1f} at the end (other jobs on the machine "
+                 "make the points noisy when it is above the core count).")
         write_results(Path(args.results), rows, command.strip(), setup, plot_path)
         print(f"\nwrote {args.results} and {plot_path}")
 

@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         command = "python bench/tool_calls.py " + " ".join(argv if argv is not None else sys.argv[1:])
         section = "\n".join([START, "## Tool calls through the API (`make bench-tools`)", "",
                              f"Command: `{command.strip()}`; temperature {args.temperature}, no grammar, "
-                             f"Kimi-K2 tool-call sections parsed by the server into `tool_calls`.", "", table, END])
+                             f"Kimi-K2 tool-call sections parsed by the server into `tool_calls`. JSON and "
+                             "schema validity are counted over all calls; a call naming an undeclared tool has no "
+                             "schema and counts as invalid.", "", table, END])
         path = Path(args.results)
         old = path.read_text() if path.exists() else "# Benchmark results\n"
         if START in old and END in old:
