@@ -25,8 +25,9 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _f(default: Any, help: str, choices: tuple | None = None, metavar: str | None = None) -> Any:
-    meta = {"help": help}
+def _f(default: Any, help: str, choices: tuple | None = None, metavar: str | None = None,
+       aliases: tuple[str, ...] = ()) -> Any:
+    meta: dict[str, Any] = {"help": help, "aliases": aliases}
     if choices is not None:
         meta["choices"] = choices
     if metavar is not None:
@@ -76,7 +77,7 @@ class EngineConfig:
     ngram_max: int = _f(4, "longest n-gram the ngram drafter matches")
     ngram_min: int = _f(1, "shortest n-gram the ngram drafter matches")
     # -- processes -------------------------------------------------------------------------------------
-    tensor_parallel_size: int = _f(1, "model-runner ranks (only 1 in this version)")
+    tensor_parallel_size: int = _f(1, "model-runner ranks (only 1 in this version)", aliases=("--tp",))
     executor: str = _f("mp", "mp = model runner in its own worker process; inline = in the engine's "
                              "process (debugging)", choices=("mp", "inline"))
     debug_no_host_sync: bool = _f(False, "raise if a step's forward/sampling/acceptance syncs with the "
@@ -145,7 +146,7 @@ class EngineConfig:
                 kw["help"] += f" (default: {'on' if f.default else 'off'})"
             elif f.default is not None:
                 kw["help"] += f" (default: {f.default})"
-            group.add_argument(flag, **kw)
+            group.add_argument(flag, *f.metadata.get("aliases", ()), **kw)
         return parser
 
     @classmethod
