@@ -52,6 +52,11 @@ class EngineConfig:
     moe_backend: str = _f("auto", "routed-experts kernel backend (see namazu.kernels.backends); "
                                   "auto picks the fastest available for the device",
                           choices=("auto", "torch", "cpp", "triton", "cuda"))
+    nvfp4_mode: str = _f("auto", "execution of NVFP4 routed experts: w4a16 dequantizes packed FP4 weights per "
+                                 "call (the Hopper path), w4a4 also rounds activations to NVFP4 with the "
+                                 "calibrated input scales (Blackwell numerics, emulated); auto = "
+                                 "$NAMAZU_NVFP4_MODE or w4a16",
+                         choices=("auto", "w4a16", "w4a4"))
     # -- KV cache --------------------------------------------------------------------------------------
     block_size: int = _f(16, "tokens per KV-cache block")
     kv_cache_memory: str = _f("256MiB", "KV-cache budget on CPU (e.g. 512MiB, 4GiB)", metavar="SIZE")

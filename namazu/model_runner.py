@@ -42,6 +42,10 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         # Chosen once per process, before the first forward; "auto" leaves NAMAZU_MOE_BACKEND in charge.
         set_moe_backend(None if config.moe_backend == "auto" else config.moe_backend)
+        if config.nvfp4_mode != "auto":
+            from namazu.quant.experts import set_default_mode
+
+            set_default_mode(config.nvfp4_mode)
         dtype = config.dtype
         if dtype == "auto" and self.device.type == "cpu":
             # Half-precision matmuls on CPU are slow and less exact; serve bf16/fp16 checkpoints in fp32.
