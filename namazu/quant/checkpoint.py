@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from namazu.config import ModelConfig
-from namazu.models.checkpoint import checkpoint_files, iter_checkpoint, state_items
+from namazu.models.checkpoint import checkpoint_files, iter_checkpoint, state_items, write_safetensors
 from namazu.models.deepseek_v3 import DeepseekV3ForCausalLM
 from namazu.models.loader import load_weights, resolve_dtype
 from namazu.quant.experts import NvFP4Experts, set_mode
@@ -75,7 +74,7 @@ def save_quantized(model: DeepseekV3ForCausalLM, path: str | os.PathLike, policy
     for stale in os.listdir(path):
         if _WEIGHT_FILES.search(stale):
             os.remove(os.path.join(path, stale))
-    _write_shards(tensors, path, max_shard_bytes)
+    write_safetensors(tensors, path, max_shard_bytes)
     logger.info("wrote NVFP4 checkpoint %s (%d tensors)", os.fspath(path), len(tensors))
 
 
@@ -88,29 +87,6 @@ def _copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         full = os.path.join(src, f)
         if os.path.isfile(full) and not _WEIGHT_FILES.search(f) and f not in ("config.json", HF_QUANT_CONFIG):
             shutil.copy2(full, os.path.join(dst, f))
-
-
-def _write_shards(tensors: dict[str, torch.Tensor], path: str | os.PathLike, max_shard_bytes: int) -> None:
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    if total <= max_shard_bytes:
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        return
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = t
-        size += n
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
 def read_quant_config(path: str | os.PathLike) -> dict[str, Any]:
