@@ -232,6 +232,16 @@ class GenerationJob:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompt_ids)
 
+    # The "object" of this endpoint's streamed chunks; subclasses have `req` (the parsed request).
+    chunk_object = ""
+
+    def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"id": self.rid, "object": self.chunk_object, "created": self.created,
+                             "model": self.state.served_model_name, "choices": choices}
+        if self.req.sampling.include_usage:
+            d["usage"] = use
+        return d
+
     def outputs(self) -> AsyncIterator[tuple[int, Any]]:
         """(prompt index, RequestOutput) as the engine produces them, observed for the metrics."""
         for p in self.prompt_ids:

@@ -62,6 +62,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
 
 
 class _ChatJob(GenerationJob):
+    chunk_object = "chat.completion.chunk"
+
     def __init__(self, state: ServerState, req: ChatRequest, prompt_ids: list[int], params: Any, rid: str,
                  tracker: RequestTracker):
         super().__init__(state, [prompt_ids], params, rid, tracker, req.sampling.priority)
@@ -162,9 +164,3 @@ class _ChatJob(GenerationJob):
             await outputs.aclose()      # aborts what is still running, now rather than at GC
         yield SSE_DONE
 
-    def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                             "model": self.state.served_model_name, "choices": choices}
-        if self.req.sampling.include_usage:
-            d["usage"] = use
-        return d

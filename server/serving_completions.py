@@ -107,6 +107,8 @@ async def create_completion(request: Request, state: ServerState, body: Any,
 class _Job(GenerationJob):
     """One completions request: its engine requests and the response built from their outputs."""
 
+    chunk_object = "text_completion"
+
     def __init__(self, state: ServerState, req: CompletionRequest, prompts: list[_Prompt], params: Any,
                  rid: str, tracker: RequestTracker):
         super().__init__(state, [p.ids for p in prompts], params, rid, tracker, req.sampling.priority)
@@ -195,9 +197,3 @@ class _Job(GenerationJob):
             await outputs.aclose()      # aborts what is still running, now rather than at GC
         yield SSE_DONE
 
-    def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": self.rid, "object": "text_completion", "created": self.created,
-                             "model": self.state.served_model_name, "choices": choices}
-        if self.req.sampling.include_usage:
-            d["usage"] = use
-        return d
