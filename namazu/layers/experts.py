@@ -9,6 +9,7 @@ Weights are addressed the way checkpoints name them: expert `e`, projection `gat
 """
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Iterator
 
 import torch
@@ -20,7 +21,7 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
-class RoutedExperts(nn.Module):
+class RoutedExperts(nn.Module, abc.ABC):
     """Base class of every routed-experts implementation.
 
     `forward(x [N, H], topk_ids [N, k] int64, topk_weights [N, k] fp32) -> [N, H]` in x's dtype.
@@ -30,16 +31,17 @@ class RoutedExperts(nn.Module):
     hidden_size: int
     intermediate_size: int
 
+    @abc.abstractmethod
     def load_expert_param(self, expert: int, proj: str, param: str, tensor: torch.Tensor) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not load weights")
+        """Copies one checkpoint tensor (expert `expert`, projection `proj`, parameter `param`) in."""
 
+    @abc.abstractmethod
     def expert_params(self) -> Iterator[tuple[int, str, str, torch.Tensor]]:
         """Yields (expert, proj, param, tensor) in checkpoint layout, for saving."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be saved")
 
+    @abc.abstractmethod
     def expected_params(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         """param name -> (shape per proj, dtype) that `load_expert_param` accepts, for load-time checks."""
-        raise NotImplementedError
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

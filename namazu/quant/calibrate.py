@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +69,16 @@ class ObserverExperts(RoutedExperts):
             self._w2 = torch.stack([ws[(e, "down_proj")] for e in range(self.num_experts)])
         else:
             self._w13, self._w2 = inner.w13, inner.w2
+
+    # Loading and saving go to the wrapped experts: the observer only adds coverage statistics.
+    def load_expert_param(self, expert: int, proj: str, param: str, tensor: torch.Tensor) -> None:
+        self.inner.load_expert_param(expert, proj, param, tensor)
+
+    def expert_params(self) -> Iterator[tuple[int, str, str, torch.Tensor]]:
+        return self.inner.expert_params()
+
+    def expected_params(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        return self.inner.expected_params()
 
     def _down_input(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of expert e on rows x, in x's dtype as the forward computes it."""
