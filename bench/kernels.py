@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from results_md import write_section  # bench/ is on sys.path when run as `python bench/X.py`
 
 from namazu.kernels import backends
 from namazu.kernels import moe_dispatch as md
@@ -317,13 +317,7 @@ def summary(rows: list[Row], device: str) -> list[str]:
 
 def write_results(text: str, device: str) -> None:
     begin, end = f"<!-- kernels-{device}:begin -->", f"<!-- kernels-{device}:end -->"
-    block = f"{begin}\n{text}\n{end}"
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if begin in old:
-        old = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, old, flags=re.S)
-    else:
-        old = old.rstrip("\n") + "\n\n" + block + "\n"
-    RESULTS.write_text(old)
+    write_section(begin, end, text)
 
 
 def plot(rows: list[Row], path: str) -> None:

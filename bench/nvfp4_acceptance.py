@@ -20,13 +20,13 @@ import argparse
 import datetime
 import hashlib
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
+import results_md  # bench/ is on sys.path when run as `python bench/X.py`
 import torch
 
 from namazu.eval.data import load_tokenizer, token_windows
@@ -92,14 +92,7 @@ def sensitivity_table(args, corpus) -> str:
 def write_section(path: str, body: str) -> None:
     """Replaces the NVFP4 section of bench/RESULTS.md (between its markers) or appends it."""
     begin, end = "<!-- nvfp4-acceptance:begin -->", "<!-- nvfp4-acceptance:end -->"
-    block = f"{begin}\n{body.strip()}\n{end}\n"
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmark results\n"
-    if begin in text and end in text:
-        text = re.sub(re.escape(begin) + ".*?" + re.escape(end) + "\n?", lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    results_md.write_section(begin, end, body, path)
 
 
 def fmt_rows(rows, labels) -> str:

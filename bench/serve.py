@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from results_md import write_section  # bench/ is on sys.path when run as `python bench/X.py`
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -234,18 +235,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def write_results(path: Path, rows: list[dict], command: str, setup: str, plot_path: Path) -> None:
     section = "\n".join([
-        START, "## Online serving (`make bench-serve`)", "", f"Command: `{command}`", "", setup, "",
+        "## Online serving (`make bench-serve`)", "", f"Command: `{command}`", "", setup, "",
         table(rows), "", f"![latency vs request rate]({plot_path.name})", "",
         "TTFT: send to first streamed content; ITL: gaps between streamed content chunks (one per token "
         "per step); e2e: send to last chunk; prefix hit: cached prompt tokens / prompt tokens from the "
         "usage chunks. Shared-prefix turns wait for the same user's previous answer, so at high rates "
-        "the offered load is capped by the conversation chains.", END])
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    if START in old and END in old:
-        new = old[:old.index(START)] + section + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(new)
+        "the offered load is capped by the conversation chains."])
+    write_section(START, END, section, path)
 
 
 def free_port() -> int:

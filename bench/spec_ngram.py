@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
+from results_md import write_section  # bench/ is on sys.path when run as `python bench/X.py`
 from throughput import RESULTS  # bench/ is on sys.path when run as `python bench/spec_ngram.py`
 
 BEGIN, END = "<!-- spec-ngram:begin -->", "<!-- spec-ngram:end -->"
@@ -72,15 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     if args.write:
         command = "python bench/spec_ngram.py " + " ".join(sys.argv[1:])
-        section = (f"{BEGIN}\n## Speculative decoding: n-gram drafter (CPU)\n\n`{command.strip()}` -- "
+        section = (f"## Speculative decoding: n-gram drafter (CPU)\n\n`{command.strip()}` -- "
                    f"{len(CITIES)} tool-call chats, greedy, max {args.max_tokens} tokens, {args.threads} "
-                   f"thread(s).\n\n{table}\n{END}")
-        text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-        if BEGIN in text:
-            text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
-        else:
-            text = text.rstrip() + "\n\n" + section + "\n"
-        RESULTS.write_text(text)
+                   f"thread(s).\n\n{table}")
+        write_section(BEGIN, END, section)
         print(f"\nwrote {RESULTS}")
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from results_md import write_section  # bench/ is on sys.path when run as `python bench/X.py`
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 BEGIN, END = "<!-- throughput:begin -->", "<!-- throughput:end -->"
@@ -85,17 +85,12 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def write_results(table: str, command: str, model_desc: str, threads: int) -> None:
     load = os.getloadavg()[0]
-    section = (f"{BEGIN}\n## Engine throughput vs transformers (CPU)\n\n"
+    section = ("## Engine throughput vs transformers (CPU)\n\n"
                f"`{command}` -- model: {model_desc}; float32; {threads} torch thread(s); greedy, EOS ignored. "
                f"Machine: {os.cpu_count()} cores, load average {load:.1f} when written (shared machine: "
                f"absolute numbers are noisy; the two engines run back to back).\n\n"
-               f"{table}\n{END}")
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if BEGIN in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    RESULTS.write_text(text)
+               f"{table}")
+    write_section(BEGIN, END, section)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import jsonschema
+from results_md import write_section  # bench/ is on sys.path when run as `python bench/X.py`
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -145,18 +146,13 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     if args.results:
         command = "python bench/tool_calls.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        section = "\n".join([START, "## Tool calls through the API (`make bench-tools`)", "",
+        section = "\n".join(["## Tool calls through the API (`make bench-tools`)", "",
                              f"Command: `{command.strip()}`; temperature {args.temperature}, no grammar, "
                              f"Kimi-K2 tool-call sections parsed by the server into `tool_calls`. JSON and "
                              "schema validity are counted over all calls; a call naming an undeclared tool has no "
-                             "schema and counts as invalid.", "", table, END])
+                             "schema and counts as invalid.", "", table])
         path = Path(args.results)
-        old = path.read_text() if path.exists() else "# Benchmark results\n"
-        if START in old and END in old:
-            new = old[:old.index(START)] + section + old[old.index(END) + len(END):]
-        else:
-            new = old.rstrip("\n") + "\n\n" + section + "\n"
-        path.write_text(new)
+        write_section(START, END, section, path)
         print(f"\nwrote {path}")
     if mismatches:
         sys.exit(f"{mismatches} of {k} streamed answers differ from the non-streamed ones")
