@@ -128,3 +128,83 @@ def test_procedural_tools_are_distinct_valid_and_never_heldout(corpus):
             declared_keys = fn["parameters"]["properties"].keys()
             assert by_name[call.name].schema("ja")["parameters"]["properties"].keys() == declared_keys
     assert len(used & set(names)) > 50
+
+
+def test_synthetic_tools_are_fresh_valid_and_never_heldout(corpus):
+    import random
+
+    from namazu.tiny.synthetic_tools import synthetic_tools
+
+    heldout_keys = {p.key for t in HELDOUT_TOOLS for p in t.props} - {p.key for t in TRAIN_TOOLS for p in t.props}
+    rng = random.Random(0)
+    tools = [t for _ in range(400) for t in synthetic_tools(rng, 3)]
+    names = {t.name for t in tools}
+    keys = {p.key for t in tools for p in t.props}
+    assert len(names) > 900 and len(keys) > 700  # far too many to remember: they have to be read
+    assert not names & {t.name for t in HELDOUT_TOOLS} and not keys & heldout_keys
+    cfg = ChatDataConfig(seed=5, num_qa=0, num_tool=300, synthetic_tool_share=1.0, no_call_share=0.0)
+    examples = generate_chat_examples(corpus, cfg)
+    assert examples == generate_chat_examples(corpus, cfg)
+    called = set()
+    for ex in examples:
+        (call,) = parse_tool_calls(ex.text)
+        fn = next(t["function"] for t in ex.tools if t["function"]["name"] == call.name)
+        jsonschema.validate(json.loads(call.arguments), fn["parameters"])
+        called.add(call.name)
+        for t in HELDOUT_TOOLS:
+            assert f"\"{t.name}\"" not in ex.text
+    assert len(called) > 250
+    assert not called & {t.name for t in TRAIN_TOOLS}
+
+
+def test_synthetic_share_zero_leaves_data_unchanged(corpus):
+    # Configs written before fresh tools existed must still generate byte-identical data.
+    base = [e.text for e in generate_chat_examples(corpus, CFG)]
+    same = ChatDataConfig(**{**CFG.__dict__, "synthetic_tool_share": 0.0})
+    assert [e.text for e in generate_chat_examples(corpus, same)] == base
+    mixed = ChatDataConfig(**{**CFG.__dict__, "synthetic_tool_share": 0.5})
+    assert [e.text for e in generate_chat_examples(corpus, mixed)] != base
+
+
+def test_assistant_only_loss_masks_everything_but_assistant_turns(corpus):
+    from namazu.tiny import ASSET_DIR
+    from namazu.tiny.dataset import assistant_targets, pack_examples
+    from namazu.tiny.tokenizer import IM_END, load_tokenizer
+
+    tok = load_tokenizer(ASSET_DIR)
+    examples = [e for e in generate_chat_examples(corpus, CFG) if e.kind == "tool"][:6]
+    ids, full = pack_examples(tok, examples, 2048)
+    ids2, part = pack_examples(tok, examples, 2048, assistant_only=True)
+    assert (ids == ids2).all() and (part <= full).all() and 0 < part.sum() < full.sum() / 2
+    text = tok.decode([int(i) for i, m in zip(ids[0], part[0]) if m], skip_special_tokens=False)
+    for ex in examples:  # the call and the final answer are targets; the declaration and request are not
+        call = ex.messages[-3]["tool_calls"][0]["function"]
+        assert call["arguments"] in text and ex.messages[-1]["content"] in text
+        assert ex.messages[-4]["content"] not in text and "tool_declare" not in text
+    seq = tok.encode(examples[0].text).ids
+    marks = assistant_targets(seq, tok)
+    assert marks[-1] and seq[-1] == tok.token_to_id(IM_END)
+
+
+def test_copy_tasks_answer_only_from_the_request(corpus):
+    cfg = ChatDataConfig(seed=9, num_qa=0, num_tool=0, num_copy=300)
+    examples = generate_chat_examples(corpus, cfg)
+    assert [e.text for e in examples] == [e.text for e in generate_chat_examples(corpus, cfg)]
+    assert {e.kind for e in examples} == {"copy"} and len(examples) == 300
+    n_json = 0
+    for ex in examples:
+        user, answer = ex.messages[0]["content"], ex.messages[1]["content"]
+        if answer.startswith("{"):  # JSON formatting: every field of the request, in order, as tool args
+            obj = json.loads(answer)
+            fields = [ln.split(": ", 1)[0] for ln in user.split("\n")[1:]]
+            assert list(obj) == fields
+            n_json += 1
+        elif "\n- " in user:  # read-back: every listed code, in order
+            codes = [ln[2:] for ln in user.split("\n") if ln.startswith("- ")]
+            assert all(c in answer for c in codes)
+            assert [answer.index(c) for c in codes] == sorted(answer.index(c) for c in codes)
+        else:  # transcription
+            assert user.endswith(answer)
+    assert n_json > 80
+    base = [e.text for e in generate_chat_examples(corpus, CFG)]
+    assert [e.text for e in generate_chat_examples(corpus, ChatDataConfig(**{**CFG.__dict__, "num_copy": 0}))] == base

@@ -87,3 +87,21 @@ def test_training_under_bf16_autocast():
         loss = lm_loss(model, ids)
     loss.backward()
     assert torch.isfinite(loss) and model.moe_layers()[0].experts.w13.grad is not None
+
+
+def test_per_row_loss_weighs_rows_equally():
+    model = _toy()
+    g = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, 64, (2, 16), generator=g)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, :12] = False  # row 1 has 3 targets (positions 13..15), row 0 has 15
+    with torch.no_grad():
+        hidden, _ = model(batch[:, :-1])
+        nll = torch.nn.functional.cross_entropy(model.compute_logits(hidden).transpose(1, 2), batch[:, 1:],
+                                                reduction="none")
+        m = mask[:, 1:].float()
+        row_means = (nll * m).sum(1) / m.sum(1)
+        torch.testing.assert_close(lm_loss(model, batch, mask, per_row=True), row_means.mean())
+        torch.testing.assert_close(lm_loss(model, batch, mask), (nll * m).sum() / m.sum())
+        mask[1] = False  # a row without targets is left out, not counted as zero
+        torch.testing.assert_close(lm_loss(model, batch, mask, per_row=True), row_means[0])

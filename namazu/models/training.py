@@ -5,15 +5,25 @@ import torch
 import torch.nn.functional as F
 
 
-def lm_loss(model, input_ids: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Next-token cross-entropy over [B, T] rows; loss_mask [B, T] marks target positions that count."""
+def lm_loss(model, input_ids: torch.Tensor, loss_mask: torch.Tensor | None = None,
+            per_row: bool = False) -> torch.Tensor:
+    """Next-token cross-entropy over [B, T] rows; loss_mask [B, T] marks target positions that count.
+
+    The mean is over all counted targets, or with `per_row` over rows of each row's own mean, so a row with
+    few targets (a masked SFT row) weighs as much as a row of plain text.
+    """
     hidden, _ = model(input_ids[:, :-1])
     logits = model.compute_logits(hidden)
     targets = input_ids[:, 1:]
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    loss = loss.view(targets.shape)
     if loss_mask is None:
         return loss.mean()
-    mask = loss_mask[:, 1:].reshape(-1).to(loss.dtype)
+    mask = loss_mask[:, 1:].to(loss.dtype)
+    if per_row:
+        rows = mask.sum(1)
+        keep = rows > 0
+        return ((loss * mask).sum(1)[keep] / rows[keep]).mean()
     return (loss * mask).sum() / mask.sum().clamp_min(1)
 
 

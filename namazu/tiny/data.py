@@ -21,7 +21,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from namazu.tiny.copy_tasks import copy_task
 from namazu.tiny.corpus import read_documents
+from namazu.tiny.synthetic_tools import synthetic_tools
 from namazu.tiny.tokenizer import render_chat
 from namazu.tiny.tools import HELDOUT_TOOLS, TRAIN_TOOLS, Prop, Tool, draw_value, procedural_tools
 
@@ -36,11 +38,20 @@ class ChatDataConfig:
     no_call_share: float = 0.1  # tool prompts whose request no declared tool serves: answer in text
     # Extra procedurally composed tool schemas (tools.procedural_tools) mixed into the training pool.
     procedural_tools: int = 0
+    # Share of tool transcripts whose declared tools are composed afresh for that transcript
+    # (synthetic_tools): names and keys that can only be copied from the declaration, never remembered.
+    synthetic_tool_share: float = 0.0
+    # Loss only on assistant turns (SFT-style): declarations and requests of fresh tools are unpredictable
+    # noise, the call written from them is what has to be learned.
+    assistant_loss_only: bool = False
+    # Short read-back / JSON-formatting / transcription exchanges (copy_tasks): they teach copying from
+    # the context, which tool calls on unseen schemas need.
+    num_copy: int = 0
 
 
 @dataclass(frozen=True)
 class ChatExample:
-    kind: str  # qa | tool | no_call
+    kind: str  # qa | tool | no_call | copy
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     text: str
@@ -308,11 +319,18 @@ def generate_chat_examples(corpus_dir: Path | str, cfg: ChatDataConfig = ChatDat
         out.append(ChatExample("qa", msgs, None, render_chat(msgs)))
     for _ in range(cfg.num_tool):
         lang = "en" if rng.random() < cfg.english_share else "ja"
+        # No extra draw when the share is 0, so configs without fresh tools keep their exact data.
+        fresh = cfg.synthetic_tool_share > 0 and rng.random() < cfg.synthetic_tool_share
+        tools = synthetic_tools(rng, 3) if fresh else pool
         if rng.random() < cfg.no_call_share:
-            out.append(_no_call(ja if lang == "ja" else en, pool, lang, rng))
+            out.append(_no_call(ja if lang == "ja" else en, tools, lang, rng))
             continue
-        target = rng.choice(pool)
-        out.append(_tool_transcript(target, pool, lang, rng, ja.sentences if lang == "ja" else en.sentences))
+        target = rng.choice(tools)
+        out.append(_tool_transcript(target, tools, lang, rng, ja.sentences if lang == "ja" else en.sentences))
+    for _ in range(cfg.num_copy):
+        lang = "en" if rng.random() < cfg.english_share else "ja"
+        msgs = copy_task(rng, lang, ja.sentences if lang == "ja" else en.sentences)
+        out.append(ChatExample("copy", msgs, None, render_chat(msgs)))
     return out
 
 

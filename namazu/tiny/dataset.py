@@ -4,7 +4,8 @@ Three sources, mixed per row with fixed probabilities:
 - Japanese and English corpus text: documents tokenized and joined with `<|end_of_text|>`, rows are
   random windows of seq_len+1 tokens;
 - chat data: whole rendered conversations packed greedily into rows (never split, so a tool call always
-  sees its declaration), the tail of a row padded with `<|pad|>` and masked out of the loss.
+  sees its declaration), the tail of a row padded with `<|pad|>` and masked out of the loss (optionally
+  everything but the assistant turns too).
 Row choice and window offsets come from one seeded torch.Generator, so a seed fixes the batch sequence.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from tokenizers import Tokenizer
 
 from namazu.tiny.corpus import read_documents
 from namazu.tiny.data import ChatDataConfig, ChatExample, generate_chat_examples
-from namazu.tiny.tokenizer import EOT, PAD
+from namazu.tiny.tokenizer import EOT, IM_ASSISTANT, IM_END, IM_MIDDLE, PAD
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,32 @@ def encode_documents(tok: Tokenizer, docs: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int32)
 
 
-def pack_examples(tok: Tokenizer, examples: list[ChatExample], row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy packing of whole conversations into rows of row_len tokens -> (ids [R, L], mask [R, L])."""
+def assistant_targets(ids: list[int], tok: Tokenizer) -> list[bool]:
+    """True at the tokens of assistant turns (their content and closing `<|im_end|>`), False elsewhere."""
+    assistant, middle, end = tok.token_to_id(IM_ASSISTANT), tok.token_to_id(IM_MIDDLE), tok.token_to_id(IM_END)
+    out, state = [], "out"  # out -> header (after <|im_assistant|>) -> body (after its <|im_middle|>)
+    for t in ids:
+        out.append(state == "body")
+        if t == assistant:
+            state = "header"
+        elif t == middle and state == "header":
+            state = "body"
+        elif t == end:
+            state = "out"
+    return out
+
+
+def pack_examples(tok: Tokenizer, examples: list[ChatExample], row_len: int,
+                  assistant_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy packing of whole conversations into rows of row_len tokens -> (ids [R, L], mask [R, L]).
+
+    The mask marks loss targets: every real token, or with `assistant_only` only assistant turns.
+    """
     eot, pad = tok.token_to_id(EOT), tok.token_to_id(PAD)
     rows: list[list[int]] = []
+    masks: list[list[bool]] = []
     cur: list[int] = []
+    cur_mask: list[bool] = []
     dropped = 0
     for enc in tok.encode_batch([e.text for e in examples], add_special_tokens=False):
         seq = [eot] + enc.ids
@@ -46,17 +68,20 @@ def pack_examples(tok: Tokenizer, examples: list[ChatExample], row_len: int) -> 
             continue
         if len(cur) + len(seq) > row_len:
             rows.append(cur)
-            cur = []
+            masks.append(cur_mask)
+            cur, cur_mask = [], []
         cur.extend(seq)
+        cur_mask.extend(assistant_targets(seq, tok) if assistant_only else [True] * len(seq))
     if cur:
         rows.append(cur)
+        masks.append(cur_mask)
     if dropped:
         log.warning("dropped %d of %d chat examples longer than %d tokens", dropped, len(examples), row_len)
     ids = torch.full((len(rows), row_len), pad, dtype=torch.int32)
     mask = torch.zeros((len(rows), row_len), dtype=torch.bool)
-    for i, r in enumerate(rows):
+    for i, (r, m) in enumerate(zip(rows, masks)):
         ids[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-        mask[i, :len(r)] = True
+        mask[i, :len(r)] = torch.tensor(m, dtype=torch.bool)
     return ids, mask
 
 
@@ -113,7 +138,7 @@ def build_sampler(tok: Tokenizer, corpus_dir: Path | str, chat_cfg: ChatDataConf
                   batch_size: int, seq_len: int, seed: int) -> BatchSampler:
     streams = {lang: encode_documents(tok, read_documents(corpus_dir, lang, "train")) for lang in ("ja", "en")}
     examples = generate_chat_examples(corpus_dir, chat_cfg)
-    chat_ids, chat_mask = pack_examples(tok, examples, seq_len + 1)
+    chat_ids, chat_mask = pack_examples(tok, examples, seq_len + 1, chat_cfg.assistant_loss_only)
     log.info("train streams: ja %d tokens, en %d tokens, chat %d rows (%d tokens)", len(streams["ja"]),
              len(streams["en"]), len(chat_ids), int(chat_mask.sum()))
     return BatchSampler(streams, chat_ids, chat_mask, mix, batch_size, seq_len, seed)

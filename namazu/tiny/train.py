@@ -60,6 +60,9 @@ class TrainConfig:
     # 0: step-bound. Else a wall-clock budget: the schedule follows max(step/steps, elapsed/budget) and the
     # run ends when either reaches 1, so a slower (or busier) machine still finishes its cosine decay.
     time_budget_minutes: float = 0.0
+    # Loss averaged per row (each row's mean over its targets), so masked chat rows with few targets get
+    # the weight their share of the mix says rather than their share of target tokens.
+    loss_per_row: bool = False
     threads: int = 0  # 0: leave torch's default
     vocab_size: int = 12288
     mix: MixConfig = field(default_factory=MixConfig)
@@ -297,7 +300,7 @@ def train(cfg: TrainConfig, out: Path, corpus_dir: Path, tokenizer_dir: Path | N
             g["lr"] = lr * g["lr_scale"]
         ids, mask = next(sampler)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = lm_loss(model, ids, mask)
+            loss = lm_loss(model, ids, mask, per_row=cfg.loss_per_row)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
