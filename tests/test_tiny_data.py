@@ -208,3 +208,26 @@ def test_copy_tasks_answer_only_from_the_request(corpus):
     assert n_json > 80
     base = [e.text for e in generate_chat_examples(corpus, CFG)]
     assert [e.text for e in generate_chat_examples(corpus, ChatDataConfig(**{**CFG.__dict__, "num_copy": 0}))] == base
+
+
+def test_copy_rows_are_their_own_source_with_a_warmup(corpus):
+    from namazu.tiny import ASSET_DIR
+    from namazu.tiny.dataset import MixConfig, build_sampler
+    from namazu.tiny.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ASSET_DIR)
+    chat = ChatDataConfig(seed=3, num_qa=40, num_tool=40, num_copy=200, assistant_loss_only=True)
+    mix = MixConfig(ja_share=0.5, en_share=0.0, chat_share=0.3, copy_share=0.2, copy_warmup_steps=10,
+                    copy_warmup_share=0.9)
+    sampler = build_sampler(tok, corpus, chat, mix, batch_size=16, seq_len=127, seed=0)
+    pool = {tuple(r.tolist()) for r in sampler.pools["copy"].ids}
+    assert pool and not pool & {tuple(r.tolist()) for r in sampler.pools["chat"].ids}
+
+    def copy_rows(ids):
+        return sum(tuple(r.tolist()) in pool for r in ids)
+
+    early = sum(copy_rows(next(sampler)[0]) for _ in range(10))  # 160 rows at 90%
+    late = sum(copy_rows(next(sampler)[0]) for _ in range(10))  # 160 rows at 20%
+    assert early > 120 and 10 < late < 60, (early, late)
+    with pytest.raises(ValueError, match="num_copy"):
+        build_sampler(tok, corpus, ChatDataConfig(seed=3, num_qa=10, num_tool=10), mix, 4, 127, 0)

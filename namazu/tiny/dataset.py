@@ -90,45 +90,77 @@ class MixConfig:
     ja_share: float = 0.55
     en_share: float = 0.15
     chat_share: float = 0.30
+    # Rows of copy tasks (ChatDataConfig.num_copy), a source of their own so their rate can be set, and
+    # raised for the first copy_warmup_steps batches: copying is learned in a burst when it dominates the
+    # batch, and barely at all while it is a few percent of it.
+    copy_share: float = 0.0
+    copy_warmup_steps: int = 0
+    copy_warmup_share: float = 0.0
+
+
+class _RowPool:
+    """Packed rows drawn in a fresh random order every epoch."""
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, gen: torch.Generator):
+        self.ids, self.mask, self.gen = ids, mask, gen
+        self.order = torch.randperm(len(ids), generator=gen)
+        self.pos = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pos == len(self.order):
+            self.order = torch.randperm(len(self.ids), generator=self.gen)
+            self.pos = 0
+        i = self.order[self.pos]
+        self.pos += 1
+        return self.ids[i], self.mask[i]
 
 
 class BatchSampler:
     """Yields (input_ids [B, L] int64, loss_mask [B, L] bool) for L = seq_len + 1."""
 
     def __init__(self, streams: dict[str, torch.Tensor], chat_ids: torch.Tensor, chat_mask: torch.Tensor,
-                 mix: MixConfig, batch_size: int, seq_len: int, seed: int):
-        self.streams, self.chat_ids, self.chat_mask = streams, chat_ids, chat_mask
+                 mix: MixConfig, batch_size: int, seq_len: int, seed: int,
+                 copy_rows: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.streams = streams
         self.batch_size, self.row_len = batch_size, seq_len + 1
         self.gen = torch.Generator().manual_seed(seed)
         self.sources = ["ja", "en", "chat"]
-        self.probs = torch.tensor([mix.ja_share, mix.en_share, mix.chat_share], dtype=torch.float64)
-        if (self.probs < 0).any() or self.probs.sum() <= 0:
+        shares = [mix.ja_share, mix.en_share, mix.chat_share]
+        if mix.copy_share or mix.copy_warmup_share:
+            if copy_rows is None or not len(copy_rows[0]):
+                raise ValueError("mix.copy_share / copy_warmup_share need copy-task rows (chat.num_copy > 0)")
+            self.sources.append("copy")
+            shares.append(mix.copy_share)
+        self.probs = torch.tensor(shares, dtype=torch.float64)
+        if (self.probs < 0).any() or self.probs.sum() <= 0 or not 0 <= mix.copy_warmup_share < 1:
             raise ValueError(f"data mix shares must be >= 0 with a positive sum, got {mix}")
-        self._chat_order = torch.randperm(len(chat_ids), generator=self.gen) if len(chat_ids) else None
-        self._chat_pos = 0
-
-    def _chat_row(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._chat_pos == len(self._chat_order):
-            self._chat_order = torch.randperm(len(self.chat_ids), generator=self.gen)
-            self._chat_pos = 0
-        i = self._chat_order[self._chat_pos]
-        self._chat_pos += 1
-        return self.chat_ids[i], self.chat_mask[i]
+        self.warmup_steps = mix.copy_warmup_steps
+        self.warmup_probs = self.probs
+        if "copy" in self.sources:
+            rest = self.probs[:3] / self.probs[:3].sum() * (1 - mix.copy_warmup_share)
+            self.warmup_probs = torch.cat([rest, torch.tensor([mix.copy_warmup_share], dtype=torch.float64)])
+        self.pools = {}
+        if len(chat_ids):
+            self.pools["chat"] = _RowPool(chat_ids, chat_mask, self.gen)
+        if "copy" in self.sources:
+            self.pools["copy"] = _RowPool(*copy_rows, self.gen)
+        self.step = 0
 
     def __iter__(self):
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        picks = torch.multinomial(self.probs, self.batch_size, replacement=True, generator=self.gen)
+        probs = self.warmup_probs if self.step < self.warmup_steps else self.probs
+        self.step += 1
+        picks = torch.multinomial(probs, self.batch_size, replacement=True, generator=self.gen)
         ids = torch.empty(self.batch_size, self.row_len, dtype=torch.int64)
         mask = torch.ones(self.batch_size, self.row_len, dtype=torch.bool)
         for b, s in enumerate(picks.tolist()):
             src = self.sources[s]
-            if src == "chat" and self._chat_order is not None:
-                row, m = self._chat_row()
-                ids[b], mask[b] = row, m
+            if src in self.pools:
+                ids[b], mask[b] = self.pools[src].next()
             else:
-                stream = self.streams[src if src != "chat" else "ja"]
+                stream = self.streams[src if src in self.streams else "ja"]
                 start = int(torch.randint(0, len(stream) - self.row_len, (1,), generator=self.gen))
                 ids[b] = stream[start:start + self.row_len]
         return ids, mask
@@ -138,10 +170,16 @@ def build_sampler(tok: Tokenizer, corpus_dir: Path | str, chat_cfg: ChatDataConf
                   batch_size: int, seq_len: int, seed: int) -> BatchSampler:
     streams = {lang: encode_documents(tok, read_documents(corpus_dir, lang, "train")) for lang in ("ja", "en")}
     examples = generate_chat_examples(corpus_dir, chat_cfg)
+    copy_rows = None
+    if mix.copy_share or mix.copy_warmup_share:
+        copy_rows = pack_examples(tok, [e for e in examples if e.kind == "copy"], seq_len + 1,
+                                  chat_cfg.assistant_loss_only)
+        examples = [e for e in examples if e.kind != "copy"]
     chat_ids, chat_mask = pack_examples(tok, examples, seq_len + 1, chat_cfg.assistant_loss_only)
-    log.info("train streams: ja %d tokens, en %d tokens, chat %d rows (%d tokens)", len(streams["ja"]),
-             len(streams["en"]), len(chat_ids), int(chat_mask.sum()))
-    return BatchSampler(streams, chat_ids, chat_mask, mix, batch_size, seq_len, seed)
+    log.info("train streams: ja %d tokens, en %d tokens, chat %d rows (%d target tokens)%s", len(streams["ja"]),
+             len(streams["en"]), len(chat_ids), int(chat_mask.sum()),
+             f", copy tasks {len(copy_rows[0])} rows ({int(copy_rows[1].sum())} target tokens)" if copy_rows else "")
+    return BatchSampler(streams, chat_ids, chat_mask, mix, batch_size, seq_len, seed, copy_rows)
 
 
 def eval_rows(tok: Tokenizer, corpus_dir: Path | str, lang: str, split: str, seq_len: int,
