@@ -231,3 +231,20 @@ def test_copy_rows_are_their_own_source_with_a_warmup(corpus):
     assert early > 120 and 10 < late < 60, (early, late)
     with pytest.raises(ValueError, match="num_copy"):
         build_sampler(tok, corpus, ChatDataConfig(seed=3, num_qa=10, num_tool=10), mix, 4, 127, 0)
+
+
+def test_term_readback_repeats_the_list_token_for_token(corpus):
+    from namazu.tiny import ASSET_DIR
+    from namazu.tiny.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ASSET_DIR)
+    cfg = ChatDataConfig(seed=4, num_qa=0, num_tool=0, num_readback=100)
+    examples = generate_chat_examples(corpus, cfg)
+    assert {e.kind for e in examples} == {"copy"} and len(examples) == 100
+    terms = set()
+    for ex in examples:
+        asked = ex.messages[0]["content"].split("\n", 1)[1]
+        answered = ex.messages[1]["content"].split("\n", 1)[1]
+        assert asked == answered and tok.encode(asked).ids == tok.encode(answered).ids
+        terms.update(asked.split("\n"))
+    assert len(terms) > 300  # drawn from all over the corpus, not a small list

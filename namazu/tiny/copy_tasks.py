@@ -83,3 +83,30 @@ def copy_task(rng: random.Random, lang: str, sentences: list[str]) -> list[dict[
     if r < 0.8:
         return _to_json(rng, lang, sentences)
     return _transcribe(rng, lang, sentences)
+
+
+def _term(rng: random.Random, sentences: list[str], lang: str) -> str:
+    s = rng.choice(sentences)
+    if lang == "en":
+        words = [w.strip(".,;:()\"'") for w in s.split()]
+        words = [w for w in words if w] or [s[:8]]
+        return rng.choice(words)
+    n = rng.randint(2, 4)
+    i = rng.randrange(max(1, len(s) - n))
+    return s[i:i + n].strip() or s[:n]
+
+
+def term_readback(rng: random.Random, lang: str, sentences: list[str]) -> list[dict[str, Any]]:
+    """Read back a list of random terms cut from corpus sentences, in the request's own format.
+
+    Unlike reference numbers (letters and digits, whose statistics give part of the answer away), the
+    terms come from thousands of unrelated pieces of text, so the list can only be predicted by looking
+    back at it; the answer repeats the request's lines exactly, so both copies tokenize alike.
+    """
+    terms = [_term(rng, sentences, lang) for _ in range(rng.randint(6, 16))]
+    listing = "\n".join(f"- {t}" for t in terms)
+    ask = rng.choice(("次の項目を順番どおりに復唱してください。", "以下のリストをそのまま読み上げてください。")) \
+        if lang == "ja" else rng.choice(("Read back this list in order:", "Repeat these items exactly:"))
+    lead = rng.choice(("復唱いたします。", "承知いたしました。")) if lang == "ja" else "Here they are:"
+    return [{"role": "user", "content": f"{ask}\n{listing}"},
+            {"role": "assistant", "content": f"{lead}\n{listing}"}]

@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from namazu.tiny.copy_tasks import copy_task
+from namazu.tiny.copy_tasks import copy_task, term_readback
 from namazu.tiny.corpus import read_documents
 from namazu.tiny.synthetic_tools import synthetic_tools
 from namazu.tiny.tokenizer import render_chat
@@ -47,6 +47,8 @@ class ChatDataConfig:
     # Short read-back / JSON-formatting / transcription exchanges (copy_tasks): they teach copying from
     # the context, which tool calls on unseen schemas need.
     num_copy: int = 0
+    # Read-backs of random terms cut from corpus text (copy_tasks.term_readback), also copy tasks.
+    num_readback: int = 0
 
 
 @dataclass(frozen=True)
@@ -330,6 +332,10 @@ def generate_chat_examples(corpus_dir: Path | str, cfg: ChatDataConfig = ChatDat
     for _ in range(cfg.num_copy):
         lang = "en" if rng.random() < cfg.english_share else "ja"
         msgs = copy_task(rng, lang, ja.sentences if lang == "ja" else en.sentences)
+        out.append(ChatExample("copy", msgs, None, render_chat(msgs)))
+    for _ in range(cfg.num_readback):
+        lang = "en" if rng.random() < cfg.english_share else "ja"
+        msgs = term_readback(rng, lang, ja.sentences if lang == "ja" else en.sentences)
         out.append(ChatExample("copy", msgs, None, render_chat(msgs)))
     return out
 
