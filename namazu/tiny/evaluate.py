@@ -444,9 +444,10 @@ def write_model_card(model_dir: Path, results: dict[str, Any], training_note: st
         "",
         *(["Known limitation: without a grammar the model does not read unseen schemas. It opens a tool-call "
            "section in the K2 format but names a tool (and keys) from its training distribution instead of "
-           "the declared ones, so the calls fail validation. Grammar-constrained decoding of the tool "
-           "name and arguments (the structured-output work, not built yet) or more training on varied "
-           "schemas is needed for valid calls.", ""]
+           "the declared ones, so the calls fail validation. The copy probe above is the reason: the model "
+           "cannot repeat a sequence it has just read, so no name or key can be copied from a declaration. "
+           "Grammar-constrained decoding of the tool name and arguments (the structured-output work) "
+           "sidesteps this; training the model to copy is open work.", ""]
           if tools["valid_rate"] < 0.8 else []),
         "## Expert load",
         "",
