@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import random
 
+from namazu.tiny import tools as base
 from namazu.tiny.tools import HELDOUT_TOOLS, TRAIN_TOOLS, Prop, Tool
 
 # (name part, Japanese predicate, English imperative)
-VERBS = (
-    ("get", "取得する", "Get"), ("create", "作成する", "Create"), ("update", "更新する", "Update"),
-    ("delete", "削除する", "Delete"), ("search", "検索する", "Search for"), ("reserve", "予約する", "Reserve"),
-    ("send", "送信する", "Send"), ("check", "確認する", "Check"), ("list", "一覧表示する", "List"),
-    ("register", "登録する", "Register"), ("cancel", "取り消す", "Cancel"), ("approve", "承認する", "Approve"),
+VERBS = base.VERBS + (
     ("calculate", "計算する", "Calculate"), ("submit", "提出する", "Submit"), ("publish", "公開する", "Publish"),
     ("archive", "保管する", "Archive"), ("export", "出力する", "Export"), ("import", "取り込む", "Import"),
     ("notify", "通知する", "Notify about"), ("renew", "更新手続きをする", "Renew"), ("order", "発注する", "Order"),
@@ -31,14 +28,8 @@ VERBS = (
     ("approve_bulk", "一括承認する", "Bulk-approve"),
 )
 # (name part, Japanese noun, English noun phrase)
-NOUNS = (
-    ("invoice", "請求書", "an invoice"), ("order", "注文", "an order"), ("meeting", "会議", "a meeting"),
-    ("report", "報告書", "a report"), ("contract", "契約", "a contract"), ("shipment", "出荷", "a shipment"),
-    ("device", "端末", "a device"), ("budget", "予算", "a budget"), ("server", "サーバ", "a server"),
-    ("backup", "バックアップ", "a backup"), ("customer", "顧客", "a customer"), ("product", "製品", "a product"),
-    ("event", "イベント", "an event"), ("payment", "支払い", "a payment"), ("project", "プロジェクト", "a project"),
-    ("account", "口座", "an account"), ("document", "文書", "a document"), ("survey", "アンケート", "a survey"),
-    ("license", "ライセンス", "a license"), ("vendor", "取引先", "a vendor"), ("employee", "社員", "an employee"),
+NOUNS = base.NOUNS + (
+    ("employee", "社員", "an employee"),
     ("parcel", "荷物", "a parcel"), ("warehouse", "倉庫", "a warehouse"), ("seminar", "セミナー", "a seminar"),
     ("campaign", "キャンペーン", "a campaign"), ("refund", "返金", "a refund"),
     ("password", "パスワード", "a password"),

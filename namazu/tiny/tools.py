@@ -322,11 +322,11 @@ def draw_value(p: Prop, rng: random.Random, sentences: list[str]) -> Any:
     raise ValueError(f"tool property {p.key!r} has unknown value kind {p.kind!r}")
 
 
-_VERBS = (("get", "取得する", "Get"), ("create", "作成する", "Create"), ("update", "更新する", "Update"),
+VERBS = (("get", "取得する", "Get"), ("create", "作成する", "Create"), ("update", "更新する", "Update"),
           ("delete", "削除する", "Delete"), ("search", "検索する", "Search for"), ("reserve", "予約する", "Reserve"),
           ("send", "送信する", "Send"), ("check", "確認する", "Check"), ("list", "一覧表示する", "List"),
           ("register", "登録する", "Register"), ("cancel", "取り消す", "Cancel"), ("approve", "承認する", "Approve"))
-_NOUNS = (("invoice", "請求書", "an invoice"), ("order", "注文", "an order"), ("meeting", "会議", "a meeting"),
+NOUNS = (("invoice", "請求書", "an invoice"), ("order", "注文", "an order"), ("meeting", "会議", "a meeting"),
           ("report", "報告書", "a report"), ("contract", "契約", "a contract"), ("shipment", "出荷", "a shipment"),
           ("device", "端末", "a device"), ("budget", "予算", "a budget"), ("server", "サーバ", "a server"),
           ("backup", "バックアップ", "a backup"), ("customer", "顧客", "a customer"), ("product", "製品", "a product"),
@@ -349,7 +349,7 @@ def procedural_tools(n: int, seed: int) -> tuple[Tool, ...]:
         for p in t.props:
             pool.setdefault(p.key, p)
     keys = sorted(pool)
-    names = [(v, nn) for v in _VERBS for nn in _NOUNS]
+    names = [(v, nn) for v in VERBS for nn in NOUNS]
     heldout = {t.name for t in HELDOUT_TOOLS} | {t.name for t in TRAIN_TOOLS}
     names = [x for x in names if f"{x[0][0]}_{x[1][0]}" not in heldout]
     if n > len(names):
