@@ -3,7 +3,7 @@ import json
 
 import jsonschema
 import pytest
-from tiny_fixtures import write_mini_corpus
+from tiny_fixtures import small_moe_model, write_mini_corpus
 
 from namazu.tiny.baselines import CharTrigramModel, UnigramModel, bits_per_byte, sanity_normalised
 from namazu.tiny.data import ChatDataConfig, generate_chat_examples, heldout_tool_prompts
@@ -84,16 +84,9 @@ def test_sliding_window_nll_matches_one_pass():
     import numpy as np
     import torch
 
-    from namazu.config import ModelConfig
-    from namazu.models.deepseek_v3 import DeepseekV3ForCausalLM
     from namazu.tiny.evaluate import token_nll
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=64,
-                      qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
-                      num_experts_per_tok=2, max_position_embeddings=128)
-    model = DeepseekV3ForCausalLM(cfg, dtype=torch.float32)
-    model.init_weights(0)
+    model = small_moe_model()
     model.eval()
     stream = torch.randint(0, 64, (50,))
     one = token_nll(model, stream, seq_len=64, stride=48, batch_size=2)

@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from tiny_fixtures import write_mini_corpus
+from tiny_fixtures import small_moe_model, write_mini_corpus
 
 from namazu.tiny import ASSET_DIR
 from namazu.tiny.data import ChatDataConfig
@@ -79,17 +79,10 @@ def test_config_rejects_unknown_keys(tmp_path):
 
 
 def test_routing_calibration_raises_the_coldest_expert():
-    from namazu.config import ModelConfig
-    from namazu.models.deepseek_v3 import DeepseekV3ForCausalLM
     from namazu.tiny.balance import calibrate_routing
     from namazu.tiny.train import prepare_for_training
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=64,
-                      qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
-                      num_experts_per_tok=2, max_position_embeddings=128)
-    model = DeepseekV3ForCausalLM(cfg, dtype=torch.float32)
-    model.init_weights(0)
+    model = small_moe_model()
     gate = model.moe_layers()[0].gate
     gate.e_score_correction_bias.copy_(torch.tensor([0.3, 0.3, 0.0, 0.0, 0.0, 0.0, -0.3, -0.3]))  # two cold experts
     weights = {k: v.clone() for k, v in model.state_dict().items() if "correction_bias" not in k}

@@ -32,3 +32,19 @@ def write_mini_corpus(root: Path, copies: int = 30) -> Path:
             out = [f"{d}\n{i}" for i in range(n) for d in docs]
             (root / lang / f"{split}.txt").write_text("\n\n<|doc|>\n".join(out) + "\n", encoding="utf-8")
     return root
+
+
+def small_moe_model():
+    """A 2-layer DeepSeek-V3 model (first dense, 8 routed experts) with fixed random weights, fp32."""
+    import torch
+
+    from namazu.config import ModelConfig
+    from namazu.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=64,
+                      qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
+                      num_experts_per_tok=2, max_position_embeddings=128)
+    model = DeepseekV3ForCausalLM(cfg, dtype=torch.float32)
+    model.init_weights(0)
+    return model
