@@ -18,8 +18,8 @@ from namazu.quant.policy import QuantPolicy
 from namazu.quant.quantize import experts_resident_bytes, quantize_model
 
 
-def _quantized(policy_name="experts", dtype=torch.bfloat16):
-    model = tiny_model(dtype=dtype)
+def _quantized(policy_name="experts", dtype=torch.bfloat16, **kw):
+    model = tiny_model(dtype=dtype, **kw)
     policy = QuantPolicy.preset(policy_name)
     cov, lin, total = calibrate(model, random_windows(4, 32), policy, min_tokens=4, progress=False)
     stats, _ = finalize(cov, lin, total, 4, True, False)
@@ -71,10 +71,13 @@ def test_experts_only_checkpoint_follows_the_modelopt_layout(tmp_path):
 
 
 @torch.no_grad()
-def test_model_loader_serves_the_experts_only_checkpoint(tmp_path):
-    model, policy = _quantized()
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_loader_serves_the_experts_only_checkpoint(tmp_path, tied):
+    model, policy = _quantized(tie_word_embeddings=tied)
     save_quantized(model, tmp_path, policy)
+    assert ("lm_head.weight" in _tensors(tmp_path)) != tied  # a tied head is the embedding, stored once
     loaded = load_model(tmp_path, progress=False)
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
     assert isinstance(loaded.model.layers[1].mlp.experts, NvFP4Experts)
     ids = random_windows(1, 24, seed=5)[0].unsqueeze(0)
     for mode in ("w4a4", "w4a16"):

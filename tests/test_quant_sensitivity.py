@@ -1,6 +1,7 @@
 """Sensitivity sweep CLI: one row per module class, each quantizing only that class."""
 import json
 
+import pytest
 from quant_fixtures import tiny_model, write_model_dir
 
 from namazu.quant import sensitivity
@@ -35,3 +36,22 @@ def test_cli_reports_every_class_per_language(tmp_path, capsys):
     for r in rows:
         assert [x["label"] for x in r["results"]] == ["ja", "en"] and r["modules"] > 0
         assert all(0 < x["top1_agreement"]["value"] <= 1 and x["mean_kl"]["value"] > 0 for x in r["results"])
+
+
+def _lang_files(tmp_path):
+    for lang, text in (("ja", "日本語の文章です。" * 6), ("en", "Plain English text for the sweep. " * 6)):
+        (tmp_path / lang).mkdir()
+        (tmp_path / lang / "test.txt").write_text(text)
+    return str(tmp_path / "ja" / "test.txt"), str(tmp_path / "en" / "test.txt")
+
+
+def test_tied_lm_head_is_left_out_of_the_default_sweep_and_refused_when_asked(tmp_path, capsys):
+    src = tmp_path / "m"
+    write_model_dir(str(src), tie_word_embeddings=True)
+    ja, en = _lang_files(tmp_path)
+    base = ["--model", str(src), "--calib", en, "--data", ja, "--seq-len", "32", "--bootstrap", "10"]
+    with pytest.raises(SystemExit, match="tied to the embeddings"):
+        sensitivity.main(base + ["--classes", "router,lm_head"])
+    assert sensitivity.main(base) == 0
+    table = capsys.readouterr().out
+    assert "| lm_head |" not in table and "| routed_experts |" in table

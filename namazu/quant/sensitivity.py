@@ -81,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     QuantPolicy.from_classes(classes)  # validates the names
     tok = load_tokenizer(args.tokenizer or args.model)
     ref = load_model(args.model, dtype=args.dtype, progress=False)
+    if ref.config.tie_word_embeddings and "lm_head" in classes:
+        # Quantizing a tied lm_head would quantize the embeddings too (or untie them): not a lm_head row.
+        if args.classes != ",".join(DEFAULT_CLASSES):
+            raise SystemExit(f"{args.model}: lm_head is tied to the embeddings and cannot be quantized on its own")
+        logger.warning("lm_head is tied to the embeddings: left out of the sweep")
+        classes.remove("lm_head")
     calib = token_windows(args.calib, tok, args.seq_len, args.calib_tokens, "calibration").windows
     everything = QuantPolicy.from_classes(classes)
     cov, linears, total = calibrate(ref, calib, everything, force=True)
