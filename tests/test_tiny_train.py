@@ -1,5 +1,6 @@
 """Smoke run of the namazu-tiny trainer on a toy config: the same code path `make tiny-model` runs."""
 import json
+import math
 
 import pytest
 import torch
@@ -8,7 +9,16 @@ from tiny_fixtures import small_moe_model, write_mini_corpus
 from namazu.tiny import ASSET_DIR
 from namazu.tiny.data import ChatDataConfig
 from namazu.tiny.evaluate import evaluate, write_model_card
-from namazu.tiny.train import TrainConfig, check_design, lr_at, train
+from namazu.tiny.train import (
+    TrainConfig,
+    check_design,
+    induction_rows,
+    induction_warmup,
+    lr_at,
+    make_optimizer,
+    prepare_for_training,
+    train,
+)
 
 CONFIG = ASSET_DIR.parent.parent / "tiny" / "configs" / "smoke.json"
 
@@ -51,6 +61,38 @@ def test_smoke_training_lowers_loss_and_writes_a_loadable_model(tmp_path):
     assert res2["previous_stages"][0]["steps_done"] == cfg.steps and res2["steps_done"] == 4
     with pytest.raises(ValueError, match="leave the config's 'model' empty"):
         train(cfg, tmp_path / "bad", corpus, tokenizer_dir=ASSET_DIR, progress=False, init_dir=out)
+
+
+def test_induction_rows_repeat_a_span_at_varying_distances():
+    ids, mask = induction_rows(64, 32, 16, 500, torch.Generator().manual_seed(0))
+    assert ids.shape == mask.shape == (64, 64) and int(ids.min()) >= 16 and int(ids.max()) < 500
+    periods, lengths = set(), set()
+    for row, m in zip(ids, mask):
+        pos = m.nonzero().flatten()
+        assert len(pos) and bool((pos[1:] - pos[:-1] == 1).all())  # one contiguous recurrence
+        n = len(pos) + 1
+        for d in range(n, 64):  # the distance back to the first showing
+            if bool((row[pos] == row[pos - d]).all()) and bool(row[pos[0] - 1] == row[pos[0] - 1 - d]):
+                periods.add(d)
+                break
+        else:
+            raise AssertionError("masked tokens are not a copy of an earlier span")
+        lengths.add(n)
+    assert len(periods) > 10 and len(lengths) > 10  # no single distance or length to learn instead of copying
+
+
+def test_induction_warmup_trains_on_those_rows_with_a_ramp():
+    torch.manual_seed(0)
+    model = prepare_for_training(small_moe_model())
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = TrainConfig(model={}, batch_size=4, lr=3e-3, induction_steps=30, induction_len=16)
+    opt = make_optimizer(model, cfg)
+    curve = induction_warmup(model, opt, cfg, first_id=10, progress=False)
+    assert [s for s, _ in curve] == [1, 26, 30] and all(math.isfinite(v) for _, v in curve)
+    assert opt.param_groups[0]["lr"] == pytest.approx(3e-3 * opt.param_groups[0]["lr_scale"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="induction_vocab"):
+        induction_warmup(model, opt, TrainConfig(model={}, induction_steps=1, induction_vocab=5), 10, False)
 
 
 def test_lr_schedule_warms_up_then_decays_to_floor():

@@ -210,16 +210,24 @@ def tool_metrics(model, tok, corpus_dir: Path, n: int, temperature: float, max_n
 # -- copying ---------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def copy_probe(model, tok, corpus_dir: Path, rows: int = 16, length: int = 60, seed: int = 0) -> dict[str, Any]:
+def copy_probe_pool(tok, corpus_dir: Path) -> torch.Tensor:
+    """Frequent ja-valid tokens (ranks 200-3000): each has a trained embedding, none is a function word."""
+    counts = np.bincount(encode_documents(tok, read_documents(corpus_dir, "ja", "valid")).numpy(),
+                         minlength=tok.get_vocab_size())
+    return torch.from_numpy(np.argsort(-counts, kind="stable")[200:3000].copy())
+
+
+@torch.no_grad()
+def copy_probe(model, tok=None, corpus_dir: Path | None = None, rows: int = 16, length: int = 60, seed: int = 0,
+               pool: torch.Tensor | None = None) -> dict[str, Any]:
     """Greedy accuracy on the second half of a random token sequence shown twice (an induction probe).
 
     Calls on unseen schemas need names and keys copied from the declaration; a model that cannot repeat
-    a sequence it has just read cannot do that. Tokens are drawn from frequent ja-valid tokens (ranks
-    200-3000), so every one has a trained embedding and none is predictable from the ones before it.
+    a sequence it has just read cannot do that. Tokens come from `copy_probe_pool`, so none is
+    predictable from the ones before it. The trainer passes a precomputed `pool` to probe cheaply.
     """
-    counts = np.bincount(encode_documents(tok, read_documents(corpus_dir, "ja", "valid")).numpy(),
-                         minlength=tok.get_vocab_size())
-    pool = torch.from_numpy(np.argsort(-counts, kind="stable")[200:3000].copy())
+    if pool is None:
+        pool = copy_probe_pool(tok, corpus_dir)
     gen = torch.Generator().manual_seed(seed)
     seq = pool[torch.randint(0, len(pool), (rows, length), generator=gen)]
     ids = torch.cat([seq, seq], 1).to(model.device)

@@ -29,7 +29,7 @@ from namazu.models.training import lm_loss, load_imbalance, update_routing_biase
 from namazu.tiny.corpus import default_corpus_dir
 from namazu.tiny.data import ChatDataConfig
 from namazu.tiny.dataset import MixConfig, build_sampler, eval_rows
-from namazu.tiny.tokenizer import BOS, EOT, IM_END, PAD, load_tokenizer
+from namazu.tiny.tokenizer import BOS, EOT, IM_END, PAD, SPECIAL_TOKENS, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,12 @@ class TrainConfig:
     # Loss averaged per row (each row's mean over its targets), so masked chat rows with few targets get
     # the weight their share of the mix says rather than their share of target tokens.
     loss_per_row: bool = False
+    # Induction warm-up: before the first data batch, this many steps on random token sequences shown
+    # twice (loss on the second showing). Copying from the context, which calls on unseen tool schemas
+    # need, otherwise does not form within this budget; on this data it forms in ~200 such steps.
+    induction_steps: int = 0
+    induction_len: int = 64  # length of the random sequence (a row is twice that)
+    induction_vocab: int = 0  # draw from the non-special ids below this (0: the whole vocabulary)
     threads: int = 0  # 0: leave torch's default
     vocab_size: int = 12288
     mix: MixConfig = field(default_factory=MixConfig)
@@ -175,14 +181,75 @@ def eval_loss(model: DeepseekV3ForCausalLM, rows: torch.Tensor, batch_size: int)
     return total / len(rows)
 
 
+def eval_copy(model: DeepseekV3ForCausalLM, pool: torch.Tensor) -> float:
+    """The evaluation's induction probe, logged during training: copying forms in a burst, and this shows when."""
+    from namazu.tiny.evaluate import copy_probe
+
+    model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        acc = copy_probe(model, pool=pool, rows=8)["second_copy_acc"]
+    model.train()
+    return acc
+
+
+def induction_rows(batch: int, length: int, first_id: int, vocab: int, gen: torch.Generator
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of 2*length random ids in which a random span recurs; the mask marks the recurrence.
+
+    Span length, gap and start vary per row: with one fixed period the model learns "copy from `period`
+    positions back" through RoPE, which fails on any other distance, instead of matching what came before.
+    """
+    ids = torch.randint(first_id, vocab, (batch, 2 * length), generator=gen)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for r in range(batch):
+        n = int(torch.randint(max(2, length // 4), length + 1, (1,), generator=gen))
+        room = 2 * length - 2 * n
+        gap = int(torch.randint(0, room + 1, (1,), generator=gen))
+        start = int(torch.randint(0, room - gap + 1, (1,), generator=gen))
+        again = start + n + gap
+        ids[r, again:again + n] = ids[r, start:start + n]
+        mask[r, again + 1:again + n] = True  # the span's first token is not predictable
+    return ids, mask
+
+
+def induction_warmup(model: DeepseekV3ForCausalLM, opt: torch.optim.Optimizer, cfg: TrainConfig,
+                     first_id: int, progress: bool = True) -> list[tuple[int, float]]:
+    """cfg.induction_steps steps on `induction_rows`; returns (step, loss) every 25 steps.
+
+    The lr ramps up over the first tenth and then stays at cfg.lr; the main schedule's warm-up follows.
+    """
+    vocab = cfg.induction_vocab or model.config.vocab_size
+    if not first_id < vocab <= model.config.vocab_size:
+        raise ValueError(f"induction_vocab {vocab} must lie in ({first_id}, {model.config.vocab_size}]")
+    gen = torch.Generator().manual_seed(cfg.seed + 7)
+    ramp = max(1, cfg.induction_steps // 10)
+    curve = []
+    bar = tqdm(range(cfg.induction_steps), desc="induction warm-up", disable=not progress, mininterval=5)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * min(1.0, (step + 1) / ramp) * g["lr_scale"]
+        ids, mask = induction_rows(cfg.batch_size, cfg.induction_len, first_id, vocab, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm_loss(model, ids, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        update_routing_biases(model, cfg.bias_update_rate)
+        if step % 25 == 0 or step == cfg.induction_steps - 1:
+            curve.append((step + 1, float(loss.detach())))
+            bar.set_postfix(loss=f"{curve[-1][1]:.3f}", refresh=False)
+    return curve
+
+
 def _concat_stages(history: dict[str, list], previous: list[dict[str, Any]]) -> dict[str, list]:
     """One history over all stages, later stages' steps offset by the steps before them."""
-    out: dict[str, list] = {"step": [], "loss": [], "valid_ja": [], "valid_en": []}
+    out: dict[str, list] = {"step": [], "loss": [], "valid_ja": [], "valid_en": [], "copy_acc": []}
     offset = 0
     for h in [p["history"] for p in previous] + [history]:
         out["step"] += [offset + s for s in h["step"]]
         out["loss"] += h["loss"]
-        for k in ("valid_ja", "valid_en"):
+        for k in ("valid_ja", "valid_en", "copy_acc"):
             out[k] += [(offset + s, v) for s, v in h.get(k, [])]
         offset += len(h["step"])
     return out
@@ -212,7 +279,14 @@ def plot_curve(history: dict[str, list], path: Path, previous: list[dict[str, An
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("namazu-tiny training loss")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left")
+    if history.get("copy_acc"):
+        ax2 = ax.twinx()
+        ax2.plot([s for s, _ in history["copy_acc"]], [v for _, v in history["copy_acc"]], "s--", color="black",
+                 ms=3, label="copy probe (right)")
+        ax2.set_ylim(0, 1)
+        ax2.set_ylabel("copy probe accuracy")
+        ax2.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -275,12 +349,22 @@ def train(cfg: TrainConfig, out: Path, corpus_dir: Path, tokenizer_dir: Path | N
     opt = make_optimizer(model, cfg)
     sampler = build_sampler(tok, corpus_dir, cfg.chat, cfg.mix, cfg.batch_size, cfg.seq_len, cfg.seed)
     valid = {lang: eval_rows(tok, corpus_dir, lang, "valid", cfg.seq_len, cfg.eval_rows) for lang in ("ja", "en")}
+    from namazu.tiny.evaluate import copy_probe_pool
 
-    history: dict[str, list] = {"step": [], "loss": [], "lr": [], "imbalance": [], "valid_ja": [], "valid_en": []}
+    probe_pool = copy_probe_pool(tok, corpus_dir)
+
+    history: dict[str, list] = {"step": [], "loss": [], "lr": [], "imbalance": [], "valid_ja": [], "valid_en": [],
+                                "copy_acc": []}
     meta: dict[str, Any] = {"config": asdict(cfg), "design": design}
     if previous:
         meta["previous_stages"] = previous
     t0 = time.perf_counter()
+    if cfg.induction_steps:
+        curve = induction_warmup(model, opt, cfg, len(SPECIAL_TOKENS), progress)
+        meta["induction_warmup"] = {"loss": curve, "copy_acc": eval_copy(model, probe_pool),
+                                    "minutes": (time.perf_counter() - t0) / 60}
+        log.info("induction warm-up: %d steps, loss %.3f -> %.3f, copy probe %.2f", cfg.induction_steps,
+                 curve[0][1], curve[-1][1], meta["induction_warmup"]["copy_acc"])
     bar = tqdm(range(cfg.steps), desc="train", disable=not progress, mininterval=5)
     stopped_early = False
     step = -1
@@ -316,18 +400,21 @@ def train(cfg: TrainConfig, out: Path, corpus_dir: Path, tokenizer_dir: Path | N
         if (step + 1) % cfg.eval_every == 0 or last:
             for lang, rows in valid.items():
                 history[f"valid_{lang}"].append((step + 1, eval_loss(model, rows, cfg.batch_size)))
-            log.info("step %d loss %.4f valid ja %.4f en %.4f imbalance %.2f lr %.2e %.1f min", step + 1, lv,
-                     history["valid_ja"][-1][1], history["valid_en"][-1][1], history["imbalance"][-1], lr,
-                     (time.perf_counter() - t0) / 60)
+            history["copy_acc"].append((step + 1, eval_copy(model, probe_pool)))
+            log.info("step %d loss %.4f valid ja %.4f en %.4f copy %.2f imbalance %.2f lr %.2e %.1f min", step + 1,
+                     lv, history["valid_ja"][-1][1], history["valid_en"][-1][1], history["copy_acc"][-1][1],
+                     history["imbalance"][-1], lr, (time.perf_counter() - t0) / 60)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and not last:
             save_all(model, out, tok_dir, history, {**meta, "steps_done": step + 1,
                                                      "train_minutes": (time.perf_counter() - t0) / 60})
     if step >= 0 and (not history["valid_ja"] or history["valid_ja"][-1][0] != step + 1):
         for lang, rows in valid.items():
             history[f"valid_{lang}"].append((step + 1, eval_loss(model, rows, cfg.batch_size)))
+        history["copy_acc"].append((step + 1, eval_copy(model, probe_pool)))
     minutes = (time.perf_counter() - t0) / 60
     meta.update(steps_done=step + 1, train_minutes=minutes, stopped_early=stopped_early,
-                tokens_seen=(step + 1) * cfg.batch_size * cfg.seq_len, threads=torch.get_num_threads())
+                tokens_seen=(step + 1) * cfg.batch_size * cfg.seq_len
+                + cfg.induction_steps * cfg.batch_size * 2 * cfg.induction_len, threads=torch.get_num_threads())
     model.eval()
     save_all(model, out, tok_dir, history, meta)
     log.info("saved %s after %d steps (%.1f min)", out, step + 1, minutes)
