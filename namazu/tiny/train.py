@@ -29,6 +29,7 @@ from namazu.models.training import lm_loss, load_imbalance, update_routing_biase
 from namazu.tiny.corpus import default_corpus_dir
 from namazu.tiny.data import ChatDataConfig
 from namazu.tiny.dataset import MixConfig, build_sampler, eval_rows
+from namazu.tiny.evaluate import copy_probe, copy_probe_pool
 from namazu.tiny.tokenizer import BOS, EOT, IM_END, PAD, SPECIAL_TOKENS, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -184,8 +185,6 @@ def eval_loss(model: DeepseekV3ForCausalLM, rows: torch.Tensor, batch_size: int)
 
 def eval_copy(model: DeepseekV3ForCausalLM, pool: torch.Tensor) -> float:
     """The evaluation's induction probe, logged during training: copying forms in a burst, and this shows when."""
-    from namazu.tiny.evaluate import copy_probe
-
     model.eval()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         acc = copy_probe(model, pool=pool, rows=8)["second_copy_acc"]
@@ -350,8 +349,6 @@ def train(cfg: TrainConfig, out: Path, corpus_dir: Path, tokenizer_dir: Path | N
     opt = make_optimizer(model, cfg)
     sampler = build_sampler(tok, corpus_dir, cfg.chat, cfg.mix, cfg.batch_size, cfg.seq_len, cfg.seed)
     valid = {lang: eval_rows(tok, corpus_dir, lang, "valid", cfg.seq_len, cfg.eval_rows) for lang in ("ja", "en")}
-    from namazu.tiny.evaluate import copy_probe_pool
-
     probe_pool = copy_probe_pool(tok, corpus_dir)
 
     history: dict[str, list] = {"step": [], "loss": [], "lr": [], "imbalance": [], "valid_ja": [], "valid_en": [],
