@@ -6,14 +6,10 @@ token by token (a verify step may bring several), KV blocks committed to the pre
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,7 +17,9 @@ from namazu.assets import resolve_model_path
 from namazu.config import ModelConfig
 from namazu.detokenizer import IncrementalDetokenizer
 from namazu.engine_config import EngineConfig
-from namazu.outputs import CompletionOutput, RequestOutput
+from namazu.output_processor import OutputProcessor, RequestState
+from namazu.outputs import RequestOutput
+from namazu.request_validation import RequestValidator
 from namazu.sampling_params import SamplingParams
 from namazu.scheduler.block_manager import BlockManager
 from namazu.scheduler.scheduler import ScheduledSeq, Scheduler
@@ -32,22 +30,6 @@ from namazu.tokenizer import Tokenizer
 from namazu.worker import make_executor
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    stream: bool = True              # an output every step, or only the final one
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 @dataclass
@@ -104,6 +86,8 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self.requests: dict[str, RequestState] = {}
+        self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len, config.max_logprobs)
+        self.outputs = OutputProcessor(self.stop_ids, self.max_model_len)
         # Async scheduling needs every step's outcome known in advance; a verify step's is not.
         self.async_scheduling = config.async_scheduling and self.drafter is None
         if config.async_scheduling and self.drafter is not None:
@@ -111,7 +95,7 @@ class LLMEngine:
         self._in_flight: _Launched | None = None
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
-        self._num_steps = self._prompt_tokens = self._generated = self._drafted = self._accepted = 0
+        self._num_steps = self._prompt_tokens = self._drafted = self._accepted = 0
         info = self.worker_info
         logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s",
                     self.model_path, info.num_kv_blocks, config.block_size, self.max_model_len, info.device,
@@ -142,26 +126,7 @@ class LLMEngine:
         """Checks a request without changing any state; returns its prompt token ids."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("a request needs a prompt or prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        prompt_token_ids = [int(t) for t in prompt_token_ids]
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
-                             f"{self.max_model_len} tokens (prompt + output), so at most "
-                             f"{self.max_model_len - 1} prompt tokens")
-        params.check_vocab(self.vocab_size)
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(params, name)
-            if v is not None and v > self.config.max_logprobs:
-                raise ValueError(f"{name}={v} exceeds --max-logprobs={self.config.max_logprobs}")
-        return prompt_token_ids
+        return self.validator(prompt, params, prompt_token_ids)
 
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, priority: int = 0, stream: bool = True) -> None:
@@ -196,7 +161,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
                     seq.detok.finish()
-            outs.append(self._output(req))
+            outs.append(self.outputs.make_output(req))
             logger.info("request %s aborted", rid)
         return outs
 
@@ -257,7 +222,10 @@ class LLMEngine:
             self._accepted += accepted
             if not item.draft_token_ids:
                 seq.num_pending -= 1
-            reason = self._append(seq, s, accepted + 1, result)
+            n = accepted + 1
+            lp = result.logprobs[s][:n] if result.logprobs is not None else None
+            top = (result.top_ids[s][:n], result.top_logprobs[s][:n]) if result.top_ids is not None else (None, None)
+            reason = self.outputs.append(seq, result.tokens[s][:n], lp, *top)
             if running:
                 # KV is valid for every token but the newest (after a verify: up to the last accepted
                 # draft). Register it before a finished sequence releases its blocks, so the next
@@ -273,82 +241,15 @@ class LLMEngine:
         outputs = []
         for rid, req in touched.items():
             if req.stream or req.finished:
-                outputs.append(self._output(req))
+                outputs.append(self.outputs.make_output(req))
             if req.finished:
                 del self.requests[rid]
         return outputs
 
-    def _append(self, seq: Sequence, s: int, count: int, result: StepResult) -> str | None:
-        """Appends up to `count` new tokens, stopping at the first that ends the sequence; returns the
-        finish reason, if any."""
-        params = seq.params
-        for j in range(count):
-            token = result.tokens[s][j]
-            seq.append_tokens([token])
-            self._generated += 1
-            if params.logprobs is not None:
-                lp = {token: result.logprobs[s][j]}
-                if params.logprobs > 0:
-                    top = zip(result.top_ids[s][j][:params.logprobs], result.top_logprobs[s][j][:params.logprobs])
-                    lp.update(dict(top))
-                    lp[token] = result.logprobs[s][j]
-                seq.logprobs.append(lp)
-                seq.cumulative_logprob += result.logprobs[s][j]
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                return reason
-        return None
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        n_out = len(seq.token_ids) - seq.num_prompt_tokens
-        # The token just appended is output number n_out; stops count only past min_tokens.
-        can_stop = n_out > params.min_tokens
-        if can_stop and not params.ignore_eos and token in self.stop_ids:
-            return "stop"
-        if can_stop and params.stop_token_ids and token in params.stop_token_ids:
-            seq.stop_reason = token
-            return "stop"
-        hit = seq.detok.append(token, check_stop=can_stop)
-        if hit is not None:
-            seq.stop_reason = hit
-            return "stop"
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        if n_out >= max_tokens or len(seq.token_ids) >= self.max_model_len:
-            return "length"
-        return None
-
     def _take_prompt_logprobs(self, result: StepResult, num: int, items: list) -> None:
-        if not items:
-            return
         for i, (item, pos) in enumerate(items):
-            seq = item.seq
-            target = seq.token_ids[pos]
-            lp = {target: result.prompt_logprobs[i]}
-            if num > 0:
-                n = seq.params.prompt_logprobs
-                lp = dict(zip(result.prompt_top_ids[i][:n], result.prompt_top_logprobs[i][:n]))
-                lp[target] = result.prompt_logprobs[i]
-            if seq.is_finished or len(seq.prompt_logprobs) != pos:
-                continue    # aborted, or a recompute after preemption scored this position again
-            seq.prompt_logprobs.append(lp)
-
-    def _output(self, req: RequestState) -> RequestOutput:
-        outs = []
-        for seq in req.seqs:
-            want_lp = req.params.logprobs is not None
-            outs.append(CompletionOutput(
-                index=seq.index, text=seq.detok.stream_text, token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-                logprobs=list(seq.logprobs) if want_lp else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        first = req.seqs[0]
-        plp = list(first.prompt_logprobs) if req.params.prompt_logprobs is not None else None
-        metrics = {"arrival_time": req.arrival_time}
-        if req.first_token_time is not None:
-            metrics["time_to_first_token"] = req.first_token_time - req.arrival_time
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             prompt_logprobs=plp, num_cached_tokens=first.num_cached_prompt_tokens, metrics=metrics)
+            top = (result.prompt_top_ids[i], result.prompt_top_logprobs[i]) if num > 0 else (None, None)
+            self.outputs.add_prompt_logprob(item.seq, pos, result.prompt_logprobs[i], *top)
 
     # -- state ----------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -357,7 +258,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=bm.usage, prefix_cache_hit_rate=bm.prefix_hit_rate, num_kv_blocks=bm.num_blocks,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._num_steps,
-            num_prompt_tokens=self._prompt_tokens, num_generated_tokens=self._generated,
+            num_prompt_tokens=self._prompt_tokens, num_generated_tokens=self.outputs.num_generated_tokens,
             num_draft_tokens=self._drafted, num_accepted_draft_tokens=self._accepted)
 
     def reset_prefix_cache(self) -> int:
@@ -367,131 +268,3 @@ class LLMEngine:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.close()
-
-
-class AsyncEngine:
-    """LLMEngine on a background thread, for asyncio servers.
-
-    `generate()` is an async iterator of cumulative RequestOutputs (the last one has finished=True);
-    breaking out of it or cancelling the task aborts the request and frees its blocks. Requests are
-    checked in the caller (a bad request raises ValueError there and never reaches the engine).
-    """
-
-    def __init__(self, config: EngineConfig | None = None, drafter: Drafter | None = None):
-        self.engine = LLMEngine(config, drafter)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._wake = threading.Event()
-        self._stopped = False
-        self._error: BaseException | None = None
-        self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="namazu-engine", daemon=True)
-        self._thread.start()
-
-    # Views the server needs.
-    @property
-    def config(self) -> EngineConfig:
-        return self.engine.config
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.engine.model_config
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_path.name
-
-    def get_stats(self) -> EngineStats:
-        return self.engine.get_stats()
-
-    @property
-    def is_running(self) -> bool:
-        return not self._stopped and self._error is None
-
-    async def generate(self, prompt: str | None, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, prompt_token_ids: list[int] | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        if not self.is_running:
-            raise RuntimeError(f"the engine is not running ({self._error or 'shut down'})")
-        params = sampling_params or SamplingParams()
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already running")
-        ids = self.engine.validate_request(request_id, prompt, params, prompt_token_ids)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._inbox.put(("add", (request_id, prompt, params, ids, priority)))
-        self._wake.set()
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
-            self._streams.pop(request_id, None)
-
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
-
-    def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            loop, stream = entry
-            loop.call_soon_threadsafe(stream.put_nowait, out)
-
-    def _run(self) -> None:
-        engine = self.engine
-        while not self._stopped:
-            while True:
-                try:
-                    kind, payload = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if kind == "add":
-                    rid, prompt, params, ids, priority = payload
-                    try:
-                        engine.add_request(rid, prompt, params, ids, priority)
-                    except Exception as err:   # validated already; a race on the id lands here
-                        self._deliver(err, rid)
-                else:
-                    for out in engine.abort_request(payload):
-                        self._deliver(out, out.request_id)
-            if not engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            try:
-                outputs = engine.step()
-            except BaseException as err:
-                logger.exception("engine step failed; failing every running request")
-                self._error = err
-                for rid in list(self._streams):
-                    self._deliver(RuntimeError(f"engine failure: {err}"), rid)
-                return
-            for out in outputs:
-                self._deliver(out, out.request_id)
-
-    def shutdown(self) -> None:
-        self._stopped = True
-        self._wake.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=30)
-        self.engine.close()
-
-    close = shutdown

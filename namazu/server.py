@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     import uvicorn
 
-    from namazu.engine import AsyncEngine
+    from namazu.async_engine import AsyncEngine
     from server.app import build_app
 
     engine = AsyncEngine(config)

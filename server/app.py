@@ -18,7 +18,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from namazu.engine import AsyncEngine
+    from namazu.async_engine import AsyncEngine
 
 from server.common import ServerState, now
 from server.errors import APIError, http_error

@@ -21,7 +21,7 @@ from server.errors import APIError, invalid
 from server.metrics import RequestTracker, ServerMetrics
 
 if TYPE_CHECKING:
-    from namazu.engine import AsyncEngine
+    from namazu.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,7 +51,7 @@ class ServerState:
     def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
         """The engine's own admission checks, run before any response byte is sent."""
         try:
-            self.engine.engine.validate_request(request_id, None, params, prompt_ids)
+            self.engine.validate_request(request_id, None, params, prompt_ids)
         except ValueError as e:
             raise invalid(str(e), param) from None
 

@@ -12,7 +12,8 @@ from engine_helpers import prompts, tiny_checkpoint
 
 import namazu.assets
 from namazu import LLM, SamplingParams
-from namazu.engine import AsyncEngine, LLMEngine
+from namazu.async_engine import AsyncEngine
+from namazu.engine import LLMEngine
 from namazu.engine_config import EngineConfig
 
 ASCII = list(range(65, 91))
