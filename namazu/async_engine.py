@@ -18,7 +18,7 @@ from namazu.engine import EngineStats, LLMEngine
 from namazu.engine_config import EngineConfig
 from namazu.outputs import RequestOutput
 from namazu.sampling_params import SamplingParams
-from namazu.spec.drafters import Drafter
+from namazu.spec.proposer import Proposer
 from namazu.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class AsyncEngine:
     checked in the caller (a bad request raises ValueError there and never reaches the engine).
     """
 
-    def __init__(self, config: EngineConfig | None = None, drafter: Drafter | None = None):
+    def __init__(self, config: EngineConfig | None = None, drafter: Proposer | None = None):
         self.engine = LLMEngine(config, drafter)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

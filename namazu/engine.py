@@ -1,8 +1,11 @@
-"""LLMEngine (add_request / step / abort) and AsyncEngine, the server's view of it.
+"""LLMEngine: add_request / step / abort_request, the step loop.
 
-A step: the drafter proposes (if speculation is on), the scheduler plans, the batch goes to the
-workers, and the results are folded back into the sequences: tokens appended, stop conditions checked
-token by token (a verify step may bring several), KV blocks committed to the prefix cache or rolled back.
+A step: the scheduler plans (how many tokens each sequence computes, how many of the worker's drafts
+it verifies), `batch_builder` lays the plan out, `structured/bitmask.py` fills the grammar rows, the
+batch goes to the workers, and the results are folded back (`output_processor.py`): tokens appended,
+stops checked token by token (a verify step may bring several), grammars advanced by exactly the
+committed tokens, KV blocks committed to the prefix cache or rolled back. Drafting happens inside the
+worker's step (`spec/proposer.py`); the engine only learns how many drafts each sequence has.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from namazu.assets import resolve_model_path
+from namazu.batch_builder import build_step_batch
 from namazu.config import ModelConfig
 from namazu.detokenizer import IncrementalDetokenizer
 from namazu.engine_config import EngineConfig
@@ -24,8 +28,11 @@ from namazu.sampling_params import SamplingParams
 from namazu.scheduler.block_manager import BlockManager
 from namazu.scheduler.scheduler import ScheduledSeq, Scheduler
 from namazu.scheduler.sequence import Sequence, SequenceStatus
-from namazu.spec.drafters import Drafter, NgramDrafter
-from namazu.step_io import StepResult, build_step_batch
+from namazu.spec.drafters import NgramProposer
+from namazu.spec.proposer import Proposer
+from namazu.step_batch import StepResult
+from namazu.structured.bitmask import fill_step_bitmask
+from namazu.structured.factory import grammar_for
 from namazu.tokenizer import Tokenizer
 from namazu.worker import make_executor
 
@@ -62,24 +69,24 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, drafter: Drafter | None = None):
+    def __init__(self, config: EngineConfig | None = None, drafter: Proposer | None = None):
         self.config = config = config or EngineConfig()
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
         if drafter is None and config.speculative_method == "ngram":
-            drafter = NgramDrafter(config.ngram_max, config.ngram_min)
+            drafter = NgramProposer(config.ngram_max, config.ngram_min)
         self.drafter = drafter
         self.num_speculative_tokens = config.num_speculative_tokens if drafter is not None else 0
         if drafter is not None and self.num_speculative_tokens == 0:
             raise ValueError("a drafter was given but --num-speculative-tokens is 0")
-        self.executor = make_executor(config, self.model_path)
+        self.executor = make_executor(config, self.model_path, drafter)
         try:
             self._plan_capacity()
         except BaseException:
             self.close()
             raise
-        self.block_manager = BlockManager(self.worker_info.num_kv_blocks, config.block_size,
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill, config.scheduling_policy)
@@ -88,27 +95,26 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len, config.max_logprobs)
         self.outputs = OutputProcessor(self.stop_ids, self.max_model_len)
-        # Async scheduling needs every step's outcome known in advance; a verify step's is not.
-        self.async_scheduling = config.async_scheduling and self.drafter is None
-        if config.async_scheduling and self.drafter is not None:
-            logger.warning("--async-scheduling is off: speculative decoding needs each step's acceptance first")
+        self.async_scheduling = config.async_scheduling
         self._in_flight: _Launched | None = None
+        self._finished_seq_ids: list[int] = []     # the workers forget these with the next batch
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._num_steps = self._prompt_tokens = self._drafted = self._accepted = 0
         info = self.worker_info
-        logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s",
-                    self.model_path, info.num_kv_blocks, config.block_size, self.max_model_len, info.device,
-                    info.dtype)
+        logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s%s",
+                    self.model_path, self.num_kv_blocks, config.block_size, self.max_model_len, info.device,
+                    info.dtype, f", {self.num_speculative_tokens} draft tokens" if self.drafter else "")
 
     def _plan_capacity(self) -> None:
         """max_model_len from the flag or the model, checked against what the KV cache holds: a lone
         sequence at max_model_len (plus a verify step's drafts) must fit the pool, or preemption could
-        loop forever."""
-        config, info = self.config, self.executor.info()
-        self.worker_info = info
+        loop forever. Every rank planned its KV blocks; all allocate the smallest count."""
+        config, infos = self.config, self.executor.infos()
+        self.worker_info = infos[0]
+        self.num_kv_blocks = min(i.num_kv_blocks for i in infos)
         bs, spec = config.block_size, self.num_speculative_tokens
-        capacity = info.num_kv_blocks * bs
+        capacity = self.num_kv_blocks * bs
         max_pos = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or min(max_pos, capacity - spec)
         if self.max_model_len > max_pos:
@@ -116,9 +122,10 @@ class LLMEngine:
                              f"{max_pos}")
         if self.max_model_len < 2 or self.max_model_len + spec > capacity:
             raise ValueError(
-                f"the KV cache holds {info.num_kv_blocks} blocks x {bs} = {capacity} tokens, fewer than one "
+                f"the KV cache holds {self.num_kv_blocks} blocks x {bs} = {capacity} tokens, fewer than one "
                 f"sequence of --max-model-len={self.max_model_len}" + (f" + {spec} draft tokens" if spec else "")
                 + "; raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len")
+        self.executor.allocate_kv_cache(self.num_kv_blocks)
 
     # -- requests -------------------------------------------------------------------------------------
     def validate_request(self, request_id: str, prompt: str | None, params: SamplingParams,
@@ -140,6 +147,7 @@ class LLMEngine:
             seq = Sequence(next(self._seq_ids), request_id, i, list(ids), params, seed, priority=priority)
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                                params.stop_strings, params.include_stop_str_in_output)
+            seq.grammar = grammar_for(params, self.stop_ids, self.vocab_size)
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
             seqs.append(seq)
@@ -159,8 +167,7 @@ class LLMEngine:
                 continue
             for seq in req.seqs:
                 if not seq.is_finished:
-                    self.scheduler.finish(seq, "abort")
-                    seq.detok.finish()
+                    self._finish(seq, "abort")
             outs.append(self.outputs.make_output(req))
             logger.info("request %s aborted", rid)
         return outs
@@ -180,31 +187,39 @@ class LLMEngine:
             return self._collect(previous) if previous is not None else []
         return self._collect(launched) if launched is not None else []
 
+    def _num_drafts(self, seq: Sequence) -> int:
+        """How many of the worker's drafts a sequence in decode may verify next."""
+        cap = self.num_speculative_tokens
+        if seq.params.num_speculative_tokens is not None:
+            cap = min(cap, seq.params.num_speculative_tokens)
+        if cap <= 0:
+            return 0
+        if seq.num_pending:
+            return cap    # planned before its drafts are known (async): the worker verifies what it has
+        return min(cap, seq.num_next_drafts)
+
     def _launch(self) -> _Launched | None:
         if not self.scheduler.has_unfinished:
             return None
-        drafts = None
-        if self.drafter is not None:
-            ready = [s for s in self.scheduler.running if s.num_computed_tokens == s.num_tokens - 1]
-            drafts = self.drafter.propose(ready, self.num_speculative_tokens) if ready else None
-        plan = self.scheduler.schedule(drafts)
+        plan = self.scheduler.schedule(self._num_drafts if self.num_speculative_tokens else None)
         if plan.is_empty:
             return None
-        prev_rows = {}
-        if self._in_flight is not None:
-            prev_rows = {item.seq.seq_id: s for s, item in enumerate(self._in_flight.samplers)}
-        batch, samplers, prompt_lp_items = build_step_batch(plan.scheduled, self.config.block_size,
-                                                            self.vocab_size, self.stop_ids, prev_rows)
+        batch, samplers, prompt_lp_items = build_step_batch(plan.scheduled, self.vocab_size, self._finished_seq_ids)
+        self._finished_seq_ids = []
+        batch.sampling.bitmask = fill_step_bitmask(samplers, self.vocab_size)
+        if self.drafter is not None and self.drafter.on_device:
+            batch.spec.max_drafts_next = self.num_speculative_tokens
         self.executor.submit(batch)
         for item in plan.scheduled:
             self.scheduler.submitted(item)
         self._num_steps += 1
-        return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.num_prompt_logprobs)
+        return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num)
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
         result = self.executor.collect()
         touched: dict[str, RequestState] = {}
-        self._take_prompt_logprobs(result, launched.num_prompt_logprobs, launched.prompt_lp_items)
+        if launched.prompt_lp_items:
+            self._take_prompt_logprobs(result, launched.num_prompt_logprobs, launched.prompt_lp_items)
         row_of = {id(item): s for s, item in enumerate(launched.samplers)}
         now = time.monotonic()
         for item in launched.scheduled:
@@ -217,24 +232,13 @@ class LLMEngine:
                     self.scheduler.commit(seq, seq.num_computed_tokens)
                 continue
             s = row_of[id(item)]
-            accepted = result.accepted[s]
-            self._drafted += len(item.draft_token_ids)
-            self._accepted += accepted
-            if not item.draft_token_ids:
-                seq.num_pending -= 1
-            n = accepted + 1
-            lp = result.logprobs[s][:n] if result.logprobs is not None else None
-            top = (result.top_ids[s][:n], result.top_logprobs[s][:n]) if result.top_ids is not None else (None, None)
-            reason = self.outputs.append(seq, result.tokens[s][:n], lp, *top)
+            reason = self._fold(seq, item, s, result, running)
             if running:
-                # KV is valid for every token but the newest (after a verify: up to the last accepted
-                # draft). Register it before a finished sequence releases its blocks, so the next
-                # request with this prefix hits the cache.
-                computed = seq.num_tokens - 1 if item.draft_token_ids else seq.num_computed_tokens
-                self.scheduler.commit(seq, computed)
+                # KV is valid for every token but the newest. Register it before a finished sequence
+                # releases its blocks, so the next request with this prefix hits the cache.
+                self.scheduler.commit(seq, seq.num_computed_tokens)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                seq.detok.finish()
+                self._finish(seq, reason)
             req = self.requests[seq.request_id]
             req.first_token_time = req.first_token_time or now
             touched[seq.request_id] = req
@@ -246,10 +250,49 @@ class LLMEngine:
                 del self.requests[rid]
         return outputs
 
+    def _fold(self, seq: Sequence, item: ScheduledSeq, s: int, result: StepResult, running: bool) -> str | None:
+        """One sampling sequence's results: the assumed outcome of `submitted` is corrected by the
+        drafts that were rejected, the emitted tokens are appended (up to the first stop) and its
+        grammar accepts exactly those; returns the finish reason, if any."""
+        accepted, k = int(result.accepted[s]), item.num_drafts
+        self._drafted += int(result.num_drafts[s])
+        self._accepted += accepted
+        seq.num_pending -= k + 1
+        if running:
+            seq.num_computed_tokens -= k - accepted
+        if seq.num_pending == 0:
+            seq.inflight_drafts = 0
+        n = accepted + 1
+        lp = result.logprobs[s, :n].tolist() if result.logprobs is not None else None
+        top = ((result.top_ids[s, :n].tolist(), result.top_logprobs[s, :n].tolist())
+               if result.top_ids is not None else (None, None))
+        before = len(seq.token_ids)
+        reason = self.outputs.append(seq, result.tokens[s, :n].tolist(), lp, *top)
+        if seq.grammar is not None:
+            if not seq.grammar.accept_tokens(seq.token_ids[before:]):
+                logger.error("request %s: the grammar rejected committed tokens %s; ending the sequence",
+                             seq.request_id, seq.token_ids[before:])
+                return "abort"
+            if reason is None and seq.grammar.is_terminated():
+                reason = "stop"
+        if result.next_num_drafts is not None:
+            seq.num_next_drafts = int(result.next_num_drafts[s])
+            if seq.grammar is not None and result.next_draft_ids is not None:
+                ids = list(result.next_draft_ids[s][:seq.num_next_drafts])
+                seq.num_next_drafts = seq.grammar.validate_tokens(ids) if reason is None else 0
+                seq.next_draft_ids = ids[:seq.num_next_drafts]
+        return reason
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.detok.finish()
+        self._finished_seq_ids.append(seq.seq_id)
+
     def _take_prompt_logprobs(self, result: StepResult, num: int, items: list) -> None:
         for i, (item, pos) in enumerate(items):
-            top = (result.prompt_top_ids[i], result.prompt_top_logprobs[i]) if num > 0 else (None, None)
-            self.outputs.add_prompt_logprob(item.seq, pos, result.prompt_logprobs[i], *top)
+            top = ((result.prompt_top_ids[i].tolist(), result.prompt_top_logprobs[i].tolist()) if num > 0
+                   else (None, None))
+            self.outputs.add_prompt_logprob(item.seq, pos, float(result.prompt_logprobs[i]), *top)
 
     # -- state ----------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -72,7 +72,8 @@ class EngineConfig:
     scheduling_policy: str = _f("fcfs", "fcfs, or priority (lower SamplingParams priority value first, "
                                         "then arrival)", choices=("fcfs", "priority"))
     async_scheduling: bool = _f(False, "plan and launch step N+1 before step N's results reach the host, "
-                                       "so scheduling overlaps the forward (not with speculative decoding)")
+                                       "so scheduling overlaps the forward (with speculation too: the plan "
+                                       "assumes the drafts in flight are accepted; the worker corrects it)")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs a request may ask for")
     # -- speculative decoding --------------------------------------------------------------------------
     speculative_method: str | None = _f(None, "drafter proposing tokens for the verify step; ngram = "
@@ -121,9 +122,6 @@ class EngineConfig:
             bad("num_speculative_tokens", "must be >= 0")
         if self.speculative_method is not None and self.num_speculative_tokens == 0:
             bad("num_speculative_tokens", f"must be > 0 with --speculative-method {self.speculative_method}")
-        if self.async_scheduling and self.speculative_method is not None:
-            bad("async_scheduling", "cannot be combined with --speculative-method (a verify step's outcome "
-                                    "is only known after it runs)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             bad("ngram_min", f"must be in [1, --ngram-max={self.ngram_max}]")
         if self.tensor_parallel_size != 1:

@@ -21,14 +21,14 @@ from namazu.engine import LLMEngine
 from namazu.engine_config import EngineConfig
 from namazu.outputs import RequestOutput
 from namazu.sampling_params import SamplingParams
-from namazu.spec.drafters import Drafter
+from namazu.spec.proposer import Proposer
 from namazu.tokenizer import Tokenizer
 
 Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", *, drafter: Drafter | None = None,
+    def __init__(self, model: str | None = None, dtype: str = "auto", *, drafter: Proposer | None = None,
                  **engine_args: Any):
         config = EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_args)
         self.engine = LLMEngine(config, drafter=drafter)

@@ -1,9 +1,12 @@
-"""The model runner: one rank's model, paged KV cache and sampler; executes a StepBatch.
+"""The model runner: one rank's model, paged KV cache, sampler and proposer; executes a StepBatch.
 
-Everything between receiving the batch and returning results runs on the device with no host
-synchronisation: forward, sampling, acceptance of drafts, logprobs. The only host read is the final
-copy of the results (two flat tensors). `--debug-no-host-sync` wraps the step in the guard that turns
-any other read into an error.
+One step, in order: the worker's sequence table fills pending inputs and applies async corrections
+(host, `worker_seqs.py`); the batch goes to the device; the target's forward; logits of the sampled
+rows; sampling; the acceptance rule over the drafts proposed last step (`spec/verify.py`); a device
+proposer drafts from this forward's hidden states; results are packed by `step_batch.RESULT_FIELDS`
+and copied to the host once; a host proposer (n-gram) drafts from the updated histories; drafts go
+into the device draft buffer for the next step. Between the batch's arrival and the one host read
+nothing syncs: `--debug-no-host-sync` wraps that span in the guard that turns any read into an error.
 """
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata,
 from namazu.layers.sampler import SamplingTensors, gather_logprobs, process_logits, sample_from_processed
 from namazu.models.loader import load_model
 from namazu.nosync import no_host_sync
+from namazu.spec.proposer import DraftBuffer, Proposer, ProposerInput
 from namazu.spec.verify import verify_deterministic, verify_stochastic
-from namazu.step_io import StepBatch, StepResult
+from namazu.step_batch import StepBatch, StepResult, pack, unpack
+from namazu.worker_seqs import PreparedStep, WorkerSeqTable
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +41,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str | Path, rank: int = 0, world_size: int = 1):
+    def __init__(self, config: EngineConfig, model_path: str | Path, rank: int = 0, world_size: int = 1,
+                 proposer: Proposer | None = None):
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(config.device)
@@ -54,12 +60,21 @@ class ModelRunner:
         self.model_config = self.model.config
         self.dtype = self.model.dtype
         self.block_size = config.block_size
-        self.num_blocks = self._plan_kv_blocks()
-        self.cache = PagedLatentCache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
-        # The last token each sampling sequence emitted in the previous step, kept on the device: the
-        # next step's pending inputs (async scheduling) are read from here, never from the host.
-        self.last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
-        logger.info("rank %d: KV cache %d blocks x %d tokens (%.1f MiB) on %s", rank, self.num_blocks,
+        self.num_blocks = 0
+        self.cache: PagedLatentCache | None = None
+        self.proposer = proposer
+        self.num_speculative_tokens = config.num_speculative_tokens if proposer is not None else 0
+        self.drafts = DraftBuffer(self.num_speculative_tokens, self.model_config.vocab_size, self.device)
+        self.seqs = WorkerSeqTable()
+
+    def plan_kv_blocks(self) -> int:
+        """How many KV blocks this rank could hold; the engine allocates the minimum over ranks."""
+        return self._plan_kv_blocks()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.cache = PagedLatentCache(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
+        logger.info("rank %d: KV cache %d blocks x %d tokens (%.1f MiB) on %s", self.rank, num_blocks,
                     self.block_size, self.cache.nbytes / 2**20, self.device)
 
     def _plan_kv_blocks(self) -> int:
@@ -88,111 +103,179 @@ class ModelRunner:
         t = torch.from_numpy(np.ascontiguousarray(a))
         return t.to(self.device, dtype=dtype, non_blocking=True)
 
-    def _sampling_tensors(self, b: StepBatch) -> SamplingTensors:
-        T = self._tensor
+    def _penalty_tensors(self, b: StepBatch, prep: PreparedStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Output-token counts [R, V] and prompt-token masks [R, V] for the penalty rows, from the
+        worker's own histories (row j of a verify also counts drafts[:j])."""
+        sp = b.sampling
+        if not sp.any_penalty:
+            return None, None
         vocab = self.model_config.vocab_size
-        counts = prompt_mask = None
-        if b.output_tokens is not None:
-            ids = T(b.output_tokens)
-            counts = torch.zeros(ids.shape[0], vocab, device=self.device).scatter_add_(
-                1, ids.clamp(min=0), (ids >= 0).float())
-            if b.relay_count_index is not None:
-                idx = T(b.relay_count_index)
-                pending = self.last_tokens[idx.clamp(min=0)].unsqueeze(-1)
-                counts.scatter_add_(1, pending, (idx >= 0).float().unsqueeze(-1))
-        if b.prompt_tokens is not None:
-            ids = T(b.prompt_tokens)
-            prompt_mask = torch.zeros(ids.shape[0], vocab, device=self.device).scatter_add_(
-                1, ids.clamp(min=0), (ids >= 0).float()) > 0
+        rows = b.spec.row_layout
+        outputs: list[list[int]] = [[] for _ in range(len(sp.temperature))]
+        prompts: list[list[int]] = [[] for _ in range(len(sp.temperature))]
+        for s, i in enumerate(b.spec.batch_index):
+            hist, plen = prep.histories[s], int(b.seqs.prompt_lens[i])
+            done = hist[plen:int(prep.verify_from[s]) + 1]
+            drafts = self.drafts.host_ids.get(int(prep.slots[s]), [])
+            penalized = sp.presence_penalty[rows[s, 0]] != 0 or sp.frequency_penalty[rows[s, 0]] != 0 \
+                or sp.repetition_penalty[rows[s, 0]] != 1
+            if not penalized:
+                continue
+            for j in range(int(b.seqs.num_drafts[i]) + 1):
+                outputs[rows[s, j]] = done + drafts[:j]
+                if sp.repetition_penalty[rows[s, 0]] != 1:
+                    prompts[rows[s, j]] = hist[:plen]
+
+        def to_counts(lists: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(x) for x in lists))
+            ids = np.full((len(lists), width), -1, dtype=np.int64)
+            for r, x in enumerate(lists):
+                ids[r, :len(x)] = x
+            t = self._tensor(ids)
+            return torch.zeros(t.shape[0], vocab, device=self.device).scatter_add_(1, t.clamp(min=0), (t >= 0).float())
+
+        counts = to_counts(outputs)
+        mask = to_counts(prompts) > 0 if sp.any_repetition_penalty else None
+        return counts, mask
+
+    def _sampling_tensors(self, b: StepBatch, prep: PreparedStep) -> SamplingTensors:
+        T, sp = self._tensor, b.sampling
+        counts, prompt_mask = self._penalty_tensors(b, prep)
         return SamplingTensors(
-            temperature=T(b.temperature), top_k=T(b.top_k), top_p=T(b.top_p), min_p=T(b.min_p),
-            presence_penalty=T(b.presence_penalty), frequency_penalty=T(b.frequency_penalty),
-            repetition_penalty=T(b.repetition_penalty), seeds=T(b.seeds), counters=T(b.counters),
-            output_counts=counts, prompt_mask=prompt_mask, bitmask=T(b.bitmask), any_penalty=b.any_penalty,
-            any_top_k_top_p=b.any_top_k_top_p, any_min_p=b.any_min_p, all_greedy=b.all_greedy,
+            temperature=T(sp.temperature), top_k=T(sp.top_k), top_p=T(sp.top_p), min_p=T(sp.min_p),
+            presence_penalty=T(sp.presence_penalty), frequency_penalty=T(sp.frequency_penalty),
+            repetition_penalty=T(sp.repetition_penalty), seeds=T(sp.seeds), counters=T(sp.counters),
+            output_counts=counts, prompt_mask=prompt_mask, bitmask=T(sp.bitmask), any_penalty=sp.any_penalty,
+            any_top_k_top_p=sp.any_top_k_top_p, any_min_p=sp.any_min_p, all_greedy=sp.all_greedy,
             num_logprobs=-1)
+
+    def _draft_probs(self, prep: PreparedStep, draft_ids: torch.Tensor) -> torch.Tensor | None:
+        """q [S, K, V] when any sequence's drafts came with a distribution (one-hot for the others)."""
+        flags = [self.drafts.has_probs.get(int(slot), False) for slot in prep.slots]
+        if not any(flags) or draft_ids.shape[1] == 0 or self.drafts.probs is None:
+            return None
+        k = draft_ids.shape[1]
+        q = self.drafts.probs[self._tensor(prep.slots), :k]
+        onehot = torch.nn.functional.one_hot(draft_ids, self.model_config.vocab_size).float()
+        has = self._tensor(np.asarray(flags)).view(-1, 1, 1)
+        return torch.where(has, q, onehot)
 
     @torch.inference_mode()
     def execute(self, b: StepBatch) -> StepResult:
-        T = self._tensor
-        meta = PagedAttentionMetadata(slot_mapping=T(b.slot_mapping), block_tables=T(b.block_tables),
-                                      q_index=T(b.q_index), q_pos=T(b.q_pos), out_index=T(b.out_index))
-        input_ids, positions, logit_rows = T(b.input_ids), T(b.positions), T(b.logit_rows)
-        row_layout, num_drafts, draft_ids = T(b.row_layout), T(b.num_drafts), T(b.draft_ids)
-        draft_probs = T(b.draft_probs)
-        plp_rows, plp_targets = T(b.prompt_lp_rows), T(b.prompt_lp_targets)
+        freed = [self.seqs.seqs[sid].slot for sid in b.finished_seq_ids if sid in self.seqs.seqs]
+        for slot in freed:
+            self.drafts.forget(slot)
+        self.seqs.fill_pending(b)
+        prep = self.seqs.prepare(b, self.block_size, self.drafts.width, self.drafts.counts)
+        self.drafts.ensure(self.seqs.num_slots)
+        T, a = self._tensor, b.attn
+        meta = PagedAttentionMetadata(slot_mapping=T(prep.slot_mapping), block_tables=T(a.block_tables),
+                                      q_index=T(a.q_index), q_pos=T(a.q_pos), out_index=T(a.out_index))
+        input_ids, positions, logit_rows = T(a.input_ids), T(a.positions), T(a.logit_rows)
+        row_layout, num_drafts = T(b.spec.row_layout), T(prep.num_drafts)
+        plp_rows, plp_targets = T(b.prompt_lp.rows), T(b.prompt_lp.targets)
+        draft_flat, draft_src = T(prep.draft_flat), T(prep.draft_src)
+        want_hidden = self.proposer.hidden_layers if self.proposer is not None and self.proposer.on_device else ()
         t0 = time.perf_counter()
+        values: dict[str, torch.Tensor] = {}
         with no_host_sync(self.config.debug_no_host_sync):
-            if np.any(b.relay_index >= 0):   # host-side array: no sync
-                relay = T(b.relay_index)
-                input_ids = torch.where(relay >= 0, self.last_tokens[relay.clamp(min=0)], input_ids)
-            st = self._sampling_tensors(b)
+            st = self._sampling_tensors(b, prep)
+            k = b.spec.max_drafts
+            if len(prep.draft_flat):
+                # Verify inputs: the drafts proposed last step, read from the device buffer.
+                input_ids = input_ids.index_put((draft_flat,), self.drafts.ids.view(-1)[draft_src])
             with forward_context(PagedAttentionContext(self.cache, meta)):
-                hidden, _ = self.model(input_ids, positions)
-            ints, floats = [], []
-            self.last_tokens = self.last_tokens[:0]
-            if len(b.logit_rows):
+                hidden, captured = self.model(input_ids, positions, capture_layers=want_hidden)
+            tokens = accepted = None
+            if len(a.logit_rows):
                 logits = self.model.compute_logits(hidden[logit_rows])           # [R, V] fp32
                 processed = process_logits(logits, st)
                 target = sample_from_processed(processed, st)[row_layout]         # [S, K+1]
-                if draft_ids.shape[1] == 0:
+                if k == 0:
                     tokens, accepted = target, torch.zeros_like(target[:, 0])
-                elif draft_probs is None:
-                    tokens, accepted = verify_deterministic(target, draft_ids, num_drafts)
                 else:
-                    first = row_layout[:, 0]
-                    tokens, accepted = verify_stochastic(
-                        processed[row_layout], target, draft_ids, draft_probs, num_drafts,
-                        st.temperature[first] == 0, st.seeds[first], st.counters[row_layout])
-                ints += [tokens.reshape(-1), accepted]
-                self.last_tokens = tokens.gather(1, accepted.unsqueeze(-1)).squeeze(-1)
-                if b.num_logprobs >= 0:
+                    # Draft j of a sequence is the input right after its first sampled row, plus j.
+                    at = logit_rows[row_layout[:, :1]] + 1 + torch.arange(k, device=self.device)
+                    draft_ids = input_ids[at.clamp(max=input_ids.shape[0] - 1)]
+                    q = self._draft_probs(prep, draft_ids)
+                    if q is None:
+                        tokens, accepted = verify_deterministic(target, draft_ids, num_drafts)
+                    else:
+                        first = row_layout[:, 0]
+                        tokens, accepted = verify_stochastic(
+                            processed[row_layout], target, draft_ids, q, num_drafts,
+                            st.temperature[first] == 0, st.seeds[first], st.counters[row_layout])
+                values.update(tokens=tokens, accepted=accepted, num_drafts=num_drafts)
+                if self.proposer is not None and self.proposer.on_device:
+                    values.update(self._propose_on_device(b, prep, hidden, captured, logit_rows[row_layout],
+                                                          tokens, accepted))
+                if b.sampling.num_logprobs >= 0:
                     lp, top_ids, top_lp = gather_logprobs(logits[row_layout].flatten(0, 1), tokens.reshape(-1),
-                                                          b.num_logprobs)
-                    floats.append(lp)
+                                                          b.sampling.num_logprobs)
+                    s_k1 = tuple(row_layout.shape)
+                    values["logprobs"] = lp.view(s_k1)
                     if top_ids is not None:
-                        ints.append(top_ids.reshape(-1))
-                        floats.append(top_lp.reshape(-1))
-            if b.num_prompt_logprobs >= 0 and len(b.prompt_lp_rows):
+                        values["top_ids"] = top_ids.view(*s_k1, -1)
+                        values["top_logprobs"] = top_lp.view(*s_k1, -1)
+            if b.prompt_lp.num >= 0 and len(b.prompt_lp.rows):
                 plogits = self.model.compute_logits(hidden[plp_rows])
-                lp, top_ids, top_lp = gather_logprobs(plogits, plp_targets, b.num_prompt_logprobs)
-                floats.append(lp)
+                lp, top_ids, top_lp = gather_logprobs(plogits, plp_targets, b.prompt_lp.num)
+                values["prompt_logprobs"] = lp
                 if top_ids is not None:
-                    ints.append(top_ids.reshape(-1))
-                    floats.append(top_lp.reshape(-1))
-            flat_i = torch.cat(ints) if ints else torch.zeros(0, dtype=torch.long, device=self.device)
-            flat_f = torch.cat([f.float() for f in floats]) if floats else torch.zeros(0, device=self.device)
+                    values.update(prompt_top_ids=top_ids, prompt_top_logprobs=top_lp)
+            flat_i, flat_f = pack(b, values, torch.cat, torch.zeros(0, dtype=torch.long, device=self.device),
+                                  torch.zeros(0, device=self.device))
+            flat_f = flat_f.float()
         # The step's one host read.
-        host_i, host_f = flat_i.cpu().numpy(), flat_f.cpu().numpy()
-        logger.debug("step: %d tokens, %d sampled rows, %.1f ms", b.num_tokens, len(b.logit_rows),
+        result = unpack(b, flat_i.cpu().numpy(), flat_f.cpu().numpy())
+        if result.tokens is not None:
+            self.seqs.record(b, prep, result.tokens, result.accepted)
+            self._propose(b, prep, result, hidden, captured, row_layout, tokens, accepted)
+        logger.debug("step: %d tokens, %d sampled rows, %.1f ms", b.num_tokens, len(a.logit_rows),
                      1e3 * (time.perf_counter() - t0))
-        return _unpack(b, host_i, host_f)
+        return result
 
+    def _proposer_input(self, b: StepBatch, hidden: torch.Tensor | None, captured: dict[int, torch.Tensor],
+                        rows: torch.Tensor | None, tokens: torch.Tensor | None, accepted: torch.Tensor | None
+                        ) -> ProposerInput:
+        sq, idx = b.seqs, b.spec.batch_index
+        return ProposerInput(
+            seq_ids=[int(sq.seq_ids[i]) for i in idx], prompt_lens=[int(sq.prompt_lens[i]) for i in idx],
+            histories=[self.seqs.seqs[int(sq.seq_ids[i])].tokens for i in idx],
+            hidden=captured, final_hidden=hidden, rows=rows, tokens=tokens, accepted=accepted)
 
-def _unpack(b: StepBatch, ints: np.ndarray, floats: np.ndarray) -> StepResult:
-    """Splits the two flat host arrays back into per-sequence lists (inverse of the packing above)."""
-    s, k1 = b.row_layout.shape
-    res = StepResult(tokens=[], accepted=[])
-    io = fo = 0
-    if len(b.logit_rows):
-        res.tokens = ints[: s * k1].reshape(s, k1).tolist()
-        res.accepted = ints[s * k1: s * k1 + s].tolist()
-        io = s * k1 + s
-        if b.num_logprobs >= 0:
-            res.logprobs = floats[: s * k1].reshape(s, k1).tolist()
-            fo = s * k1
-            if b.num_logprobs > 0:
-                n = b.num_logprobs
-                res.top_ids = ints[io: io + s * k1 * n].reshape(s, k1, n).tolist()
-                res.top_logprobs = floats[fo: fo + s * k1 * n].reshape(s, k1, n).tolist()
-                io += s * k1 * n
-                fo += s * k1 * n
-    if b.num_prompt_logprobs >= 0 and len(b.prompt_lp_rows):
-        p = len(b.prompt_lp_rows)
-        res.prompt_logprobs = floats[fo: fo + p].tolist()
-        fo += p
-        if b.num_prompt_logprobs > 0:
-            n = b.num_prompt_logprobs
-            res.prompt_top_ids = ints[io: io + p * n].reshape(p, n).tolist()
-            res.prompt_top_logprobs = floats[fo: fo + p * n].reshape(p, n).tolist()
-    return res
+    def _propose_on_device(self, b: StepBatch, prep: PreparedStep, hidden: torch.Tensor,
+                           captured: dict[int, torch.Tensor], rows: torch.Tensor, tokens: torch.Tensor,
+                           accepted: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A device proposer drafts from this forward's hidden states before the host read; its ids stay
+        in the draft buffer and only their counts (and grammar sequences' ids) join the result."""
+        inp = self._proposer_input(b, hidden, captured, rows, tokens, accepted)
+        inp.histories = []          # not updated yet: a device proposer works from tensors
+        proposal = self.proposer.propose(inp, self.num_speculative_tokens)
+        ids = proposal.ids
+        counts = proposal.counts if proposal.counts is not None else torch.full(
+            (ids.shape[0],), ids.shape[1], dtype=torch.long, device=self.device)
+        self.drafts.write_device(self._tensor(prep.slots), proposal)
+        padded = torch.zeros(ids.shape[0], b.spec.max_drafts_next, dtype=torch.long, device=self.device)
+        padded[:, :ids.shape[1]] = ids[:, :b.spec.max_drafts_next]
+        return {"next_num_drafts": counts, "next_draft_ids": padded}
+
+    def _propose(self, b: StepBatch, prep: PreparedStep, result: StepResult, hidden: torch.Tensor,
+                 captured: dict[int, torch.Tensor], row_layout: torch.Tensor, tokens: torch.Tensor,
+                 accepted: torch.Tensor) -> None:
+        """Drafts for the next step, into the draft buffer; the engine learns how many (and, for grammar
+        sequences, which)."""
+        if self.proposer is None:
+            return
+        if self.proposer.on_device:
+            self.drafts.note_device_counts(prep.slots, result.next_num_drafts, result.next_draft_ids,
+                                           stochastic=False)
+        else:
+            proposal = self.proposer.propose(self._proposer_input(b, None, {}, None, None, None),
+                                             self.num_speculative_tokens)
+            result.next_num_drafts = self.drafts.write(prep.slots, proposal)
+        if b.spec.return_drafts.any():
+            result.next_draft_ids = [self.drafts.host_ids[int(slot)] if b.spec.return_drafts[s] else []
+                                     for s, slot in enumerate(prep.slots)]
+        else:
+            result.next_draft_ids = None

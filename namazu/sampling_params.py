@@ -1,7 +1,9 @@
 """Per-request sampling settings (vLLM-shaped names, so OpenAI request fields map one to one)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -14,7 +16,10 @@ class SamplingParams:
     output). `seed` makes a request's samples reproducible regardless of what else shares its steps.
     `logprobs=N` returns, per generated token, the logprob of the sampled token plus the top N;
     `prompt_logprobs=N` does the same for every prompt token after the first.
-    `allowed_token_ids` restricts sampling to a set (through the sampler's token-bitmask hook).
+    `allowed_token_ids` restricts sampling to a set; `grammar_factory` returns a fresh grammar per
+    sequence (`namazu.structured.grammar.Grammar`, e.g. an `AutomatonGrammar`) that every sampled token
+    must satisfy. Both, and `min_tokens`, go through the grammar bitmask (`namazu/structured/`).
+    `num_speculative_tokens=0` opts this request out of speculative decoding.
     """
 
     n: int = 1
@@ -36,6 +41,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
+    grammar_factory: Callable[[], Any] | None = None
+    num_speculative_tokens: int | None = None     # None: the engine's setting; 0: no speculation
     # Filled by the engine: the stop strings as a list and the tokens that end a sequence.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -85,6 +92,10 @@ class SamplingParams:
             bad("prompt_logprobs", "must be >= 0")
         if any(not isinstance(s, str) or not s for s in self._stop_list):
             bad("stop", "every stop string must be a non-empty string")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            bad("num_speculative_tokens", "must be >= 0 (0 turns speculation off for this request)")
+        if self.grammar_factory is not None and not callable(self.grammar_factory):
+            bad("grammar_factory", "must be a callable returning a new grammar")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             bad("allowed_token_ids", "must not be empty")
 

@@ -1,7 +1,9 @@
 """Workers: the model runner behind a message interface, one per tensor-parallel rank.
 
-The engine talks to an Executor: `submit(batch)` sends the same StepBatch to every rank and returns at
-once; `collect()` waits for rank 0's StepResult. Between the two the engine plans the next step (async
+The engine talks to an Executor. At start-up every rank reports how many KV blocks it could hold
+(`infos()`) and the engine allocates the minimum on all of them (`allocate_kv_cache`), so no rank is
+asked to hold more than it can. Per step, `submit(batch)` sends the same StepBatch to every rank and
+returns at once; `collect()` waits for rank 0's StepResult. Between the two the engine plans the next step (async
 scheduling); `execute(batch)` is both at once. `MultiprocExecutor` runs each rank in its own spawned
 process (the default: the engine's Python work never competes with the forward for the GIL, and a
 crash in the model surfaces as an error instead of taking the engine down); `InlineExecutor` runs
@@ -22,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from namazu.engine_config import EngineConfig
-from namazu.step_io import StepBatch, StepResult
+from namazu.spec.proposer import Proposer
+from namazu.step_batch import StepBatch, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +33,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class WorkerInfo:
     rank: int
-    num_kv_blocks: int
-    kv_cache_bytes: int
+    num_kv_blocks: int          # what this rank could hold (before allocation), then what it holds
     device: str
     dtype: str
     vocab_size: int
@@ -40,16 +42,21 @@ class WorkerInfo:
 class Worker:
     """One rank: owns a ModelRunner."""
 
-    def __init__(self, config: EngineConfig, model_path: str | Path, rank: int = 0, world_size: int = 1):
+    def __init__(self, config: EngineConfig, model_path: str | Path, rank: int = 0, world_size: int = 1,
+                 proposer: Proposer | None = None):
         from namazu.model_runner import ModelRunner
 
         self.rank = rank
-        self.runner = ModelRunner(config, model_path, rank, world_size)
+        self.runner = ModelRunner(config, model_path, rank, world_size, proposer)
 
     def info(self) -> WorkerInfo:
         r = self.runner
-        return WorkerInfo(self.rank, r.num_blocks, r.cache.nbytes, str(r.device), str(r.dtype).replace("torch.", ""),
+        blocks = r.num_blocks if r.cache is not None else r.plan_kv_blocks()
+        return WorkerInfo(self.rank, blocks, str(r.device), str(r.dtype).replace("torch.", ""),
                           r.model_config.vocab_size)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
 
     def execute(self, batch: StepBatch) -> StepResult | None:
         result = self.runner.execute(batch)
@@ -63,7 +70,12 @@ class WorkerError(RuntimeError):
 class Executor:
     world_size: int = 1
 
-    def info(self) -> WorkerInfo:
+    def infos(self) -> list[WorkerInfo]:
+        """Every rank's info, in rank order."""
+        raise NotImplementedError
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Every rank allocates `num_blocks` KV blocks (the engine passes the minimum over ranks)."""
         raise NotImplementedError
 
     def submit(self, batch: StepBatch) -> None:
@@ -84,12 +96,15 @@ class InlineExecutor(Executor):
     """Rank 0 in the engine's process: a submitted step runs when it is collected (same order and
     results as a worker process, no overlap)."""
 
-    def __init__(self, config: EngineConfig, model_path: str | Path):
-        self.worker = Worker(config, model_path)
+    def __init__(self, config: EngineConfig, model_path: str | Path, proposer: Proposer | None = None):
+        self.worker = Worker(config, model_path, proposer=proposer)
         self._queued: list[StepBatch] = []
 
-    def info(self) -> WorkerInfo:
-        return self.worker.info()
+    def infos(self) -> list[WorkerInfo]:
+        return [self.worker.info()]
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.worker.allocate_kv_cache(num_blocks)
 
     def submit(self, batch: StepBatch) -> None:
         self._queued.append(batch)
@@ -99,10 +114,10 @@ class InlineExecutor(Executor):
 
 
 def _worker_main(conn: Connection, config: EngineConfig, model_path: str, rank: int, world_size: int,
-                 log_level: int) -> None:
+                 log_level: int, proposer: Proposer | None) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
     try:
-        worker = Worker(config, model_path, rank, world_size)
+        worker = Worker(config, model_path, rank, world_size, proposer)
         conn.send(("ok", worker.info()))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -154,7 +169,8 @@ def _shutdown(procs: list[Any], conns: list[Connection]) -> None:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_path: str | Path, world_size: int = 1):
+    def __init__(self, config: EngineConfig, model_path: str | Path, world_size: int = 1,
+                 proposer: Proposer | None = None):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self.conns: list[Connection] = []
@@ -163,7 +179,7 @@ class MultiprocExecutor(Executor):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"namazu-worker-{rank}", daemon=True,
                                args=(child, config, str(model_path), rank, world_size,
-                                     logging.getLogger("namazu").getEffectiveLevel()))
+                                     logging.getLogger("namazu").getEffectiveLevel(), proposer))
             with _main_module_hidden():
                 proc.start()
             child.close()
@@ -171,8 +187,7 @@ class MultiprocExecutor(Executor):
             self.procs.append(proc)
         # Ends the workers on close(), when the executor is collected, and at interpreter exit.
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
-        infos = [self._recv(rank) for rank in range(world_size)]
-        self._info = infos[0]
+        self._infos = [self._recv(rank) for rank in range(world_size)]
         logger.info("started %d worker process(es), pid %s", world_size, [p.pid for p in self.procs])
 
     def _recv(self, rank: int) -> Any:
@@ -185,8 +200,16 @@ class MultiprocExecutor(Executor):
             raise WorkerError(f"worker {rank} failed:\n{payload}")
         return payload
 
-    def info(self) -> WorkerInfo:
-        return self._info
+    def infos(self) -> list[WorkerInfo]:
+        return list(self._infos)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        for conn in self.conns:
+            conn.send(("allocate_kv_cache", (num_blocks,)))
+        for rank in range(self.world_size):
+            self._recv(rank)
+        for info in self._infos:
+            info.num_kv_blocks = num_blocks
 
     def submit(self, batch: StepBatch) -> None:
         for conn in self.conns:
@@ -204,8 +227,8 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def make_executor(config: EngineConfig, model_path: str | Path) -> Executor:
+def make_executor(config: EngineConfig, model_path: str | Path, proposer: Proposer | None = None) -> Executor:
     if config.executor == "inline":
-        return InlineExecutor(config, model_path)
+        return InlineExecutor(config, model_path, proposer)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return MultiprocExecutor(config, model_path, config.tensor_parallel_size)
+    return MultiprocExecutor(config, model_path, config.tensor_parallel_size, proposer)

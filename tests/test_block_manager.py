@@ -88,15 +88,14 @@ def test_invariants_under_random_operations(ops, num_blocks, chunked, caching):
             sched.add(seq)
             live.append(seq)
         elif op == "step":
-            drafts = {s.seq_id: ([r % 5] * (r % 3), None) for s in sched.running}
-            out = sched.schedule(drafts)
+            out = sched.schedule(lambda s, k=r % 3: k)
             assert len({id(s.seq) for s in out.scheduled}) == len(out.scheduled)
             assert out.num_batched_tokens <= sched.max_num_batched_tokens
             for item in out.scheduled:
                 seq = item.seq
                 if item.samples:
-                    accepted = r % (len(item.draft_token_ids) + 1)
-                    seq.append_tokens(item.draft_token_ids[:accepted] + [r % 5])
+                    accepted = r % (item.num_drafts + 1)
+                    seq.append_tokens([r % 5] * accepted + [r % 5])
                     sched.commit(seq, seq.num_tokens - 1)
                     if seq.num_tokens >= max_len - 8:
                         sched.finish(seq, "length")

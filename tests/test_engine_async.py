@@ -100,6 +100,43 @@ def test_async_steps_do_not_sync():
     assert all(o.finished for o in outs)
 
 
-def test_async_scheduling_refuses_speculation():
-    with pytest.raises(ValueError, match="async-scheduling"):
-        EngineConfig(async_scheduling=True, speculative_method="ngram", num_speculative_tokens=2)
+def test_ngram_speculation_with_async_scheduling_is_exact():
+    """The plan of step N+1 assumes step N's drafts were all accepted; the worker corrects positions and
+    counters by the rejected ones. Token-identical to no speculation on 24 greedy prompts, drafts
+    proposed and accepted, and no host sync over those steps."""
+    # Prompts that repeat themselves give prompt lookup matches that are sometimes right, sometimes not.
+    batch = [p * 3 for p in prompts(24, lo=4, hi=12, seed=23)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    (base, base_lp), _ = run(False, batch, params)
+    (got, got_lp), stats = run(True, batch, params, speculative_method="ngram", num_speculative_tokens=3,
+                               ngram_max=3, debug_no_host_sync=True)
+    assert got == base
+    assert_logprobs_close(got_lp, base_lp)
+    assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    assert stats.num_steps < 24 * 16
+
+
+@pytest.mark.parametrize("mode", ["right", "wrong", "random", "random_q"])
+def test_scripted_drafts_with_async_scheduling_are_exact(mode):
+    """Seeded sampling, penalties (the history includes tokens of the verify in flight), logprobs,
+    stop strings, min_tokens, preemption: outputs equal synchronous scheduling without speculation."""
+    from namazu.spec.drafters import ScriptedDrafter
+
+    batch = prompts(10, lo=3, hi=40, seed=13)
+    params = [mixed_params(i) for i in range(10)]
+    engine_args = dict(num_kv_blocks=40, block_size=4, max_model_len=80)
+    (base, base_lp), _ = run(False, batch, params, **engine_args)
+    reference = {tuple(p): r[0][0] for p, r in zip(batch, base)}
+    drafter = ScriptedDrafter(mode, 264, reference, seed=5)
+    (got, got_lp), stats = run(True, batch, params, drafter=drafter, num_speculative_tokens=3, **engine_args)
+    if mode == "random_q":
+        # Drafts with a distribution q take the p/q rule: exact in distribution, identical only at T = 0.
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+        assert greedy and [got[i] for i in greedy] == [base[i] for i in greedy]
+        assert all(o[2] in ("stop", "length") for r in got for o in r)
+    else:
+        assert got == base
+        assert_logprobs_close(got_lp, base_lp)
+    assert stats.num_draft_tokens > 0
+    if mode == "right":
+        assert stats.num_accepted_draft_tokens > 0

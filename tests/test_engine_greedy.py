@@ -69,7 +69,7 @@ def test_batch_of_one_equals_batch_of_sixteen_in_one_step(shared_prompts, refere
     with LLM(tiny_checkpoint(), executor="inline", max_num_seqs=16) as llm:
         sizes = []
         submit = llm.engine.executor.submit
-        llm.engine.executor.submit = lambda b: (sizes.append(len(b.row_layout)), submit(b))[1]
+        llm.engine.executor.submit = lambda b: (sizes.append(b.num_sampling), submit(b))[1]
         together = llm.generate(prompt_token_ids=shared_prompts, sampling_params=GREEDY, use_tqdm=False)
         alone = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY, use_tqdm=False)[0]
                  for p in shared_prompts[:4]]

@@ -29,9 +29,9 @@ def test_steps_do_not_sync(drafter_mode):
         submit = llm.engine.executor.submit
 
         def spy(b):
-            prefill = len(b.input_ids) > len(b.logit_rows)
-            kinds.add(("mixed" if prefill and len(b.row_layout) else "prefill") if prefill else "decode")
-            if b.draft_ids.shape[1]:
+            prefill = len(b.attn.input_ids) > len(b.attn.logit_rows)
+            kinds.add(("mixed" if prefill and len(b.spec.row_layout) else "prefill") if prefill else "decode")
+            if b.spec.max_drafts:
                 kinds.add("verify")
             return submit(b)
 

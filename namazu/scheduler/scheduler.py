@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from namazu.scheduler.block_manager import BlockManager
 from namazu.scheduler.sequence import Sequence, SequenceStatus
@@ -24,22 +24,24 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ScheduledSeq:
     """One sequence's work in a step: KV for token_ids[num_computed : num_computed + num_new_tokens],
-    then the drafts (verify). A row samples when the step reaches the end of its known tokens."""
+    then `num_drafts` of the drafts the worker holds for it (verify). A row samples when the step
+    reaches the end of its known tokens."""
 
     seq: Sequence
     num_new_tokens: int
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_probs: Any = None          # [k, V] draft distribution (stochastic drafter), or None (one-hot)
+    num_drafts: int = 0
     start: int = field(init=False)   # num_computed_tokens when planned (the first new position)
     samples: bool = field(init=False)
+    assumed_drafts: int = field(init=False)   # drafts of the step in flight this plan assumes accepted
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
         self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+        self.assumed_drafts = self.seq.inflight_drafts
 
     @property
     def num_query_tokens(self) -> int:
-        return self.num_new_tokens + len(self.draft_token_ids)
+        return self.num_new_tokens + self.num_drafts
 
 
 @dataclass
@@ -104,10 +106,9 @@ class Scheduler:
         self.num_preemptions += 1
         logger.info("preempted %s (seq %d) by recompute: KV pool exhausted", seq.request_id, seq.seq_id)
 
-    def schedule(self, drafts: dict[int, tuple[list[int], Any]] | None = None) -> SchedulerOutput:
-        """Plans one step. `drafts` maps seq_id -> (draft tokens, draft probs or None) for sequences in
-        decode; drafts are trimmed to the budget, max_tokens and max_model_len."""
-        drafts = drafts or {}
+    def schedule(self, num_drafts: Callable[[Sequence], int] | None = None) -> SchedulerOutput:
+        """Plans one step. `num_drafts(seq)` is how many of the worker's drafts a sequence in decode may
+        verify; they are trimmed to the budget, max_tokens and max_model_len."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
@@ -119,14 +120,15 @@ class Scheduler:
         for seq in decoding + [s for s in self.running if s.num_tokens - s.num_computed_tokens != 1]:
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or self._exhausted(seq):
-                continue    # preempted below, or its last token is pending (finished when it arrives)
+            if seq.status is not SequenceStatus.RUNNING or self._exhausted(seq) or seq.waits_for_values:
+                continue    # preempted below, its last token is pending (finished when it arrives), or its
+                            # grammar needs the values of the tokens in flight
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
             if n < remaining and not self._may_chunk(remaining):
                 continue
-            draft_ids, draft_probs = self._trim_drafts(seq, drafts.get(seq.seq_id), budget - n, n == remaining)
-            while not self.bm.grow(seq, seq.num_computed_tokens + n + len(draft_ids)):
+            k = self._trim_drafts(seq, num_drafts(seq) if num_drafts else 0, budget - n, n == remaining)
+            while not self.bm.grow(seq, seq.num_computed_tokens + n + k):
                 victim = self.running[-1]          # the last in policy order
                 if victim.seq_id in planned:       # already planned this step: give its budget back
                     budget += planned.pop(victim.seq_id).num_query_tokens
@@ -136,8 +138,8 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            planned[seq.seq_id] = ScheduledSeq(seq, n, draft_ids, draft_probs)
-            budget -= n + len(draft_ids)
+            planned[seq.seq_id] = ScheduledSeq(seq, n, k)
+            budget -= n + k
         scheduled.extend(planned.values())
 
         # Admitting new work right after a preemption would only thrash the pool.
@@ -171,29 +173,24 @@ class Scheduler:
         # or it would never run again.
         return self.chunked or remaining > self.max_num_batched_tokens
 
-    def _trim_drafts(self, seq: Sequence, proposal: tuple[list[int], Any] | None, budget: int,
-                     at_end: bool) -> tuple[list[int], Any]:
-        if proposal is None or not at_end:
-            return [], None
-        ids, probs = proposal
+    def _trim_drafts(self, seq: Sequence, k: int, budget: int, at_end: bool) -> int:
+        if k <= 0 or not at_end:
+            return 0
         limit = min(budget, self.max_model_len - seq.num_tokens)
         if seq.params.max_tokens is not None:
             # The bonus token always comes too, so k drafts may produce k + 1 tokens.
             limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
-        k = max(0, min(len(ids), limit))
-        if k == 0:
-            return [], None
-        return list(ids[:k]), (probs[:k] if probs is not None else None)
+        return max(0, min(k, limit))
 
     def submitted(self, item: ScheduledSeq) -> None:
-        """The step is on its way to the workers. Without drafts its outcome is known in advance: the
-        new tokens' KV will exist and a sampling row adds one (pending) token, so the next step can be
-        planned before the results arrive. Verify rows wait for `commit` (acceptance decides)."""
-        if item.draft_token_ids:
-            return
-        item.seq.num_computed_tokens += item.num_new_tokens
+        """The step is on its way to the workers. Its outcome is assumed in advance so the next step
+        can be planned before the results arrive: the new tokens' KV will exist, a sampling row adds
+        one pending token, and a verify's drafts are assumed accepted (`commit` corrects that)."""
+        seq = item.seq
+        seq.num_computed_tokens += item.num_query_tokens
         if item.samples:
-            item.seq.num_pending += 1
+            seq.num_pending += item.num_drafts + 1
+            seq.inflight_drafts = item.num_drafts
 
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
         """After a step: the KV of the first `num_computed_tokens` tokens is valid. Rolls back blocks

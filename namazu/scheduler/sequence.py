@@ -55,6 +55,11 @@ class Sequence:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     detok: Any = None                # namazu.detokenizer.IncrementalDetokenizer, set by the engine
+    grammar: Any = None              # namazu.structured.grammar.Grammar, or None (unconstrained)
+    # Speculation: the worker holds drafts for this sequence; the engine plans how many to verify.
+    num_next_drafts: int = 0         # drafts the worker proposed after this sequence's last step
+    next_draft_ids: list[int] = field(default_factory=list)   # their ids (grammar sequences only)
+    inflight_drafts: int = 0         # drafts of the verify step in flight (async), assumed all accepted
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -98,6 +103,13 @@ class Sequence:
         self.block_table = []
         self.num_committed_blocks = 0
         self.num_preemptions += 1
+
+    @property
+    def waits_for_values(self) -> bool:
+        """Its grammar must see the pending tokens' values (or their number is uncertain) before its
+        next rows can be masked: async scheduling does not plan it until the step in flight returns."""
+        g = self.grammar
+        return g is not None and self.num_pending > 0 and (g.depends_on_values or self.inflight_drafts > 0)
 
     def sort_key(self, by_priority: bool) -> tuple[int, int]:
         return (self.priority if by_priority else 0, self.arrival)

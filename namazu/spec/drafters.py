@@ -1,31 +1,24 @@
-"""Drafters that propose tokens for the verify step.
+"""Host proposers: n-gram prompt lookup, and scripted drafts for tests.
 
-`NgramDrafter` (prompt lookup) is the model-free drafter a user enables with
-`--speculative-method ngram --num-speculative-tokens K`: it finds the latest earlier occurrence of the
-sequence's last n tokens and proposes what followed. `ScriptedDrafter` drives the verify path in
-tests with drafts that are always right, always wrong or random (optionally with a random draft
-distribution q, for the T > 0 rejection-sampling rule). The DFlash2 drafter implements the same
-`propose` interface.
+`NgramProposer` is the model-free drafter a user enables with `--speculative-method ngram
+--num-speculative-tokens K`: it finds the latest earlier occurrence of the sequence's last n tokens
+and proposes what followed. `ScriptedDrafter` drives the verify path in tests with drafts that are
+always right, always wrong or random (optionally with a random draft distribution q, for the T > 0
+rejection-sampling rule). Both run in the worker after the step's host read (`namazu/spec/proposer.py`).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Protocol
 
 import numpy as np
 
-from namazu.scheduler.sequence import Sequence
-
-Proposal = tuple[list[int], "np.ndarray | None"]
+from namazu.spec.proposer import Proposal, ProposerInput
 
 
-class Drafter(Protocol):
-    def propose(self, seqs: list[Sequence], k: int) -> dict[int, Proposal]:
-        """Draft tokens (and optionally their distributions [k, V]) per seq_id; missing = no drafts."""
-        ...
+class NgramProposer:
+    on_device = False
+    hidden_layers: tuple[int, ...] = ()
 
-
-class NgramDrafter:
     def __init__(self, max_n: int = 4, min_n: int = 1, window: int = 4096):
         self.max_n, self.min_n, self.window = max_n, min_n, window
 
@@ -41,13 +34,8 @@ class NgramDrafter:
                 return toks[start:start + k].tolist()
         return []
 
-    def propose(self, seqs: list[Sequence], k: int) -> dict[int, Proposal]:
-        out = {}
-        for seq in seqs:
-            draft = self.propose_tokens(seq.token_ids, k)
-            if draft:
-                out[seq.seq_id] = (draft, None)
-        return out
+    def propose(self, inp: ProposerInput, k: int) -> Proposal:
+        return Proposal([self.propose_tokens(h, k) for h in inp.histories])
 
 
 class ScriptedDrafter:
@@ -57,6 +45,9 @@ class ScriptedDrafter:
     "random": uniform random tokens; "random_q": tokens drawn from a random distribution q, returned
     with q (exercises the stochastic acceptance rule)."""
 
+    on_device = False
+    hidden_layers: tuple[int, ...] = ()
+
     def __init__(self, mode: str, vocab_size: int, reference: dict[tuple[int, ...], list[int]] | None = None,
                  seed: int = 0):
         if mode not in ("right", "wrong", "random", "random_q"):
@@ -65,23 +56,22 @@ class ScriptedDrafter:
             raise ValueError(f"ScriptedDrafter mode {mode!r} needs the reference continuations")
         self.mode, self.vocab_size, self.reference = mode, vocab_size, reference or {}
         self.rng = np.random.default_rng(seed)
-        self.num_proposed = 0
 
-    def propose(self, seqs: list[Sequence], k: int) -> dict[int, Proposal]:
-        out: dict[int, Proposal] = {}
-        for seq in seqs:
+    def propose(self, inp: ProposerInput, k: int) -> Proposal:
+        ids: list[list[int]] = []
+        probs: list[np.ndarray | None] = []
+        for hist, plen in zip(inp.histories, inp.prompt_lens):
+            q = None
             if self.mode in ("right", "wrong"):
-                ref = self.reference[tuple(seq.prompt_token_ids)]
-                draft = ref[seq.num_output_tokens:seq.num_output_tokens + k]
+                n_out = len(hist) - plen
+                draft = self.reference[tuple(hist[:plen])][n_out:n_out + k]
                 if self.mode == "wrong":
                     draft = [(t + 1) % self.vocab_size for t in draft]
-                probs = None
             elif self.mode == "random":
-                draft, probs = self.rng.integers(0, self.vocab_size, k).tolist(), None
+                draft = self.rng.integers(0, self.vocab_size, k).tolist()
             else:
-                probs = self.rng.dirichlet(np.full(self.vocab_size, 0.3), size=k).astype(np.float32)
-                draft = [int(self.rng.choice(self.vocab_size, p=p / p.sum())) for p in probs]
-            if draft:
-                out[seq.seq_id] = (list(draft), probs)
-                self.num_proposed += len(draft)
-        return out
+                q = self.rng.dirichlet(np.full(self.vocab_size, 0.3), size=k).astype(np.float32)
+                draft = [int(self.rng.choice(self.vocab_size, p=p / p.sum())) for p in q]
+            ids.append(list(draft))
+            probs.append(q)
+        return Proposal(ids, probs=probs if self.mode == "random_q" else None)

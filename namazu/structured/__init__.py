@@ -1,0 +1,1 @@
+"""Structured output: the per-request grammar seam (grammar.py), grammars, and bitmask filling."""

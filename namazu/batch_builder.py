@@ -1,0 +1,150 @@
+"""The scheduler's plan -> a StepBatch of flat numpy arrays, one part per function.
+
+Grammar bitmask rows are not built here: `namazu/structured/bitmask.py` fills them for the sampling
+rows this module lays out.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from namazu.scheduler.scheduler import ScheduledSeq
+from namazu.step_batch import (
+    PENDING,
+    AttentionInputs,
+    PromptLogprobInputs,
+    SamplingInputs,
+    SeqInputs,
+    SpecInputs,
+    StepBatch,
+)
+
+
+def _pad(rows: list[list[int]], fill: int) -> np.ndarray:
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), max(width, 1)), fill, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+def _i64(values: list[int]) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+def build_step_batch(scheduled: list[ScheduledSeq], vocab_size: int, finished_seq_ids: list[int] | None = None
+                     ) -> tuple[StepBatch, list[ScheduledSeq], list[tuple[ScheduledSeq, int]]]:
+    """Returns the batch (without grammar bitmask), the sampling sequences in row order, and
+    (item, prompt position) per prompt-logprob row."""
+    attn = build_attention(scheduled)
+    samplers = [item for item in scheduled if item.samples]
+    spec = build_spec(scheduled, samplers)
+    batch = StepBatch(attn=attn, seqs=build_seq_inputs(scheduled), sampling=build_sampling(samplers, vocab_size),
+                      spec=spec, prompt_lp=PromptLogprobInputs(np.zeros(0, np.int64), np.zeros(0, np.int64), -1),
+                      finished_seq_ids=list(finished_seq_ids or []))
+    plp_items = build_prompt_logprobs(batch, scheduled)
+    return batch, samplers, plp_items
+
+
+def build_attention(scheduled: list[ScheduledSeq]) -> AttentionInputs:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    q_rows: list[list[int]] = []
+    q_pos_rows: list[list[int]] = []
+    out_index: list[int] = []
+    logit_rows: list[int] = []
+    tq = max(item.num_query_tokens for item in scheduled)
+    for b, item in enumerate(scheduled):
+        seq, start = item.seq, item.start
+        known = seq.token_ids[start:start + item.num_new_tokens]
+        pending = item.num_new_tokens - len(known)
+        # Only a decode's single input can be pending: prompt tokens are always known.
+        assert pending == 0 or (pending == 1 and item.num_new_tokens == 1), "pending prompt token"
+        toks = known + [PENDING] * pending + [PENDING] * item.num_drafts
+        flat0 = len(input_ids)
+        pos = list(range(start, start + len(toks)))
+        input_ids += toks
+        positions += pos
+        q_rows.append(list(range(flat0, flat0 + len(toks))))
+        q_pos_rows.append(pos)
+        out_index += [b * tq + j for j in range(len(toks))]
+        if item.samples:
+            logit_rows += list(range(flat0 + item.num_new_tokens - 1, flat0 + len(toks)))
+    return AttentionInputs(
+        input_ids=_i64(input_ids), positions=_i64(positions),
+        block_tables=_pad([item.seq.block_table for item in scheduled], 0),
+        q_index=_pad(q_rows, 0), q_pos=_pad(q_pos_rows, -1), out_index=_i64(out_index), logit_rows=_i64(logit_rows))
+
+
+def build_seq_inputs(scheduled: list[ScheduledSeq]) -> SeqInputs:
+    return SeqInputs(
+        seq_ids=_i64([it.seq.seq_id for it in scheduled]), starts=_i64([it.start for it in scheduled]),
+        num_new=_i64([it.num_new_tokens for it in scheduled]), num_drafts=_i64([it.num_drafts for it in scheduled]),
+        assumed_drafts=_i64([it.assumed_drafts for it in scheduled]),
+        prompt_lens=_i64([it.seq.num_prompt_tokens for it in scheduled]),
+        samples=np.asarray([it.samples for it in scheduled], dtype=bool))
+
+
+def build_sampling(samplers: list[ScheduledSeq], vocab_size: int) -> SamplingInputs:
+    cols: dict[str, list] = {k: [] for k in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
+                                            "frequency_penalty", "repetition_penalty", "seeds", "counters")}
+    for item in samplers:
+        seq, p = item.seq, item.seq.params
+        for j in range(item.num_drafts + 1):
+            cols["temperature"].append(p.temperature)
+            cols["top_k"].append(p.top_k if p.top_k > 0 else vocab_size)
+            cols["top_p"].append(p.top_p)
+            cols["min_p"].append(p.min_p)
+            cols["presence_penalty"].append(p.presence_penalty)
+            cols["frequency_penalty"].append(p.frequency_penalty)
+            cols["repetition_penalty"].append(p.repetition_penalty)
+            cols["seeds"].append(seq.seed)
+            cols["counters"].append(seq.num_output_tokens + j)
+    f32 = {k: np.asarray(cols[k], dtype=np.float32) for k in
+           ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
+    top_k = _i64(cols["top_k"])
+    rep = f32["repetition_penalty"]
+    max_lp = max((it.seq.params.logprobs for it in samplers if it.seq.params.logprobs is not None), default=-1)
+    return SamplingInputs(
+        **f32, top_k=top_k, seeds=_i64(cols["seeds"]), counters=_i64(cols["counters"]), bitmask=None,
+        any_penalty=bool(np.any(f32["presence_penalty"] != 0) or np.any(f32["frequency_penalty"] != 0)
+                         or np.any(rep != 1)),
+        any_repetition_penalty=bool(np.any(rep != 1)),
+        any_top_k_top_p=bool(np.any(top_k < vocab_size) or np.any(f32["top_p"] < 1)),
+        any_min_p=bool(np.any(f32["min_p"] > 0)), all_greedy=bool(np.all(f32["temperature"] == 0)),
+        num_logprobs=max_lp)
+
+
+def build_spec(scheduled: list[ScheduledSeq], samplers: list[ScheduledSeq]) -> SpecInputs:
+    kmax = max((it.num_drafts for it in samplers), default=0)
+    row_layout = np.zeros((len(samplers), kmax + 1), dtype=np.int64)
+    first = 0
+    for s, item in enumerate(samplers):
+        row_layout[s, :] = first
+        row_layout[s, :item.num_drafts + 1] = np.arange(first, first + item.num_drafts + 1)
+        first += item.num_drafts + 1
+    index = {id(item): b for b, item in enumerate(scheduled)}
+    return SpecInputs(row_layout=row_layout, batch_index=_i64([index[id(it)] for it in samplers]),
+                      return_drafts=np.asarray([it.seq.grammar is not None and it.seq.grammar.depends_on_values
+                                                for it in samplers], dtype=bool))
+
+
+def build_prompt_logprobs(batch: StepBatch, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, int]]:
+    rows: list[int] = []
+    targets: list[int] = []
+    items: list[tuple[ScheduledSeq, int]] = []
+    num = -1
+    flat0 = 0
+    for item in scheduled:
+        seq = item.seq
+        if seq.params.prompt_logprobs is not None and seq.wants_prompt_logprobs:
+            num = max(num, seq.params.prompt_logprobs)
+            have = len(seq.prompt_logprobs)   # entries 0..have-1 are done (entry 0 is None)
+            for j in range(item.num_new_tokens):
+                p = item.start + j
+                if have <= p + 1 < seq.num_prompt_tokens:
+                    rows.append(flat0 + j)
+                    targets.append(seq.token_ids[p + 1])
+                    items.append((item, p + 1))
+        flat0 += item.num_query_tokens
+    batch.prompt_lp = PromptLogprobInputs(_i64(rows), _i64(targets), num)
+    return items

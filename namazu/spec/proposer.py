@@ -1,0 +1,124 @@
+"""The worker-side proposer interface and the buffer that keeps drafts on the device between steps.
+
+A proposer is called by the model runner in the same step, right after the target's forward and the
+verification of the drafts proposed last step. A device proposer (`on_device = True`, e.g. a DFlash
+drafter) gets that forward's hidden states of the layers it lists in `hidden_layers` and returns draft
+ids (and, for T > 0, their distributions) as device tensors; a host proposer (n-gram prompt lookup)
+reads the sequences' token histories after the step's one host read and returns ids. Either way the
+drafts go into the `DraftBuffer`, by sequence slot, and the next step's verify reads its inputs from
+there: draft ids never travel to the engine process, which only learns how many drafts each sequence
+has (and their ids for sequences whose grammar must check them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ProposerInput:
+    """One step, seen by a proposer: S sampling sequences after verification."""
+
+    seq_ids: list[int]
+    prompt_lens: list[int]
+    histories: list[list[int]]             # known tokens (prompt + committed outputs), after this step
+    hidden: dict[int, torch.Tensor]        # layer -> [N, H] this forward's hidden states (device)
+    final_hidden: torch.Tensor | None      # [N, H] final-normed hidden states (device)
+    rows: torch.Tensor | None              # [S, K+1] flat query index of each sequence's sampled rows
+    tokens: torch.Tensor | None            # [S, K+1] emitted tokens (device); tokens[s, :accepted[s] + 1]
+    accepted: torch.Tensor | None          # [S]
+
+
+@dataclass
+class Proposal:
+    ids: list[list[int]] | torch.Tensor              # host: per sequence; device: [S, k]
+    counts: torch.Tensor | None = None               # device proposals: [S] drafts per sequence
+    probs: list[np.ndarray | None] | torch.Tensor | None = None   # draft distributions [k, V] per sequence
+
+
+class Proposer(Protocol):
+    on_device: bool
+    hidden_layers: tuple[int, ...]
+
+    def propose(self, inp: ProposerInput, k: int) -> Proposal:
+        """At most k drafts per sequence, continuing after its last committed token."""
+        ...
+
+
+class DraftBuffer:
+    """Drafts per sequence slot on the device: ids [slots, K], counts, and (stochastic proposers)
+    distributions [slots, K, V]. The host keeps the counts (and ids, for penalty histories and the
+    grammar check) of what it wrote."""
+
+    def __init__(self, k: int, vocab_size: int, device: torch.device):
+        self.k, self.vocab_size, self.device = k, vocab_size, device
+        self.ids = torch.zeros(0, max(k, 1), dtype=torch.long, device=device)
+        self.probs: torch.Tensor | None = None
+        self.counts: dict[int, int] = {}
+        self.host_ids: dict[int, list[int]] = {}
+        self.has_probs: dict[int, bool] = {}
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1]
+
+    def ensure(self, num_slots: int) -> None:
+        n = self.ids.shape[0]
+        if num_slots > n:
+            grow = max(num_slots, 2 * n) - n
+            self.ids = torch.cat([self.ids, torch.zeros(grow, self.width, dtype=torch.long, device=self.device)])
+            if self.probs is not None:
+                self.probs = torch.cat([self.probs, torch.zeros(grow, self.width, self.vocab_size,
+                                                                device=self.device)])
+
+    def write(self, slots: np.ndarray, proposal: Proposal) -> np.ndarray:
+        """Stores one step's proposal; returns the number of drafts per sequence (host)."""
+        self.ensure(int(slots.max()) + 1 if len(slots) else 0)
+        if isinstance(proposal.ids, torch.Tensor):
+            raise NotImplementedError("device proposals are written by write_device")
+        counts = np.zeros(len(slots), dtype=np.int64)
+        rows, cols, vals = [], [], []
+        for s, (slot, ids) in enumerate(zip(slots.tolist(), proposal.ids)):
+            ids = list(ids)[:self.k]
+            counts[s] = len(ids)
+            self.counts[slot] = len(ids)
+            self.host_ids[slot] = ids
+            rows += [slot] * len(ids)
+            cols += range(len(ids))
+            vals += ids
+            probs = proposal.probs[s] if proposal.probs is not None else None
+            self.has_probs[slot] = probs is not None
+            if probs is not None and len(ids):
+                if self.probs is None:
+                    self.probs = torch.zeros(self.ids.shape[0], self.width, self.vocab_size, device=self.device)
+                self.probs[slot, :len(ids)] = torch.as_tensor(np.asarray(probs[:len(ids)]), dtype=torch.float32,
+                                                              device=self.device)
+        if vals:
+            self.ids[torch.as_tensor(rows), torch.as_tensor(cols)] = torch.as_tensor(vals, device=self.device)
+        return counts
+
+    def write_device(self, slots: torch.Tensor, proposal: Proposal) -> None:
+        """Stores a device proposal without reading it (the counts reach the host with the step's result)."""
+        ids = proposal.ids
+        self.ids[slots, :ids.shape[1]] = ids
+        if proposal.probs is not None:
+            if self.probs is None:
+                self.probs = torch.zeros(self.ids.shape[0], self.width, self.vocab_size, device=self.device)
+            self.probs[slots, :ids.shape[1]] = proposal.probs
+
+    def note_device_counts(self, slots: np.ndarray, counts: np.ndarray, ids: np.ndarray | None,
+                           stochastic: bool) -> None:
+        """The host's record of a device proposal, once the step's result was read."""
+        for s, slot in enumerate(slots.tolist()):
+            self.counts[slot] = int(counts[s])
+            self.has_probs[slot] = stochastic
+            if ids is not None:
+                self.host_ids[slot] = [int(t) for t in ids[s, :counts[s]]]
+
+    def forget(self, slot: int) -> None:
+        self.counts.pop(slot, None)
+        self.host_ids.pop(slot, None)
+        self.has_probs.pop(slot, None)

@@ -1,0 +1,208 @@
+"""What crosses the engine -> worker boundary each step (StepBatch, in named parts) and back (StepResult).
+
+Layout: N query tokens flat (prefill chunks, decodes, verify rows: last token + k drafts); B scheduled
+sequences padded to [B, Tq] for attention; R rows whose logits are sampled (1 per decode or prefill
+end, 1 + k per verify); S sampling sequences, each owning rows row_layout[s, :1 + k_s].
+
+The worker keeps its own copy of every running sequence (`namazu/worker_seqs.py`): the token values it
+has seen or sampled, and the drafts its proposer made. So the engine sends only what it knows and
+plans: an input whose value is still on the worker (async scheduling) is sent as PENDING, draft
+tokens are never sent (the batch says how many of the worker's drafts to verify), and penalty rows
+say that they need the history, not the history itself.
+
+`RESULT_FIELDS` is the one declaration of the result: the runner packs the device tensors in that
+order into one int64 and one float32 tensor (one device -> host copy), `unpack` reads them back.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PENDING = -1    # an input token whose value only the worker knows
+
+
+@dataclass
+class AttentionInputs:
+    input_ids: np.ndarray          # [N] token values, PENDING where the worker supplies it
+    positions: np.ndarray          # [N] as planned by the engine (see SeqInputs.assumed_drafts)
+    block_tables: np.ndarray       # [B, M]
+    q_index: np.ndarray            # [B, Tq] flat token of each (sequence, column)
+    q_pos: np.ndarray              # [B, Tq] its position, -1 for padding
+    out_index: np.ndarray          # [N] column of each flat token in B * Tq
+    logit_rows: np.ndarray         # [R] indices into N
+
+
+@dataclass
+class SeqInputs:
+    """Per scheduled sequence (B rows, the batch order)."""
+
+    seq_ids: np.ndarray            # [B]
+    starts: np.ndarray             # [B] first position computed this step
+    num_new: np.ndarray            # [B] known (non-draft) tokens computed this step
+    num_drafts: np.ndarray         # [B] worker drafts verified this step (at most; fewer if it has fewer)
+    # Async scheduling plans a step before the previous verify's acceptance is known, as if all of its
+    # drafts were accepted; assumed_drafts[b] is that verify's draft count (0: the plan is exact). The
+    # worker, which knows the acceptance, moves positions and counters back by the rejected drafts.
+    assumed_drafts: np.ndarray     # [B]
+    prompt_lens: np.ndarray        # [B]
+    samples: np.ndarray            # [B] bool: the step ends at the sequence's last token (it samples)
+
+
+@dataclass
+class SamplingInputs:
+    """Per sampled row (R)."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    repetition_penalty: np.ndarray
+    seeds: np.ndarray
+    counters: np.ndarray           # output index each row samples (as planned; corrected like positions)
+    bitmask: np.ndarray | None     # [R, W] int32 allowed-token bits, from the requests' grammars
+    any_penalty: bool
+    any_repetition_penalty: bool
+    any_top_k_top_p: bool
+    any_min_p: bool
+    all_greedy: bool
+    num_logprobs: int              # top-N logprobs per sampled token; -1 = no logprobs at all
+
+
+@dataclass
+class SpecInputs:
+    """Per sampling sequence (S)."""
+
+    row_layout: np.ndarray         # [S, K+1] indices into R (padding repeats the sequence's first row)
+    batch_index: np.ndarray        # [S] its row in SeqInputs
+    return_drafts: np.ndarray      # [S] bool: send the next drafts' ids back (the engine checks them
+                                   # against the sequence's grammar before planning their verify)
+    max_drafts_next: int = 0       # a device proposer's draft count per sequence (0: none, or a host proposer)
+
+    @property
+    def max_drafts(self) -> int:
+        return self.row_layout.shape[1] - 1
+
+
+@dataclass
+class PromptLogprobInputs:
+    rows: np.ndarray               # [P] indices into N
+    targets: np.ndarray            # [P] the next prompt token at each of those rows
+    num: int                       # top-N; -1 = none
+
+
+@dataclass
+class StepBatch:
+    attn: AttentionInputs
+    seqs: SeqInputs
+    sampling: SamplingInputs
+    spec: SpecInputs
+    prompt_lp: PromptLogprobInputs
+    finished_seq_ids: list[int] = field(default_factory=list)   # the worker forgets these first
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.attn.input_ids)
+
+    @property
+    def num_sampling(self) -> int:
+        return len(self.spec.row_layout)
+
+
+@dataclass
+class StepResult:
+    tokens: np.ndarray | None = None            # [S, K+1]; a sequence emits tokens[s, :accepted[s] + 1]
+    accepted: np.ndarray | None = None          # [S] drafts accepted
+    num_drafts: np.ndarray | None = None        # [S] drafts verified
+    logprobs: np.ndarray | None = None          # [S, K+1] raw logprob of each emitted token
+    top_ids: np.ndarray | None = None           # [S, K+1, n]
+    top_logprobs: np.ndarray | None = None
+    prompt_logprobs: np.ndarray | None = None   # [P]
+    prompt_top_ids: np.ndarray | None = None    # [P, n]
+    prompt_top_logprobs: np.ndarray | None = None
+    # Filled by the worker after the step: its proposer's drafts for each sampling sequence.
+    next_num_drafts: np.ndarray | None = None   # [S]
+    next_draft_ids: list[list[int]] | np.ndarray | None = None   # [S][k_s], only where spec.return_drafts
+
+
+@dataclass(frozen=True)
+class ResultField:
+    name: str
+    kind: str                                           # "i" (int64) or "f" (float32)
+    shape: Callable[[StepBatch], tuple[int, ...] | None]   # None: not in this step's result
+
+
+def _sampled(b: StepBatch) -> bool:
+    return b.num_sampling > 0
+
+
+def _s_k1(b: StepBatch) -> tuple[int, int]:
+    return tuple(b.spec.row_layout.shape)
+
+
+def _device_drafts(b: StepBatch) -> bool:
+    return _sampled(b) and b.spec.max_drafts_next > 0
+
+
+def _lp(b: StepBatch) -> bool:
+    return _sampled(b) and b.sampling.num_logprobs >= 0
+
+
+def _top(b: StepBatch) -> bool:
+    return _sampled(b) and b.sampling.num_logprobs > 0
+
+
+def _plp(b: StepBatch) -> bool:
+    return b.prompt_lp.num >= 0 and len(b.prompt_lp.rows) > 0
+
+
+RESULT_FIELDS: tuple[ResultField, ...] = (
+    ResultField("tokens", "i", lambda b: _s_k1(b) if _sampled(b) else None),
+    ResultField("accepted", "i", lambda b: (b.num_sampling,) if _sampled(b) else None),
+    ResultField("num_drafts", "i", lambda b: (b.num_sampling,) if _sampled(b) else None),
+    ResultField("next_num_drafts", "i", lambda b: (b.num_sampling,) if _device_drafts(b) else None),
+    ResultField("next_draft_ids", "i",
+                lambda b: (b.num_sampling, b.spec.max_drafts_next) if _device_drafts(b) else None),
+    ResultField("logprobs", "f", lambda b: _s_k1(b) if _lp(b) else None),
+    ResultField("top_ids", "i", lambda b: (*_s_k1(b), b.sampling.num_logprobs) if _top(b) else None),
+    ResultField("top_logprobs", "f", lambda b: (*_s_k1(b), b.sampling.num_logprobs) if _top(b) else None),
+    ResultField("prompt_logprobs", "f", lambda b: (len(b.prompt_lp.rows),) if _plp(b) else None),
+    ResultField("prompt_top_ids", "i",
+                lambda b: (len(b.prompt_lp.rows), b.prompt_lp.num) if _plp(b) and b.prompt_lp.num > 0 else None),
+    ResultField("prompt_top_logprobs", "f",
+                lambda b: (len(b.prompt_lp.rows), b.prompt_lp.num) if _plp(b) and b.prompt_lp.num > 0 else None),
+)
+
+
+def pack(batch: StepBatch, values: dict, cat: Callable, empty_int, empty_float) -> tuple:
+    """Flattens the step's result tensors, in declaration order, into one int and one float tensor.
+    `values` must hold exactly the fields this batch declares (a mismatch is a bug, raised here)."""
+    ints, floats = [], []
+    for f in RESULT_FIELDS:
+        shape = f.shape(batch)
+        if shape is None:
+            continue
+        t = values[f.name]
+        if tuple(t.shape) != shape:
+            raise AssertionError(f"result field {f.name}: shape {tuple(t.shape)}, declared {shape}")
+        (ints if f.kind == "i" else floats).append(t.reshape(-1))
+    return (cat(ints) if ints else empty_int), (cat(floats) if floats else empty_float)
+
+
+def unpack(batch: StepBatch, ints: np.ndarray, floats: np.ndarray) -> StepResult:
+    """The inverse of `pack`, on the host."""
+    res = StepResult()
+    offsets = {"i": 0, "f": 0}
+    for f in RESULT_FIELDS:
+        shape = f.shape(batch)
+        if shape is None:
+            continue
+        src = ints if f.kind == "i" else floats
+        n = int(np.prod(shape))
+        o = offsets[f.kind]
+        setattr(res, f.name, src[o:o + n].reshape(shape))
+        offsets[f.kind] = o + n
+    return res
