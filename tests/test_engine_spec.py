@@ -63,3 +63,39 @@ def test_ngram_drafter_from_engine_flags():
     got, stats = run([loop], params, speculative_method="ngram", ngram_max=3)
     assert got == base
     assert stats.num_draft_tokens > 0
+
+
+class HiddenStateProposer:
+    """A device proposer for tests: drafts from this forward's hidden states (of layer 0, and the final
+    ones), on the device, without reading anything back. Its drafts are mostly wrong, sometimes right
+    (draft 0 copies the emitted bonus token's successor guess from the final hidden state)."""
+
+    on_device = True
+    hidden_layers = (0,)
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, inp, k):
+        import torch
+
+        from namazu.spec.proposer import Proposal
+
+        self.calls += 1
+        h0, final = inp.hidden[0], inp.final_hidden
+        assert h0.shape == final.shape and h0.dim() == 2 and inp.rows.shape[0] == inp.tokens.shape[0]
+        last = inp.rows.gather(1, inp.accepted.unsqueeze(-1)).squeeze(-1)      # the bonus token's row
+        guess = (final[last].abs().argmax(-1) + h0[last].abs().argmax(-1)) % 264
+        ids = torch.stack([(guess + j) % 264 for j in range(k)], dim=1)
+        counts = torch.full_like(guess, k) - (inp.tokens[:, 0] % 2)          # sometimes fewer than k
+        return Proposal(ids, counts=counts)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_device_proposer_reads_hidden_states_and_is_exact(batch, async_scheduling):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base, _ = run(batch, params)
+    proposer = HiddenStateProposer()
+    got, stats = run(batch, params, proposer, async_scheduling=async_scheduling, debug_no_host_sync=True)
+    assert got == base
+    assert proposer.calls > 0 and stats.num_draft_tokens > 0

@@ -1,0 +1,84 @@
+"""Structure the engine relies on: KV blocks planned on every rank with the minimum allocated, the
+result declaration driving both packing and unpacking, and no empty packages."""
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+from engine_helpers import prompts, tiny_checkpoint
+
+import namazu
+import server
+from namazu import SamplingParams
+from namazu.batch_builder import build_step_batch
+from namazu.engine import LLMEngine
+from namazu.engine_config import EngineConfig
+from namazu.scheduler.scheduler import ScheduledSeq
+from namazu.scheduler.sequence import Sequence
+from namazu.step_batch import RESULT_FIELDS, pack, unpack
+from namazu.worker import InlineExecutor
+
+
+def test_engine_allocates_the_smallest_kv_plan_of_all_ranks(monkeypatch):
+    import namazu.engine as engine_module
+
+    class TwoRanks(InlineExecutor):
+        """Rank 1 reports a third of rank 0's capacity (a GPU with less free memory, say)."""
+
+        def infos(self):
+            assert self.worker.runner.cache is None, "a rank allocated before the engine chose the size"
+            a = super().infos()[0]
+            return [a, dataclasses.replace(a, rank=1, num_kv_blocks=a.num_kv_blocks // 3)]
+
+    monkeypatch.setattr(engine_module, "make_executor",
+                        lambda config, path, proposer=None: TwoRanks(config, path, proposer))
+    engine = LLMEngine(EngineConfig(model=tiny_checkpoint(), executor="inline", kv_cache_memory="8MiB"))
+    try:
+        planned = engine.executor.worker.runner.plan_kv_blocks()
+        assert engine.num_kv_blocks == planned // 3
+        assert engine.block_manager.num_blocks == planned // 3
+        assert engine.executor.worker.runner.cache.num_blocks == planned // 3
+        engine.add_request("r", None, SamplingParams(max_tokens=3), prompt_token_ids=[1, 2, 3])
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.close()
+
+
+def _batch(with_logprobs: bool):
+    items = []
+    for i, p in enumerate(prompts(3, 4, 9, seed=3)):
+        seq = Sequence(i, f"r{i}", 0, p, SamplingParams(logprobs=2 if with_logprobs else None,
+                                                       prompt_logprobs=1 if i == 0 else None), seed=i)
+        seq.block_table = [i]
+        items.append(ScheduledSeq(seq, len(p), 0))
+    return build_step_batch(items, 264)[0]
+
+
+def test_result_declaration_round_trips():
+    """Every declared field packs and unpacks to the same values, in the declared shapes."""
+    for with_lp in (False, True):
+        batch = _batch(with_lp)
+        rng = np.random.default_rng(0)
+        values = {}
+        for f in RESULT_FIELDS:
+            shape = f.shape(batch)
+            if shape is None:
+                continue
+            values[f.name] = (torch.from_numpy(rng.integers(0, 100, shape)) if f.kind == "i"
+                              else torch.from_numpy(rng.random(shape).astype(np.float32)))
+        ints, floats = pack(batch, values, torch.cat, torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        res = unpack(batch, ints.numpy(), floats.numpy())
+        for name, t in values.items():
+            assert np.array_equal(getattr(res, name), t.numpy()), name
+        assert ("logprobs" in values) == with_lp and "prompt_logprobs" in values
+
+
+def test_no_empty_packages():
+    for root in (Path(namazu.__file__).parent, Path(server.__file__).parent):
+        for init in root.rglob("__init__.py"):
+            pkg = init.parent
+            if "__pycache__" in pkg.parts or pkg.name.startswith("."):
+                continue
+            members = [p for p in pkg.iterdir() if p.name != "__init__.py" and p.name != "__pycache__"]
+            assert members, f"{pkg} has nothing but its __init__.py"
