@@ -71,12 +71,6 @@ def now() -> int:
     return int(time.time())
 
 
-def check_prompt_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise invalid(f"'{param}' has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})", param)
-
-
 def resolve_max_tokens(num_prompt: int, max_tokens: int | None, max_model_len: int,
                        param: str = "max_tokens", what: str = "prompt") -> int:
     """The generation budget, or a 400 that states the model's context limit (OpenAI's wording)."""

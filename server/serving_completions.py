@@ -20,7 +20,6 @@ from server.common import (
     OffsetCounter,
     ServerState,
     TokenText,
-    check_prompt_ids,
     new_id,
     resolve_max_tokens,
     sse,
@@ -67,7 +66,7 @@ class _Logprobs:
 
 
 class _Prompt:
-    def __init__(self, text: str, ids: list[int]):
+    def __init__(self, text: str | None, ids: list[int]):
         self.text, self.ids = text, ids
 
 
@@ -86,8 +85,7 @@ async def create_completion(request: Request, state: ServerState, body: Any,
                 raise APIError(400, f"'{param}' encodes to no tokens", param=param)
             prompts.append(_Prompt(p, ids))
         else:
-            check_prompt_ids(p, state.vocab_size, param)
-            prompts.append(_Prompt(tok.decode(p, skip_special_tokens=False), list(p)))
+            prompts.append(_Prompt(None, list(p)))     # text decoded once the engine accepted the ids
     gen_tokens = max(1, req.max_tokens)      # max_tokens 0 (echo only): one token, discarded
     for p in prompts:
         resolve_max_tokens(len(p.ids), gen_tokens, engine.max_model_len)
@@ -97,6 +95,8 @@ async def create_completion(request: Request, state: ServerState, body: Any,
     rid = new_id("cmpl")
     for i, p in enumerate(prompts):
         state.validate(f"{rid}-{i}", p.ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        if p.text is None:
+            p.text = tok.decode(p.ids, skip_special_tokens=False)
     job = _Job(state, req, prompts, params, rid, tracker)
     if req.sampling.stream:
         return StreamingResponse(job.stream(), media_type="text/event-stream",
