@@ -75,6 +75,14 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         return self.engine.validate_request(request_id, prompt, params, prompt_token_ids)
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles a request's grammar on a worker thread (cached by its text), so that a slow schema
+        makes only its own request wait; ValueError says what is wrong with it."""
+        from namazu.structured.factory import needs_compiler
+
+        if needs_compiler(params):
+            await asyncio.to_thread(self.engine.compile_grammar, params)
+
     @property
     def is_running(self) -> bool:
         return not self._stopped and self._error is None
@@ -87,6 +95,7 @@ class AsyncEngine:
         params = sampling_params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         ids = self.validate_request(request_id, prompt, params, prompt_token_ids)
+        await self.compile_grammar(params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._inbox.put(("add", (request_id, prompt, params, ids, priority)))

@@ -32,7 +32,7 @@ from namazu.spec.drafters import NgramProposer
 from namazu.spec.proposer import Proposer
 from namazu.step_batch import StepResult
 from namazu.structured.bitmask import fill_step_bitmask
-from namazu.structured.factory import grammar_for
+from namazu.structured.factory import StructuredOutputs, grammar_for, needs_compiler
 from namazu.tokenizer import Tokenizer
 from namazu.worker import make_executor
 
@@ -95,6 +95,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len, config.max_logprobs)
         self.outputs = OutputProcessor(self.stop_ids, self.max_model_len)
+        self._structured: StructuredOutputs | None = None
         self.async_scheduling = config.async_scheduling
         self._in_flight: _Launched | None = None
         self._finished_seq_ids: list[int] = []     # the workers forget these with the next batch
@@ -135,19 +136,35 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         return self.validator(prompt, params, prompt_token_ids)
 
+    @property
+    def structured(self) -> StructuredOutputs:
+        """xgrammar-backed structured output, created on the first request that needs it."""
+        if self._structured is None:
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.stop_ids,
+                                                 max_rollback=self.num_speculative_tokens + 4)
+        return self._structured
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Checks and compiles a request's grammar (cached by its text); ValueError says what is wrong.
+        Thread-safe: the async front runs it on a worker thread so the step loop never waits for it."""
+        if needs_compiler(params):
+            self.structured.compile(params)
+
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, priority: int = 0, stream: bool = True) -> None:
         """Queues a request. With stream=False, `step()` returns its output only once it finished
         (offline generation skips building a snapshot per step)."""
         params = params or SamplingParams()
         ids = self.validate_request(request_id, prompt, params, prompt_token_ids)
+        self.compile_grammar(params)      # a cache hit when the async front compiled it already
         seqs = []
         for i in range(params.n):
             seed = int(self._rng.integers(0, 2**62)) if params.seed is None else params.seed + 1_000_003 * i
             seq = Sequence(next(self._seq_ids), request_id, i, list(ids), params, seed, priority=priority)
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                                params.stop_strings, params.include_stop_str_in_output)
-            seq.grammar = grammar_for(params, self.stop_ids, self.vocab_size)
+            seq.grammar = grammar_for(params, self.stop_ids, self.vocab_size,
+                                      self.structured if needs_compiler(params) else None)
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
             seqs.append(seq)

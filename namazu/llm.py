@@ -11,6 +11,7 @@ garbage-collected, and at interpreter exit.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +23,7 @@ from namazu.engine_config import EngineConfig
 from namazu.outputs import RequestOutput
 from namazu.sampling_params import SamplingParams
 from namazu.spec.proposer import Proposer
+from namazu.structured.tool_calls import tool_call_constraint
 from namazu.tokenizer import Tokenizer
 
 Message = dict[str, Any]
@@ -66,12 +68,22 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+             tool_choice: Any = "auto", parallel_tool_calls: bool = True,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of them, through the
-        checkpoint's chat template."""
+        checkpoint's chat template. With `tools`, calls are made in the Kimi-K2 format under a grammar
+        (`tool_choice` "auto", "required" or {"type": "function", "function": {"name": ...}}); with
+        "none" the tools are not shown to the model at all."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        ids = [tok.encode_chat(c, add_generation_prompt=add_generation_prompt, tools=tools) for c in convs]
+        constraint = tool_call_constraint(tools, tool_choice, parallel_tool_calls)
+        shown = tools if constraint is not None else None
+        ids = [tok.encode_chat(c, add_generation_prompt=add_generation_prompt, tools=shown) for c in convs]
+        if constraint is not None:
+            if sampling_params is None or isinstance(sampling_params, SamplingParams):
+                sampling_params = dataclasses.replace(sampling_params or SamplingParams(), tool_calls=constraint)
+            else:
+                sampling_params = [dataclasses.replace(p, tool_calls=constraint) for p in sampling_params]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, items, params, prios, use_tqdm: bool) -> list[RequestOutput]:

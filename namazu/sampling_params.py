@@ -20,6 +20,11 @@ class SamplingParams:
     sequence (`namazu.structured.grammar.Grammar`, e.g. an `AutomatonGrammar`) that every sampled token
     must satisfy. Both, and `min_tokens`, go through the grammar bitmask (`namazu/structured/`).
     `num_speculative_tokens=0` opts this request out of speculative decoding.
+    Structured output (at most one, compiled by xgrammar): `json_schema` (a dict or its JSON text;
+    with `json_schema_strict=False` constraints namazu cannot enforce are dropped instead of refused),
+    `json_object`, `regex`, `grammar` (EBNF), `tool_calls` ({"functions": [{"name", "parameters",
+    "strict"}], "tool_choice": "auto" | "required" | NAME, "parallel_tool_calls": bool}, set by
+    `LLM.chat(tools=...)` and the server). The request ends with "stop" only when its grammar completes.
     """
 
     n: int = 1
@@ -42,6 +47,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     grammar_factory: Callable[[], Any] | None = None
+    json_schema: dict[str, Any] | str | None = None
+    json_schema_strict: bool = True
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    tool_calls: dict[str, Any] | None = None
     num_speculative_tokens: int | None = None     # None: the engine's setting; 0: no speculation
     # Filled by the engine: the stop strings as a list and the tokens that end a sequence.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
@@ -94,6 +105,20 @@ class SamplingParams:
             bad("stop", "every stop string must be a non-empty string")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             bad("num_speculative_tokens", "must be >= 0 (0 turns speculation off for this request)")
+        structured = [n for n in ("json_schema", "regex", "grammar", "tool_calls") if getattr(self, n) is not None]
+        structured += ["json_object"] if self.json_object else []
+        if len(structured) > 1:
+            bad(structured[1], f"only one structured-output constraint per request (also {structured[0]})")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
+            bad("json_schema", "must be a JSON-schema object or its JSON text")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                bad(name, "must be a non-empty string")
+        if self.tool_calls is not None and not (isinstance(self.tool_calls, dict)
+                                                and isinstance(self.tool_calls.get("functions"), list)
+                                                and self.tool_calls["functions"]):
+            bad("tool_calls", "must be {'functions': [...], 'tool_choice': ...} with at least one function")
         if self.grammar_factory is not None and not callable(self.grammar_factory):
             bad("grammar_factory", "must be a callable returning a new grammar")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:

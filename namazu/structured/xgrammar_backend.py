@@ -1,0 +1,165 @@
+"""xgrammar behind the grammar seam: one compiler per tokenizer, a bounded cache of compiled grammars,
+and `MatcherGrammar`, the `Grammar` protocol over one xgrammar matcher.
+
+The tokenizer is described to xgrammar by each token's raw bytes. Special tokens are given no bytes,
+which xgrammar reads as "never part of grammar text": a JSON string can then never contain an end
+token or a tool-call marker. Tool-call markers are handled around xgrammar (`tool_calls.py`).
+
+Compiling is the slow part (milliseconds to seconds for a large schema); it happens once per distinct
+grammar text (the cache key), before the request reaches the step loop (`AsyncEngine` compiles on a
+worker thread, so only that request waits).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from namazu.structured.grammar import token_mask_words
+from namazu.structured.json_schema import check_json_schema, lower_formats
+
+MAX_GRAMMAR_BYTES = 256 * 1024   # a bound on compile work per request
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What to compile: kind is json_schema, json_object, regex or ebnf; text is its source."""
+
+    kind: str
+    text: str = ""
+
+
+class XGrammarBackend:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int], cache_size: int = 512):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        self.stop_ids = list(stop_ids)
+        special = set(tokenizer.special_ids)
+        encoded = [b"" if i in special or i >= tokenizer.vocab_size else tokenizer.token_bytes(i)
+                   for i in range(vocab_size)]
+        info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=self.stop_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        # JSON forbids raw control characters anywhere (strings included), and with fixed separators no
+        # whitespace but the space is needed between tokens: tokens holding such bytes are never allowed.
+        allowed = np.ones(token_mask_words(vocab_size) * 32, dtype=bool)
+        for i, b in enumerate(encoded):
+            if any(c < 0x20 for c in b):
+                allowed[i] = False
+        from namazu.structured.grammar import pack_allowed
+
+        self.json_words = pack_allowed(allowed)
+        self.cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self.cache_size = cache_size
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar (cached by spec); ValueError naming the problem if it cannot compile."""
+        with self._lock:
+            if spec in self.cache:
+                self.cache.move_to_end(spec)
+                self.hits += 1
+                return self.cache[spec]
+            self.misses += 1
+        if len(spec.text.encode("utf-8")) > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"the {spec.kind} is {len(spec.text)} characters; at most {MAX_GRAMMAR_BYTES} bytes")
+        try:
+            if spec.kind == "json_schema":
+                compiled = self.compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=True)
+            elif spec.kind == "json_object":
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                             strict_mode=False)
+            elif spec.kind == "regex":
+                compiled = self.compiler.compile_regex(spec.text)
+            elif spec.kind == "ebnf":
+                compiled = self.compiler.compile_grammar(spec.text)
+            else:
+                raise ValueError(f"unknown grammar kind {spec.kind!r}")
+        except ValueError:
+            raise
+        except Exception as err:   # xgrammar raises RuntimeError (and its own types) for bad input
+            raise ValueError(f"the {spec.kind.replace('_', ' ')} does not compile: {err}") from None
+        with self._lock:
+            self.cache[spec] = compiled
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, spec: GrammarSpec, max_rollback: int, terminate_without_stop: bool = False
+                ) -> MatcherGrammar:
+        compiled = self.compile(spec)
+        words = self.json_words if spec.kind in ("json_schema", "json_object") else None
+        return MatcherGrammar(self.xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback,
+                                                      terminate_without_stop_token=terminate_without_stop),
+                              words)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"grammar_cache_hits": self.hits, "grammar_cache_misses": self.misses,
+                "grammar_cache_size": len(self.cache)}
+
+
+def json_schema_spec(schema: Any, strict: bool = True) -> GrammarSpec:
+    """Checks a JSON schema (a dict or its JSON text) and returns its spec; ValueError says why not."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
+    check_json_schema(schema)
+    return GrammarSpec("json_schema", json.dumps(lower_formats(schema), ensure_ascii=False))  # order matters
+
+
+class MatcherGrammar:
+    """The `Grammar` protocol over one xgrammar matcher (one per sequence)."""
+
+    depends_on_values = True
+
+    def __init__(self, matcher: Any, extra_words: np.ndarray | None = None):
+        self.m = matcher
+        self.extra_words = extra_words
+        self._row: np.ndarray | None = None
+
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        n = 0
+        for t in tokens:
+            if not self.m.accept_token(int(t)):
+                if n:
+                    self.m.rollback(n)
+                return False
+            n += 1
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        n = 0
+        for t in tokens:
+            if not self.m.accept_token(int(t)):
+                break
+            n += 1
+        if n:
+            self.m.rollback(n)
+        return n
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.m.rollback(num_tokens)
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        keep = bitmask[row].copy()
+        self.m.fill_next_token_bitmask(bitmask, row)
+        bitmask[row] &= keep
+        if self.extra_words is not None:
+            bitmask[row] &= self.extra_words
+
+    def is_terminated(self) -> bool:
+        return self.m.is_terminated()
+
+    def is_completed(self) -> bool:
+        """The text so far is a complete match (the grammar may end here)."""
+        return self.m.is_completed()
