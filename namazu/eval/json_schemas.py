@@ -50,7 +50,8 @@ HANDWRITTEN: list[dict[str, Any]] = [
      "required": ["answer"], "additionalProperties": False},
     {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 4},
     {"type": "object", "properties": {"住所": {"type": "object", "properties": {
-        "都道府県": {"enum": ["東京都", "大阪府", "北海道"]}, "郵便番号": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"}},
+        "都道府県": {"enum": ["東京都", "大阪府", "北海道"]},
+        "郵便番号": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"}},
         "required": ["都道府県", "郵便番号"], "additionalProperties": False}},
      "required": ["住所"], "additionalProperties": False},
     {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["urgent", "billing", "bug"]},
