@@ -1,8 +1,10 @@
 """Shared inputs for the kernel tests: fresh random MoE problems (not fixtures, so GPU checks reuse them)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from namazu.kernels.moe_dispatch import NVFP4MoEWeights, quantize_experts
@@ -49,3 +51,16 @@ def make_case(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k:
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.float(), ref.float()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def require_cpu_extension() -> None:
+    """The C++ CPU kernel must be importable: `make test` builds it (setup.py). Only a user who set
+    NAMAZU_BUILD_EXT=0 (kernels not built on purpose) gets skips instead of a failure."""
+    try:
+        import namazu._nvfp4_cpu  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("NAMAZU_BUILD_EXT") == "0":
+            pytest.skip(f"NAMAZU_BUILD_EXT=0: the C++ CPU extension is not built ({exc})", allow_module_level=True)
+        raise ImportError(f"the C++ CPU extension namazu._nvfp4_cpu is not built ({exc}): build it with "
+                          "`make install` (pip install --no-build-isolation -e .), or set NAMAZU_BUILD_EXT=0 to "
+                          "skip its tests") from exc

@@ -43,19 +43,45 @@ def test_shared_prefix_is_computed_once_and_last_token_recomputed():
     assert 0 < bm.prefix_hit_rate < 1
 
 
-def test_freed_prefix_stays_cached_until_evicted_lru():
-    bm = BlockManager(4, 4)
-    a = make_seq(range(9))                       # 3 blocks, 2 full -> cached
-    run_prefill(bm, a)
-    bm.free_seq(a)
-    assert bm.num_free_blocks == 4 and len(bm.evictable) == 2
-    b = make_seq(list(range(8)) + [5])
-    assert run_prefill(bm, b) == 8               # revived from the evictable set
-    bm.free_seq(b)
-    c = make_seq(range(100, 116))                # needs all 4 blocks: evicts both cached ones
-    assert run_prefill(bm, c) == 0
-    assert not bm.cached or all(bm.block_hash[b] is not None for b in bm.cached.values())
-    bm.check_invariants([c])
+def probe(bm: BlockManager, tokens) -> int:
+    """Tokens the cache would serve for this prompt right now (admits, then frees at once; the probe's own
+    new block is unhashed, so it goes back to the free list and the cache is left as it was)."""
+    seq = make_seq(tokens)
+    cached = bm.admit(seq, seq.num_tokens)
+    assert cached is not None, "the probe did not fit"
+    bm.free_seq(seq)
+    return cached
+
+
+def test_a_block_hash_chains_through_its_parent_not_just_its_tokens():
+    bm = BlockManager(16, 4)
+    p, q, r = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10]
+    first = make_seq(p + q + r)
+    run_prefill(bm, first)
+    # Q's KV was computed after P: at position 0 (after nothing) it is a different block.
+    assert probe(bm, q + r) == 0
+    assert probe(bm, q + p + r) == 0
+    assert probe(bm, p + q + [11]) == 8
+    assert probe(bm, p + [0, 6, 7, 8, 1]) == 4
+    bm.check_invariants([first])
+
+
+def test_freed_prefixes_are_evicted_least_recently_used_first_and_tails_before_heads():
+    bm = BlockManager(8, 4)
+    old = make_seq(range(100, 109))               # 2 full blocks + 1 token, freed first
+    run_prefill(bm, old)
+    bm.free_seq(old)
+    new = make_seq(range(200, 209))               # freed later
+    run_prefill(bm, new)
+    bm.free_seq(new)
+    assert len(bm.evictable) == 4 and bm.num_free_blocks == 8
+    # 6 blocks, 4 of them evictable: taking 5 evicts exactly one, which must be the oldest prefix's tail.
+    hog = make_seq(range(300, 317))
+    run_prefill(bm, hog)
+    bm.free_seq(hog)                              # its 4 full blocks are now the newest cached ones
+    assert probe(bm, list(range(200, 208)) + [0]) == 8, "the most recently used prefix was evicted"
+    assert probe(bm, list(range(100, 108)) + [0]) == 4, "the oldest prefix's tail should go first"
+    bm.check_invariants([])
 
 
 def test_admit_fails_cleanly_when_pool_is_short():
@@ -66,11 +92,38 @@ def test_admit_fails_cleanly_when_pool_is_short():
     bm.check_invariants([])
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "step", "abort", "preempt", "finish"]),
-                         st.integers(0, 10**6)), min_size=1, max_size=60)
+class ShadowKV:
+    """What each cache slot holds, as the runner would write it: the KV at a position depends on the token
+    there and on every token before it, so a slot is identified by the whole prefix up to it."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.bs = block_size
+        self.slots: list[list[tuple | None]] = [[None] * block_size for _ in range(num_blocks)]
+
+    def write(self, seq: Sequence, start: int, tokens: list[int]) -> None:
+        """The step computes `tokens` (known tokens, then drafts) at positions start, start + 1, ..."""
+        prefix = seq.token_ids[:start]
+        for j, t in enumerate(tokens):
+            p = start + j
+            prefix = prefix + [t]
+            self.slots[seq.block_table[p // self.bs]][p % self.bs] = tuple(prefix)
+
+    def check(self, seq: Sequence) -> None:
+        """Every position the sequence counts as computed (its own or mapped from the cache) holds the KV of
+        exactly this sequence's prefix."""
+        for p in range(seq.num_computed_tokens):
+            held = self.slots[seq.block_table[p // self.bs]][p % self.bs]
+            assert held == tuple(seq.token_ids[:p + 1]), (
+                f"seq {seq.seq_id} position {p} (block {seq.block_table[p // self.bs]}) holds the KV of "
+                f"another prefix")
 
 
-@settings(max_examples=60, deadline=None)
+# Steps dominate so that prompts get computed and committed before later ones look them up.
+ops = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "step", "abort", "preempt", "finish"]),
+                         st.integers(0, 10**6)), min_size=8, max_size=80)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
 @given(ops=ops, num_blocks=st.integers(4, 24), chunked=st.booleans(), caching=st.booleans())
 def test_invariants_under_random_operations(ops, num_blocks, chunked, caching):
     bs = 4
@@ -78,19 +131,26 @@ def test_invariants_under_random_operations(ops, num_blocks, chunked, caching):
     max_len = num_blocks * bs
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8 if chunked else max_len,
                       max_model_len=max_len, enable_chunked_prefill=chunked)
+    kv = ShadowKV(num_blocks, bs)
     live: list[Sequence] = []
     for op, r in ops:
         if op == "add":
-            # Small alphabet and shared stems so prefixes collide often.
+            # Small alphabet and shared stems so prefixes collide often; the same stem also appears at
+            # other offsets (after a different first block), which a hash without its parent would confuse.
             stem = [r % 3] * (bs * (r % 3))
+            lead = [(r >> 3) % 2 + 1] * bs if r % 5 == 0 else []
             tail = [(r >> k) % 5 for k in range(1 + r % 7)]
-            seq = make_seq((stem + tail)[: max_len - 8])
+            seq = make_seq((lead + stem + tail)[: max_len - 8])
             sched.add(seq)
             live.append(seq)
         elif op == "step":
             out = sched.schedule(lambda s, k=r % 3: k)
             assert len({id(s.seq) for s in out.scheduled}) == len(out.scheduled)
             assert out.num_batched_tokens <= sched.max_num_batched_tokens
+            for item in out.scheduled:
+                kv.check(item.seq)            # what the step attends to, cache hits included
+                known = item.seq.token_ids[item.start:item.start + item.num_new_tokens]
+                kv.write(item.seq, item.start, known + item.draft_token_ids)
             for item in out.scheduled:
                 seq = item.seq
                 if item.samples:
@@ -102,6 +162,8 @@ def test_invariants_under_random_operations(ops, num_blocks, chunked, caching):
                         live.remove(seq)
                 else:
                     sched.commit(seq, seq.num_computed_tokens + item.num_new_tokens)
+                if not seq.is_finished:
+                    kv.check(seq)
         elif op in ("abort", "finish") and live:
             seq = live.pop(r % len(live))
             sched.finish(seq, op)

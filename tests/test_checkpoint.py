@@ -149,8 +149,30 @@ def test_unsupported_dtype_is_named(ckpt):
 
 
 def test_mtp_layers_are_skipped(ckpt):
-    _rewrite(ckpt, lambda t: t.__setitem__("model.layers.3.enorm.weight", torch.ones(64)))
-    load_model(ckpt, progress=False)
+    """A DeepSeek-V3 checkpoint carries its multi-token-prediction module as one more decoder layer (index
+    num_hidden_layers) with its own attention, experts, norms and projections: it is ignored whole, and
+    nothing of it reaches the served layers."""
+    n = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    plain = load_model(ckpt, dtype="float32", progress=False)
+
+    def add_mtp_layer(t):
+        last = f"model.layers.{n - 1}."
+        for name in [k for k in t if k.startswith(last)]:
+            t[f"model.layers.{n}." + name[len(last):]] = t[name] * 3 + 1
+        hidden = t["model.norm.weight"].shape[0]
+        for extra, shape in (("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)),
+                             ("eh_proj.weight", (hidden, 2 * hidden)), ("shared_head.norm.weight", (hidden,))):
+            t[f"model.layers.{n}.{extra}"] = torch.full(shape, 7.0)
+        t[f"model.layers.{n}.embed_tokens.weight"] = t["model.embed_tokens.weight"] * -1
+
+    _rewrite(ckpt, add_mtp_layer)
+    assert sum(k.startswith(f"model.layers.{n}.self_attn.") for k in load_file(ckpt / "model.safetensors")) > 0
+    served = load_model(ckpt, dtype="float32", progress=False)
+    assert len(served.model.layers) == n
+    want, got = plain.state_dict(), served.state_dict()
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name} changed by the MTP layer's tensors"
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -8,7 +8,8 @@ import os
 import time
 
 import pytest
-from engine_helpers import prompts, tiny_checkpoint
+import torch
+from engine_helpers import dense_model, prompts, tiny_checkpoint
 
 import namazu.assets
 from namazu import LLM, SamplingParams
@@ -81,12 +82,37 @@ def test_chat_and_logprobs(llm):
     assert out.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)))
 
 
+def check_prompt_logprobs(got, ids, num_top):
+    """Against the model's own log_softmax from one full forward over the prompt (no cache): entry i is the
+    distribution after ids[:i], holding ids[i] and the top `num_top` tokens with their values."""
+    model = dense_model(tiny_checkpoint())
+    with torch.no_grad():
+        hidden, _ = model(torch.tensor([ids]))
+        logp = model.compute_logits(hidden[0]).float().log_softmax(-1)
+    assert got[0] is None and len(got) == len(ids)
+    for i in range(1, len(ids)):
+        want = {ids[i]: float(logp[i - 1, ids[i]])}
+        top = logp[i - 1].topk(num_top)
+        want.update(zip(top.indices.tolist(), top.values.tolist()))
+        assert got[i].keys() == want.keys(), f"position {i}"
+        for tok, v in want.items():
+            assert abs(got[i][tok] - v) < 1e-4, f"position {i} token {tok}: {got[i][tok]} vs {v}"
+
+
 def test_prompt_logprobs(llm):
     ids = prompts(1, 10, 10, seed=3)[0]
     out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=2),
                        use_tqdm=False)[0]
-    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
-    assert all(ids[i] in out.prompt_logprobs[i] for i in range(1, len(ids)))
+    check_prompt_logprobs(out.prompt_logprobs, ids, 2)
+
+
+def test_prompt_logprobs_over_prefill_chunks():
+    ids = prompts(1, 30, 30, seed=4)[0]
+    with LLM(tiny_checkpoint(), executor="inline", max_num_batched_tokens=8, max_num_seqs=2) as small:
+        outs = small.generate(prompt_token_ids=[ids, ids[:12]], use_tqdm=False,
+                              sampling_params=SamplingParams(max_tokens=2, prompt_logprobs=3))
+    check_prompt_logprobs(outs[0].prompt_logprobs, ids, 3)
+    check_prompt_logprobs(outs[1].prompt_logprobs, ids[:12], 3)
 
 
 def test_stop_conditions(llm):

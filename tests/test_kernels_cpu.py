@@ -3,14 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import TOL, make_case, rel_err
+from kernel_cases import TOL, make_case, rel_err, require_cpu_extension
 
 from namazu.kernels import moe_dispatch as md
 
-try:
-    import namazu._nvfp4_cpu  # noqa: F401
-except ImportError as exc:  # make install / pip install --no-build-isolation -e . builds it
-    pytest.skip(f"C++ CPU extension not built: {exc}", allow_module_level=True)
+require_cpu_extension()   # a missing extension fails unless NAMAZU_BUILD_EXT=0
 
 ISAS = {"scalar": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
 

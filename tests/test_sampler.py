@@ -6,6 +6,7 @@ from namazu.layers.sampler import (
     Sampler,
     SamplingTensors,
     apply_penalties,
+    apply_top_k_top_p,
     hash_uniform,
     pack_bitmask,
     process_logits,
@@ -113,3 +114,36 @@ def test_logprobs_are_raw_log_softmax():
     ref = logits.log_softmax(-1)
     assert torch.allclose(out.logprobs, ref.gather(-1, out.token_ids[:, None]).squeeze(-1))
     assert torch.allclose(out.top_logprobs, ref.topk(3, dim=-1).values)
+
+
+def reference_top_k_top_p(logits: torch.Tensor, k: int, p: float) -> set[int]:
+    """The support by definition, one row in plain Python: the k most likely tokens, renormalised among
+    themselves, then the most likely of those until their mass reaches p."""
+    order = sorted(range(logits.numel()), key=lambda i: -float(logits[i]))[:k]
+    probs = torch.tensor([float(logits[i]) for i in order]).softmax(-1).tolist()
+    kept, mass = [], 0.0
+    for i, q in zip(order, probs):
+        kept.append(i)
+        mass += q
+        if mass >= p:
+            break
+    return set(kept)
+
+
+def test_top_p_applies_to_the_top_k_renormalised_distribution():
+    # p over the full vocabulary: .30 .25 .20 .15 .10. Top-2 renormalised: .545 .455, so top_p = .5 keeps
+    # token 0 alone; top-p taken before the top-k mask would keep tokens 0 and 1 (.30 < .5 <= .55).
+    logits = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10]).log()
+    out = apply_top_k_top_p(logits[None], torch.tensor([2]), torch.tensor([0.5]))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0]
+    g = torch.Generator().manual_seed(4)
+    v = 40
+    logits = torch.randn(200, v, generator=g) * 2
+    ks = torch.randint(1, v + 1, (200,), generator=g)
+    ps = torch.rand(200, generator=g) * 0.9 + 0.05
+    out = apply_top_k_top_p(logits, ks, ps)
+    for row in range(200):
+        got = set(torch.isfinite(out[row]).nonzero().flatten().tolist())
+        assert got == reference_top_k_top_p(logits[row], int(ks[row]), float(ps[row])), f"row {row}"
+        kept = sorted(got)
+        assert torch.equal(out[row, kept], logits[row, kept]), "kept logits must pass through unchanged"
