@@ -31,10 +31,7 @@ def test_llm_serves_a_calibrated_nvfp4_checkpoint(tmp_path):
     assert all(m.nvfp4_mode == "w4a16" and m.w13_packed.dtype == torch.uint8 for m in experts)
 
 
-def test_nvfp4_mode_flag_selects_w4a4(tmp_path, monkeypatch):
-    import namazu.quant.experts as qe
-
-    monkeypatch.setattr(qe, "_default_mode", None)  # the flag sets a process default; undo it after
+def test_nvfp4_mode_flag_selects_w4a4(tmp_path):
     _, out = _calibrated_checkpoint(tmp_path)
     with LLM(str(out), executor="inline", dtype="float32", nvfp4_mode="w4a4") as llm:
         served = llm.engine.executor.worker.runner.model

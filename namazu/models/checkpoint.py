@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from namazu.config import ModelConfig
+from namazu.layers.weight_loading import LazyTensor
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -58,11 +59,13 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     return weight.float() * scale
 
 
-def iter_checkpoint(path: str | os.PathLike, config: ModelConfig | None = None,
-                    progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(path: str | os.PathLike, config: ModelConfig | None = None, progress: bool = True,
+                    lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
     """Yields (name, tensor) for every tensor; FP8 block-quantized weights come out dequantized (fp32).
 
     Tensors are read lazily from memory-mapped files, so peak memory is one tensor, not the checkpoint.
+    With `lazy`, every tensor but the FP8 ones comes as a LazyTensor: nothing is read until a parameter's
+    weight loader asks for (its slice of) it. FP8 weights are dequantized whole (their scales tile blocks).
     """
     config = config or ModelConfig.from_pretrained(path)
     qcfg = config.quantization_config or {}
@@ -76,6 +79,14 @@ def iter_checkpoint(path: str | os.PathLike, config: ModelConfig | None = None,
     for h, name in bar:
         if name.endswith(".weight_scale_inv") and fp8:
             continue
+        if lazy:
+            try:
+                lazy_t = LazyTensor(h, name)
+            except TypeError as err:
+                raise CheckpointError(str(err)) from err
+            if not (fp8 and lazy_t.dtype == torch.float8_e4m3fn and name.endswith(".weight")):
+                yield name, lazy_t
+                continue
         t = h.get_tensor(name)
         if fp8 and t.dtype == torch.float8_e4m3fn and name.endswith(".weight"):
             scale_name = name[: -len("weight")] + "weight_scale_inv"
