@@ -74,8 +74,9 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     return graph
 
 
-def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One concrete cycle (a -> ... -> a) per strongly connected component with more than one module."""
+def find_cycles(graph: dict[str, set[str]]) -> list[tuple[list[str], list[str]]]:
+    """Per strongly connected component with more than one module: one concrete cycle (a -> ... -> a)
+    through it, and all its modules."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     on_stack: set[str] = set()
@@ -134,13 +135,14 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         while path[-1] != start:
             path.append(prev[path[-1]])
         cycle = list(reversed(path)) + [start]
-        cycles.append(cycle)
+        cycles.append((cycle, comp))
     return cycles
 
 
 def test_no_import_cycles():
     cycles = find_cycles(import_graph())
-    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    assert not cycles, "import cycles:\n" + "\n".join(
+        f"{' -> '.join(c)}  (all modules in this knot: {', '.join(comp)})" for c, comp in cycles)
 
 
 def test_cycle_finder_sees_function_local_and_relative_imports(tmp_path):
@@ -156,4 +158,5 @@ def test_cycle_finder_sees_function_local_and_relative_imports(tmp_path):
                                       "    from namazu.sub import e\n")
     (pkg / "sub" / "e.py").write_text("from .d import x\n")
     cycles = find_cycles(import_graph(tmp_path))
-    assert cycles == [["namazu.sub.a", "namazu.sub.b", "namazu.sub.c", "namazu.sub.a"]]
+    assert cycles == [(["namazu.sub.a", "namazu.sub.b", "namazu.sub.c", "namazu.sub.a"],
+                       ["namazu.sub.a", "namazu.sub.b", "namazu.sub.c"])]

@@ -19,7 +19,7 @@ from torch import nn
 from namazu.kernels.moe_types import PROJS, MoERuntime, sort_by_expert
 from namazu.layers.weight_loading import Loaded, TPShard, load_shard
 
-# torch's grouped GEMM (CPU and sm90+ GPUs); older torch falls back to the gathered reference.
+# torch's grouped GEMM (CPU and sm90+ GPUs); older torch falls back to the gathered path.
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
@@ -161,8 +161,8 @@ class TorchExperts(RoutedExperts):
     @torch.no_grad()
     def _forward_gathered(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                           pairs_per_chunk: int = 256) -> torch.Tensor:
-        """Inference reference with static shapes and no host sync: gathers each (token, slot)'s expert
-        weights and runs batched mat-vecs, chunked to bound the gathered-weight memory."""
+        """Inference fallback (for dtypes grouped_mm lacks) with static shapes and no host sync: gathers each
+        (token, slot)'s expert weights and runs batched mat-vecs, chunked to bound the gathered-weight memory."""
         n, k = topk_ids.shape
         ids = topk_ids.reshape(-1)
         xs = x.repeat_interleave(k, dim=0)

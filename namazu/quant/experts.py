@@ -250,7 +250,7 @@ class NvFP4Experts(RoutedExperts):
     # -- compute ----------------------------------------------------------------------------------------
     def moe_weights(self) -> NVFP4MoEWeights:
         """The buffers as the kernels' NVFP4MoEWeights (input scales only in W4A4 mode)."""
-        w = NVFP4MoEWeights(**dict(self.named_buffers()))
+        w = NVFP4MoEWeights(**self._buffers)   # exactly the layout's tensors (registered in __init__)
         return w if self.nvfp4_mode == "w4a4" else w.weight_only()
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
