@@ -13,7 +13,8 @@ Two execution modes, chosen once (a flag, not per call):
 
 The mode and the kernel backend come from the MoERuntime the module is handed at construction (resolved
 once by the runner, `kernels.backends.resolve_moe_runtime`); a module handed none runs the plain-torch
-reference `kernels.moe_dispatch.torch_moe_nvfp4` in W4A16. `set_mode` switches a built model.
+reference `kernels.moe_dispatch.torch_moe_nvfp4`, in W4A16 unless given a mode. `set_mode` switches a
+built model.
 
 Storage: the buffers are the tensors of one `NVFP4MoEWeights` (kernels/moe_types.py, the only place the
 layout is spelled out): ModelOpt's per-expert tensors stacked over experts, gate rows then up rows in w13,
