@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from fp8_fixtures import projections, write_fp8_checkpoint
 from safetensors.torch import load_file, save_file
 
 from namazu.assets.random_model import write_random_checkpoint
@@ -169,36 +170,10 @@ def test_nvfp4_experts_stay_packed_and_shard_along_the_intermediate(ckpt, tmp_pa
             assert index is not None and n * TP == full[name].numel(), name
 
 
-def _fp8_checkpoint(src, out, block=(40, 40)):
-    """The tiny checkpoint with every projection in DeepSeek block FP8 (40x40 tiles: partial edge tiles, and
-    tile edges that do not fall on the 2-way shard boundaries). Returns the dequantized fp32 weights."""
-    t = load_file(src / "model.safetensors")
-    bo, bi = block
-    want = {}
-    for name in list(t):
-        w = t[name]
-        if w.dim() != 2 or not name.endswith("proj.weight"):
-            want[name] = w
-            continue
-        o, i = w.shape
-        tiles = torch.nn.functional.pad(w.abs(), (0, -i % bi, 0, -o % bo)).unfold(0, bo, bo).unfold(1, bi, bi)
-        scale = tiles.amax((-1, -2)).clamp_min(1e-12) / 448.0
-        full = scale.repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
-        t[name] = (w / full).to(torch.float8_e4m3fn)
-        t[name[: -len("weight")] + "weight_scale_inv"] = scale
-        want[name] = t[name].float() * full
-    out.mkdir()
-    save_file(t, out / "model.safetensors")
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block)}
-    (out / "config.json").write_text(json.dumps(cfg))
-    return want
-
-
 @pytest.mark.parametrize("rank", [0, 1])
 def test_block_fp8_weights_dequantize_only_the_rank_slice(ckpt, tmp_path, reads, rank):
-    want = _fp8_checkpoint(ckpt, tmp_path / "fp8")
+    # 40x40 tiles: partial edge tiles, and tile edges that do not fall on the 2-way shard boundaries.
+    want = write_fp8_checkpoint(ckpt, tmp_path / "fp8", (40, 40), projections)
     model = load_model(tmp_path / "fp8", dtype="float32", progress=False, runtime=MoERuntime(),
                        tp=TPShard(rank, TP))
     for name, t in want.items():
