@@ -184,3 +184,34 @@ def test_block_fp8_weights_dequantize_only_the_rank_slice(ckpt, tmp_path, reads,
         weight = name.replace("weight_scale_inv", "weight")
         if expected_slice(weight, want[weight], rank).numel() < want[weight].numel():
             assert index is not None, f"{name} read whole"
+
+
+def test_parallel_linears_slice_weight_and_bias(tmp_path, reads):
+    from safetensors import safe_open
+
+    from namazu.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+    g = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(6, 4, generator=g), "b": torch.randn(6, generator=g)}
+    save_file(full, tmp_path / "t.safetensors")
+    h = safe_open(tmp_path / "t.safetensors", framework="pt")
+    for rank in range(3):
+        tp = TPShard(rank, 3)
+        col = ColumnParallelLinear(4, 6, bias=True, tp=tp)
+        row = RowParallelLinear(6, 4, bias=True, tp=tp)
+        rep = ReplicatedLinear(4, 6, bias=True, tp=tp)
+        for layer, weight, bias in ((col, full["w"][2 * rank:2 * rank + 2], full["b"][2 * rank:2 * rank + 2]),
+                                    (rep, full["w"], full["b"])):
+            layer.weight.weight_loader(layer.weight, LazyTensor(h, "w"))
+            layer.bias.weight_loader(layer.bias, LazyTensor(h, "b"))
+            assert torch.equal(layer.weight, weight) and torch.equal(layer.bias, bias)
+        row.weight.weight_loader(row.weight, full["w"].T.contiguous())     # a whole tensor works too
+        row.bias.weight_loader(row.bias, full["w"][0, :4].clone())
+        assert torch.equal(row.weight, full["w"].T[:, 2 * rank:2 * rank + 2])
+        assert torch.equal(row.bias, full["w"][0, :4])                    # the bias is held whole
+    # The three column shards together read w once; each replicated copy reads it whole.
+    assert sum(n for name, _, n in reads if name == "w") == 6 * 4 + 3 * (6 * 4)
+    with pytest.raises(ValueError, match=r"shape \(6, 4\) does not match the model's \(4, 6\)"):
+        row.weight.weight_loader(row.weight, LazyTensor(h, "w"))
+    with pytest.raises(ValueError, match="out_features .7. is not divisible by the tensor-parallel size 3"):
+        ColumnParallelLinear(4, 7, tp=TPShard(0, 3))
