@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+from namazu.kernels.backends import resolve_moe_runtime
 from namazu.quant.experts import NvFP4Experts
 
 PAGE = 4096
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
     w = torch.rand(args.tokens, args.topk)
     gc.collect()
     r0 = rss()
-    q = NvFP4Experts(e, h, i, mode="w4a16")
+    q = NvFP4Experts(e, h, i, mode="w4a16", runtime=resolve_moe_runtime("cpu"))   # the serving backend
     with torch.no_grad():
         for name in ("w13_packed", "w2_packed"):
             getattr(q, name).random_(0, 256)

@@ -19,7 +19,7 @@ import torch
 
 from namazu.context import forward_context
 from namazu.engine_config import EngineConfig
-from namazu.kernels.backends import set_moe_backend
+from namazu.kernels.backends import resolve_moe_runtime
 from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache, kv_bytes_per_block
 from namazu.layers.sampler import SamplingTensors, gather_logprobs, process_logits, sample_from_processed
 from namazu.models.loader import load_model
@@ -46,17 +46,14 @@ class ModelRunner:
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(config.device)
-        # Chosen once per process, before the first forward; "auto" leaves NAMAZU_MOE_BACKEND in charge.
-        set_moe_backend(None if config.moe_backend == "auto" else config.moe_backend)
-        if config.nvfp4_mode != "auto":
-            from namazu.quant.experts import set_default_mode
-
-            set_default_mode(config.nvfp4_mode)
+        # Resolved once, handed to the model's expert modules; "auto" leaves NAMAZU_MOE_BACKEND and
+        # NAMAZU_NVFP4_MODE in charge.
+        moe_runtime = resolve_moe_runtime(self.device, config.moe_backend, config.nvfp4_mode)
         dtype = config.dtype
         if dtype == "auto" and self.device.type == "cpu":
             # Half-precision matmuls on CPU are slow and less exact; serve bf16/fp16 checkpoints in fp32.
             dtype = "float32"
-        self.model = load_model(model_path, dtype=dtype, device=self.device, progress=rank == 0)
+        self.model = load_model(model_path, dtype=dtype, device=self.device, progress=rank == 0, runtime=moe_runtime)
         self.model_config = self.model.config
         self.dtype = self.model.dtype
         self.block_size = config.block_size

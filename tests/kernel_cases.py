@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from namazu.kernels.moe_dispatch import NVFP4MoEWeights, quantize_experts
+from namazu.kernels.moe_types import NVFP4MoEWeights
+from namazu.quant.experts import quantize_experts
 
 TOL = 1e-2  # acceptance: relative error against the torch reference, in bf16
 
@@ -42,8 +43,7 @@ def make_case(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k:
         amax13 = torch.full((num_experts,), float(x.abs().max()) if num_tokens else 1.0)
         amax2 = torch.full((num_experts,), 1.0)
     q = quantize_experts(w13, w2, amax13, amax2)
-    q = NVFP4MoEWeights(*(t.to(device) if t is not None else None for t in (
-        q.w13_packed, q.w13_scale, q.w13_gs, q.w2_packed, q.w2_scale, q.w2_gs, q.a13_scale, q.a2_scale)))
+    q = NVFP4MoEWeights(**{name: t.to(device) for name, t in q.named_tensors()})
     return MoECase(x.to(device, dtype), ids.to(device), weights.to(device), w13.to(device, dtype),
                    w2.to(device, dtype), q)
 

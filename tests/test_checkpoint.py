@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from fp8_fixtures import projections, write_fp8_checkpoint
 from safetensors.torch import load_file, save_file
 
 from namazu.config import ConfigError, ModelConfig
@@ -17,20 +18,6 @@ from hf_oracle import make_hf_checkpoint
 BLOCK = (16, 16)
 
 
-def _fp8_quantize(w: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block amax/448 scale; returns (fp8 weight, scale_inv) like DeepSeek's FP8 checkpoints."""
-    o, i = w.shape
-    bo, bi = block
-    so, si = -(-o // bo), -(-i // bi)
-    scale = torch.zeros(so, si)
-    for a in range(so):
-        for b in range(si):
-            tile = w[a * bo:(a + 1) * bo, b * bi:(b + 1) * bi]
-            scale[a, b] = tile.abs().max().clamp_min(1e-12) / 448.0
-    full = scale.repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
-    return (w / full).to(torch.float8_e4m3fn), scale
-
-
 def _logits(model, ids):
     with torch.no_grad():
         return model.compute_logits(model(ids)[0])
@@ -41,23 +28,8 @@ def test_block_fp8_checkpoint_gives_dequantized_logits(tmp_path):
 
     src, fp8, deq = tmp_path / "bf16", tmp_path / "fp8", tmp_path / "dequantized"
     make_hf_checkpoint(src, seed=11, hidden_size=80, q_lora_rank=40)
-    tensors = load_file(src / "model.safetensors")
-    out = {}
-    for name, t in tensors.items():
-        # As DeepSeek-V3 ships: linear weights in FP8, norms/embeddings/router/lm_head in high precision.
-        quantize = (t.dim() == 2 and name.endswith("proj.weight"))
-        if quantize:
-            q, s = _fp8_quantize(t)
-            out[name], out[name[:-len("weight")] + "weight_scale_inv"] = q, s
-            tensors[name] = q.float() * s.repeat_interleave(16, 0)[:t.shape[0]].repeat_interleave(16, 1)[:, :t.shape[1]]
-        else:
-            out[name] = t
-    fp8.mkdir()
-    save_file(out, fp8 / "model.safetensors")
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(BLOCK)}
-    (fp8 / "config.json").write_text(json.dumps(cfg))
+    tensors = write_fp8_checkpoint(src, fp8, BLOCK, projections)
+    out = load_file(fp8 / "model.safetensors")
     deq.mkdir()
     save_file(tensors, deq / "model.safetensors")
     (deq / "config.json").write_text((src / "config.json").read_text())

@@ -1,4 +1,5 @@
-"""Backend choice: once per device type, logged, forced by name or environment, clear errors."""
+"""Backend choice: resolved once into a MoERuntime, logged, forced by name or environment, clear errors;
+no process-wide state (two runtimes side by side choose independently)."""
 from __future__ import annotations
 
 import logging
@@ -13,38 +14,51 @@ from namazu.quant.nvfp4 import dequantize_weight, fake_quantize_activation
 
 
 @pytest.fixture(autouse=True)
-def fresh_choice(monkeypatch):
+def clean_environment(monkeypatch):
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    backends.set_moe_backend(None)
-    yield
-    backends.set_moe_backend(None)
+    monkeypatch.delenv(backends.MODE_ENV, raising=False)
 
 
 def test_auto_on_cpu_prefers_cpp_and_logs_once(caplog):
     ok, _ = backends.availability("cpp", "cpu")
     with caplog.at_level(logging.INFO, logger="namazu.kernels.backends"):
-        first = backends.get_moe_backend("cpu")
-        again = backends.get_moe_backend(torch.device("cpu"))
-    assert first is again
-    assert first.name == ("cpp" if ok else "torch")
+        runtime = backends.resolve_moe_runtime(torch.device("cpu"))
+    assert runtime.backend.name == ("cpp" if ok else "torch") and runtime.nvfp4_mode == "w4a16"
     lines = [r.getMessage() for r in caplog.records if "MoE backend" in r.getMessage()]
     assert len(lines) == 1 and "auto" in lines[0]
 
 
 def test_force_by_name_and_by_environment(monkeypatch):
-    backends.set_moe_backend("torch")
-    assert backends.get_moe_backend("cpu").name == "torch"
-    backends.set_moe_backend(None)
+    assert backends.resolve_moe_runtime("cpu", "torch").backend.name == "torch"
     monkeypatch.setenv(backends.ENV_VAR, "torch")
-    assert backends.get_moe_backend("cpu").name == "torch"
+    monkeypatch.setenv(backends.MODE_ENV, "w4a4")
+    runtime = backends.resolve_moe_runtime("cpu")
+    assert runtime.backend.name == "torch" and runtime.nvfp4_mode == "w4a4"
+    assert backends.resolve_moe_runtime("cpu", nvfp4_mode="w4a16").nvfp4_mode == "w4a16"  # the flag wins
+    # Resolving again is independent: nothing was remembered from the calls above.
+    monkeypatch.delenv(backends.ENV_VAR)
+    ok, _ = backends.availability("cpp", "cpu")
+    assert backends.resolve_moe_runtime("cpu").backend.name == ("cpp" if ok else "torch")
 
 
-def test_unknown_and_unusable_backends_are_errors():
+def test_unknown_and_unusable_backends_are_errors(monkeypatch):
     with pytest.raises(ValueError, match="unknown MoE backend 'fast'"):
-        backends.set_moe_backend("fast")
-    backends.set_moe_backend("cuda")
+        backends.resolve_moe_runtime("cpu", "fast")
     with pytest.raises(RuntimeError, match="'cuda' is not usable on cpu"):
-        backends.get_moe_backend("cpu")
+        backends.resolve_moe_runtime("cpu", "cuda")
+    with pytest.raises(ValueError, match="NVFP4 mode 'w8a8'"):
+        backends.resolve_moe_runtime("cpu", nvfp4_mode="w8a8")
+    monkeypatch.setenv(backends.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="unknown MoE backend 'fast'"):
+        backends.resolve_moe_runtime("cpu")
+
+
+def test_experts_refuse_a_backend_resolved_for_another_device():
+    from namazu.kernels.moe_types import MoERuntime
+
+    runtime = MoERuntime(backends.build_backend("torch", "cuda"))
+    with pytest.raises(RuntimeError, match="MoE backend for cuda .* run on cpu"):
+        runtime.backend_for(torch.device("cpu"))
 
 
 def test_cuda_extension_is_opt_in_until_validated():
@@ -56,12 +70,10 @@ def test_cuda_extension_is_opt_in_until_validated():
 def test_cpu_backends_match_reference_in_every_format(name):
     if name == "cpp":
         require_cpu_extension()
-    backends.set_moe_backend(name)
-    b = backends.get_moe_backend("cpu")
+    b = backends.resolve_moe_runtime("cpu", name).backend
+    assert b.name == name
     c = make_case(5, 64, 32, 8, 2, seed=60, w4a4=True)
-    w4a16 = md.NVFP4MoEWeights(*(getattr(c.nvfp4, f) for f in
-                                 ("w13_packed", "w13_scale", "w13_gs", "w2_packed", "w2_scale", "w2_gs")))
-    for w in (w4a16, c.nvfp4):
+    for w in (c.nvfp4.weight_only(), c.nvfp4):
         ref = md.torch_moe_nvfp4(c.x, c.topk_ids, c.topk_weights, w)
         assert rel_err(b.nvfp4(c.x, c.topk_ids, c.topk_weights, w), ref) < TOL
     ref = md.torch_moe_bf16(c.x, c.topk_ids, c.topk_weights, c.w13, c.w2)
@@ -102,11 +114,9 @@ def per_token_moe(c, w=None) -> torch.Tensor:
 def test_torch_backend_matches_a_per_token_loop(dtype):
     """The torch backend is the reference the other backends are held to, so it is checked against an
     implementation that shares none of its dispatch code (comparing it with itself could not fail)."""
-    backends.set_moe_backend("torch")
-    b = backends.get_moe_backend("cpu")
+    b = backends.resolve_moe_runtime("cpu", "torch").backend
     c = make_case(7, 64, 32, 6, 2, seed=61, dtype=dtype, w4a4=True)
-    w4a16 = md.NVFP4MoEWeights(*(getattr(c.nvfp4, f) for f in
-                                 ("w13_packed", "w13_scale", "w13_gs", "w2_packed", "w2_scale", "w2_gs")))
+    w4a16 = c.nvfp4.weight_only()
     tol = 1e-5 if dtype == torch.float32 else 4e-3   # summation order, then one bf16 rounding
     assert rel_err(b.bf16(c.x, c.topk_ids, c.topk_weights, c.w13, c.w2), per_token_moe(c)) < tol
     assert rel_err(b.nvfp4(c.x, c.topk_ids, c.topk_weights, w4a16), per_token_moe(c, w4a16)) < tol

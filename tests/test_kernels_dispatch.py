@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kernel_cases import make_case, rel_err
 
 from namazu.kernels import moe_dispatch as md
 from namazu.layers.experts import TorchExperts
 from namazu.quant.experts import NvFP4Experts
+from namazu.quant.nvfp4 import dequantize_weight, fake_quantize_activation
 
 
 def test_permute_unpermute_round_trip():
@@ -33,19 +35,36 @@ def test_bf16_reference_matches_torch_experts():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _token_by_token_nvfp4(c, w4a4: bool) -> torch.Tensor:
+    """Each (token, slot) through its dequantized expert, one at a time (fp32: no rounding between GEMMs)."""
+    w = c.nvfp4
+    out = torch.zeros_like(c.x)
+    for t in range(c.x.shape[0]):
+        for s in range(c.topk_ids.shape[1]):
+            e = int(c.topk_ids[t, s])
+            w13 = dequantize_weight(w.w13_packed[e], w.w13_scale[e], w.w13_gs[e], torch.float32)
+            w2 = dequantize_weight(w.w2_packed[e], w.w2_scale[e], w.w2_gs[e], torch.float32)
+            a = fake_quantize_activation(c.x[t:t + 1], w.a13_scale[e]) if w4a4 else c.x[t:t + 1]
+            h = a @ w13.T
+            act = F.silu(h[:, :32]) * h[:, 32:]
+            if w4a4:
+                act = fake_quantize_activation(act, w.a2_scale[e])
+            out[t] += c.topk_weights[t, s] * (act @ w2.T)[0]
+    return out
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_nvfp4_reference_matches_nvfp4_experts(mode):
+def test_nvfp4_reference_and_nvfp4_experts_match_token_by_token(mode):
     c = make_case(6, 64, 32, 4, 2, seed=3, dtype=torch.float32, w4a4=True)
-    m = NvFP4Experts(4, 64, 32, mode=mode)
+    m = NvFP4Experts(4, 64, 32, mode=mode)   # handed no backend: the module runs the torch reference
     for name in ("w13_packed", "w13_scale", "w13_gs", "w2_packed", "w2_scale", "w2_gs", "a13_scale", "a2_scale"):
         getattr(m, name).copy_(getattr(c.nvfp4, name))
-    w = c.nvfp4
-    if mode == "w4a16":
-        w = md.NVFP4MoEWeights(w.w13_packed, w.w13_scale, w.w13_gs, w.w2_packed, w.w2_scale, w.w2_gs)
-    with torch.no_grad():
-        want = m.forward_reference(c.x, c.topk_ids, c.topk_weights)  # forward() runs on the MoE backend
+    w = c.nvfp4 if mode == "w4a4" else c.nvfp4.weight_only()
+    want = _token_by_token_nvfp4(c, mode == "w4a4")
     got = md.torch_moe_nvfp4(c.x, c.topk_ids, c.topk_weights, w)
     assert rel_err(got, want) < 1e-5
+    with torch.no_grad():
+        assert torch.equal(m(c.x, c.topk_ids, c.topk_weights), got)
 
 
 def test_block_dispatch_layout():

@@ -2,13 +2,21 @@
 import pytest
 import torch
 
-import namazu.quant.experts as qe
+import namazu.kernels.moe_dispatch as md
 from namazu.config import ModelConfig
-from namazu.layers.experts import TorchExperts, make_experts
+from namazu.kernels import backends
+from namazu.layers.experts import TorchExperts
+from namazu.layers.moe import make_experts
 from namazu.quant.experts import NvFP4Experts, set_mode
 from namazu.quant.nvfp4 import dequantize_weight, fake_quantize_activation
 
 E, H, I, K = 6, 64, 32, 2
+# The serving path: the backend auto-resolved for the CPU (the C++ kernel where built).
+SERVING = backends.resolve_moe_runtime("cpu", "auto", "w4a16")
+
+
+def _reference(q: NvFP4Experts, x, ids, w):
+    return md.torch_moe_nvfp4(x, ids, w, q.moe_weights())
 
 
 def _src(dtype=torch.float32, seed=0):
@@ -45,9 +53,9 @@ def _dequantized_torch_experts(q: NvFP4Experts) -> TorchExperts:
 @torch.no_grad()
 def test_w4a16_equals_dequantized_reference_and_is_close_to_fp32():
     src = _src()
-    q = NvFP4Experts.from_experts(src, mode="w4a16")
+    q = NvFP4Experts.from_experts(src, mode="w4a16", runtime=SERVING)
     x, ids, w = _route()
-    out = q.forward_reference(x, ids, w)
+    out = _reference(q, x, ids, w)
     ref = _dequantized_torch_experts(q)(x, ids, w)
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
     # The serving path (MoE kernel backend) computes the same thing.
@@ -62,8 +70,8 @@ def test_w4a4_matches_a_token_by_token_emulation():
     src = _src()
     x, ids, w = _route()
     a13, a2 = _amax(src, x)
-    q = NvFP4Experts.from_experts(src, a13, a2, mode="w4a4")
-    out = q.forward_reference(x, ids, w)
+    q = NvFP4Experts.from_experts(src, a13, a2, mode="w4a4", runtime=SERVING)
+    out = _reference(q, x, ids, w)
     assert torch.allclose(q(x, ids, w), out, rtol=1e-4, atol=1e-5)   # the kernel backend agrees
     want = torch.zeros_like(x)
     for t in range(x.shape[0]):
@@ -76,23 +84,22 @@ def test_w4a4_matches_a_token_by_token_emulation():
             want[t] += w[t, s] * (fake_quantize_activation(act, q.a2_scale[e]) @ w2.T)[0]
     assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
     assert set_mode(q, "w4a16") == 1
-    w4a16 = q.forward_reference(x, ids, w)
+    w4a16 = _reference(q, x, ids, w)
     assert not torch.allclose(out, w4a16, rtol=1e-4)      # activations really are quantized in w4a4
     full = src(x, ids, w)
     assert ((out - full).norm() / full.norm()).item() < 0.3
 
 
 def test_only_touched_experts_are_dequantized(monkeypatch):
-    q = NvFP4Experts.from_experts(_src())
+    q = NvFP4Experts.from_experts(_src())    # handed no backend: the torch reference runs
     calls = []
-    real = qe.dequantize_weight
+    real = md.dequantize_weight
 
     def spy(packed, *a, **kw):
         calls.append(packed.data_ptr())
         return real(packed, *a, **kw)
 
-    monkeypatch.setattr(qe, "dequantize_weight", spy)
-    q.use_kernels = False
+    monkeypatch.setattr(md, "dequantize_weight", spy)
     x, _, w = _route(n=4)
     ids = torch.tensor([[1, 3], [3, 1], [1, 3], [3, 1]])
     before = q.resident_bytes()
@@ -161,9 +168,10 @@ def test_registered_as_nvfp4_format_honouring_exclude_modules(monkeypatch):
     cfg = ModelConfig(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_hidden_layers=3,
                       quantization_config={"quant_method": "modelopt", "quant_algo": "NVFP4",
                                            "exclude_modules": ["lm_head", "model.layers.2.mlp.experts*"]})
-    monkeypatch.setenv(qe.MODE_ENV, "w4a4")
-    m = make_experts("nvfp4", cfg, 1, dtype=torch.bfloat16)
-    assert isinstance(m, NvFP4Experts) and m.nvfp4_mode == "w4a4"
+    monkeypatch.setenv(backends.MODE_ENV, "w4a4")
+    runtime = backends.resolve_moe_runtime("cpu")   # reads the environment once
+    m = make_experts("nvfp4", cfg, 1, dtype=torch.bfloat16, runtime=runtime)
+    assert isinstance(m, NvFP4Experts) and m.nvfp4_mode == "w4a4" and m.runtime is runtime
     assert type(make_experts("nvfp4", cfg, 2, dtype=torch.bfloat16)) is TorchExperts
 
 
@@ -172,10 +180,10 @@ def test_backend_matches_reference_in_bf16_both_modes():
     src = _src(torch.bfloat16, seed=4)
     x, ids, w = _route(n=32, seed=5)
     x = x.to(torch.bfloat16)
-    q = NvFP4Experts.from_experts(src, *_amax(src, x))
+    q = NvFP4Experts.from_experts(src, *_amax(src, x), runtime=SERVING)
     for mode in ("w4a16", "w4a4"):
         set_mode(q, mode)
-        ref = q.forward_reference(x, ids, w).float()
+        ref = _reference(q, x, ids, w).float()
         got = q(x, ids, w).float()
         # same rounding points; only fp32 accumulation order (and W4A16's fp32 vs bf16 GEMM) differ
         assert ((got - ref).norm() / ref.norm()).item() < 0.01, mode

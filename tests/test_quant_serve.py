@@ -31,14 +31,13 @@ def test_llm_serves_a_calibrated_nvfp4_checkpoint(tmp_path):
     assert all(m.nvfp4_mode == "w4a16" and m.w13_packed.dtype == torch.uint8 for m in experts)
 
 
-def test_nvfp4_mode_flag_selects_w4a4(tmp_path, monkeypatch):
-    import namazu.quant.experts as qe
-
-    monkeypatch.setattr(qe, "_default_mode", None)  # the flag sets a process default; undo it after
+def test_nvfp4_mode_flag_selects_w4a4(tmp_path):
     _, out = _calibrated_checkpoint(tmp_path)
-    with LLM(str(out), executor="inline", dtype="float32", nvfp4_mode="w4a4") as llm:
+    with LLM(str(out), executor="inline", dtype="float32", nvfp4_mode="w4a4", moe_backend="torch") as llm:
         served = llm.engine.executor.worker.runner.model
         res = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(res[0].outputs[0].token_ids) == 4
     experts = [m for m in served.modules() if isinstance(m, NvFP4Experts)]
     assert experts and all(m.nvfp4_mode == "w4a4" for m in experts)
+    # The runner resolved both flags once and handed the same runtime to every expert module.
+    assert len({id(m.runtime) for m in experts}) == 1 and experts[0].runtime.backend.name == "torch"

@@ -1,4 +1,4 @@
-"""MoE backend choice: which implementation runs the routed experts, picked once per device type.
+"""MoE backend choice: which implementation runs the routed experts, resolved once per model at start-up.
 
 Backends (each matches the torch reference in moe_dispatch.py; tests compare them):
   torch   the reference itself (any device; dequantizes only the touched experts)
@@ -8,71 +8,39 @@ Backends (each matches the torch reference in moe_dispatch.py; tests compare the
 
 `auto` order: CPU: cpp, torch. GPU: triton, torch; the CUDA extension joins the front of the GPU order
 only once it has passed `make gpu-check` on a real GPU (CUDA_EXT_VALIDATED), until then it is opt-in.
-Force one with `set_moe_backend(name)`, the NAMAZU_MOE_BACKEND environment variable, or the engine's
-`--moe-backend` flag. A format a backend has no kernel for (BF16 on cpp/cuda, W4A4 on triton/cuda) runs
-on the torch reference; the start-up log line says so.
+Force one with the engine's `--moe-backend` flag or the NAMAZU_MOE_BACKEND environment variable.
+`resolve_moe_runtime` reads both (and the NVFP4 mode: `--nvfp4-mode` / NAMAZU_NVFP4_MODE) once; the
+runner hands the result to the model, whose expert modules keep it; there is no process-wide choice.
+A format a backend has no kernel for (BF16 on cpp/cuda, W4A4 on triton/cuda) runs on the torch
+reference; the start-up log line says so.
 """
 from __future__ import annotations
 
 import importlib
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from namazu.kernels import moe_dispatch
+from namazu.kernels.moe_types import MoEBackend, MoERuntime, NVFP4MoEWeights, check_nvfp4_mode
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "cpp", "triton", "cuda")
 ENV_VAR = "NAMAZU_MOE_BACKEND"
+MODE_ENV = "NAMAZU_NVFP4_MODE"
 # Flip to True in the commit that records a passing `make gpu-check` run in bench/RESULTS.md.
 CUDA_EXT_VALIDATED = False
 
-Bf16Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-Nvfp4Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, moe_dispatch.NVFP4MoEWeights], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class MoEBackend:
-    """The chosen routed-experts implementation for one device type, with its per-format functions.
-
-    `bf16(x, topk_ids, topk_weights, w13, w2)` and `nvfp4(x, topk_ids, topk_weights, weights)` both
-    return [N, H] in x's dtype; `nvfp4` runs W4A4 emulation when `weights.a13_scale` is set.
-    """
-
-    name: str
-    device_type: str
-    bf16_impl: str
-    w4a16_impl: str
-    w4a4_impl: str
-    _bf16: Bf16Fn
-    _w4a16: Nvfp4Fn
-    _w4a4: Nvfp4Fn
-
-    def bf16(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-             w2: torch.Tensor) -> torch.Tensor:
-        return self._bf16(x, topk_ids, topk_weights, w13, w2)
-
-    def nvfp4(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-              weights: moe_dispatch.NVFP4MoEWeights) -> torch.Tensor:
-        fn = self._w4a16 if weights.a13_scale is None else self._w4a4
-        return fn(x, topk_ids, topk_weights, weights)
-
-    def describe(self) -> str:
-        return f"{self.name} (bf16={self.bf16_impl}, nvfp4 w4a16={self.w4a16_impl}, w4a4={self.w4a4_impl})"
-
-
 # ---- the implementations -------------------------------------------------------------------------------
 
-def _cpp_nvfp4(x, topk_ids, topk_weights, w: moe_dispatch.NVFP4MoEWeights) -> torch.Tensor:
+def _cpp_nvfp4(x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.Tensor:
     return torch.ops.namazu.nvfp4_moe_cpu(x, topk_ids, topk_weights, w.w13_packed, w.w13_scale, w.w13_gs,
                                           w.w2_packed, w.w2_scale, w.w2_gs, w.a13_scale, w.a2_scale)
 
 
-def _cuda_nvfp4(x, topk_ids, topk_weights, w: moe_dispatch.NVFP4MoEWeights) -> torch.Tensor:
+def _cuda_nvfp4(x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.Tensor:
     from namazu.kernels import cuda_moe
     return cuda_moe.cuda_moe_nvfp4(x, topk_ids, topk_weights, w)
 
@@ -82,7 +50,7 @@ def _triton_bf16(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
     return triton_moe.triton_moe_bf16(x, topk_ids, topk_weights, w13, w2)
 
 
-def _triton_nvfp4(x, topk_ids, topk_weights, w: moe_dispatch.NVFP4MoEWeights) -> torch.Tensor:
+def _triton_nvfp4(x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.Tensor:
     from namazu.kernels import triton_moe
     return triton_moe.triton_moe_nvfp4(x, topk_ids, topk_weights, w)
 
@@ -140,40 +108,33 @@ def build_backend(name: str, device_type: str) -> MoEBackend:
     return MoEBackend("torch", device_type, "torch", "torch", "torch", ref_bf16, ref_fp4, ref_fp4)
 
 
-_forced: str | None = None
-_chosen: dict[str, MoEBackend] = {}
-
-
-def set_moe_backend(name: str | None) -> None:
-    """Forces a backend ("auto", "torch", "cpp", "triton", "cuda"; None = back to the environment / auto).
-    Call before the model's first forward: the choice is made once per device type."""
-    global _forced
-    if name is not None and name != "auto" and name not in BACKENDS:
-        raise ValueError(f"unknown MoE backend '{name}'; choose one of auto, {', '.join(BACKENDS)}")
-    _forced = name
-    _chosen.clear()
-
-
-def get_moe_backend(device: torch.device | str | None = None) -> MoEBackend:
-    """The backend for `device` (default CPU), chosen on first use and logged; later calls reuse it."""
-    device_type = torch.device(device).type if device is not None else "cpu"
-    backend = _chosen.get(device_type)
-    if backend is not None:
-        return backend
-    requested = _forced or os.environ.get(ENV_VAR, "auto") or "auto"
-    if requested == "auto":
-        skipped = []
-        for name in auto_order(device_type):
-            ok, why = availability(name, device_type)
-            if ok:
-                backend = build_backend(name, device_type)
-                break
-            skipped.append(f"{name}: {why}")
-        assert backend is not None  # torch is always available
-        note = f"; skipped {'; '.join(skipped)}" if skipped else ""
-        logger.info("MoE backend on %s: %s, auto%s", device_type, backend.describe(), note)
-    else:
+def select_moe_backend(name: str | None, device: torch.device | str = "cpu") -> MoEBackend:
+    """The backend for `device`: `name` ("auto", a backend name, or None = the environment, else auto).
+    Logs the choice; raises naming the backend when it is unknown or unusable here."""
+    device_type = torch.device(device).type
+    requested = name if name not in (None, "auto") else (os.environ.get(ENV_VAR) or "auto")
+    if requested != "auto" and requested not in BACKENDS:
+        raise ValueError(f"unknown MoE backend '{requested}'; choose one of auto, {', '.join(BACKENDS)}")
+    if requested != "auto":
         backend = build_backend(requested, device_type)
         logger.info("MoE backend on %s: %s, forced", device_type, backend.describe())
-    _chosen[device_type] = backend
+        return backend
+    skipped = []
+    for candidate in auto_order(device_type):
+        ok, why = availability(candidate, device_type)
+        if ok:
+            backend = build_backend(candidate, device_type)
+            break
+        skipped.append(f"{candidate}: {why}")
+    note = f"; skipped {'; '.join(skipped)}" if skipped else ""
+    logger.info("MoE backend on %s: %s, auto%s", device_type, backend.describe(), note)
     return backend
+
+
+def resolve_moe_runtime(device: torch.device | str = "cpu", moe_backend: str | None = "auto",
+                        nvfp4_mode: str | None = "auto") -> MoERuntime:
+    """The routed experts' runtime for a model on `device`, from the engine flags ("auto" or None defer to
+    NAMAZU_MOE_BACKEND / NAMAZU_NVFP4_MODE, then to auto / w4a16). Call once per model, before building it."""
+    mode = nvfp4_mode if nvfp4_mode not in (None, "auto") else (os.environ.get(MODE_ENV) or "w4a16")
+    check_nvfp4_mode(mode)  # before choosing a backend: a bad flag fails first, with its own message
+    return MoERuntime(select_moe_backend(moe_backend, device), mode)

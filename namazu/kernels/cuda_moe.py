@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from namazu.kernels.moe_dispatch import NVFP4MoEWeights, block_dispatch
+from namazu.kernels.moe_dispatch import block_dispatch
+from namazu.kernels.moe_types import NVFP4MoEWeights
 
 BLOCK_M = 16   # NVFP4_GEMM_BLOCK_M in nvfp4_grouped_gemm.h
 K_ALIGN = 128  # NVFP4_GEMM_K_ALIGN

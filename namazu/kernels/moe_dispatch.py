@@ -9,9 +9,10 @@ The pieces, in the order a grouped-GEMM MoE runs them:
   grouped_gemm  down: [m_e, I] x [H, I]^T
   unpermute     scale each row by its top-k weight and sum the k rows of every token back into [N, H]
 
-Every faster backend (C++ CPU, Triton, CUDA) is tested against these functions. They read expert sizes
-on the host (`counts.tolist()`), which is fine for a reference and for the torch fallback backend, and
-they dequantize only the experts a batch touches, never a BF16 copy of all of them.
+`torch_moe_bf16` and `torch_moe_nvfp4` are namazu's one plain-torch MoE reference: every faster backend
+(C++ CPU, Triton, CUDA) is tested against them, and NVFP4 experts handed no backend run them. They
+read expert sizes on the host (`counts.tolist()`), which is fine for a reference and for the torch
+fallback backend, and they dequantize only the experts a batch touches, never a BF16 copy of all of them.
 
 NVFP4 layout of a stacked experts tensor (ModelOpt's per-linear tensors stacked over experts):
 packed uint8 [E, out, in/2] (first element in the low nibble), block scales float8_e4m3fn
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from namazu.layers.experts import sort_by_expert
-from namazu.quant.nvfp4 import dequantize_weight, fake_quantize_activation, input_scale_for, quantize_weight
+from namazu.kernels.moe_types import NVFP4MoEWeights, sort_by_expert
+from namazu.quant.nvfp4 import dequantize_weight, fake_quantize_activation
 
 
 @dataclass
@@ -36,86 +37,6 @@ class MoEDispatch:
     token: torch.Tensor     # [N*k] int64, token of each sorted row (order // k)
     counts: torch.Tensor    # [E] int64, rows per expert
     offsets: torch.Tensor   # [E+1] int64, cumulative counts: expert e owns rows offsets[e]:offsets[e+1]
-
-
-@dataclass
-class NVFP4MoEWeights:
-    """The packed weights of all routed experts of one layer, as the NVFP4 kernels consume them.
-
-    `a13_scale` / `a2_scale` are the calibrated activation input scales ([E] fp32), present only for
-    W4A4 emulation; W4A16 (Hopper's weight-only path) leaves them None.
-    """
-
-    w13_packed: torch.Tensor   # [E, 2I, H/2] uint8, gate rows then up rows
-    w13_scale: torch.Tensor    # [E, 2I, H/16] float8_e4m3fn
-    w13_gs: torch.Tensor       # [E] fp32 (gate and up share it)
-    w2_packed: torch.Tensor    # [E, H, I/2] uint8
-    w2_scale: torch.Tensor     # [E, H, I/16] float8_e4m3fn
-    w2_gs: torch.Tensor        # [E] fp32
-    a13_scale: torch.Tensor | None = None
-    a2_scale: torch.Tensor | None = None
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13_packed.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w13_packed.shape[2] * 2
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13_packed.shape[1] // 2
-
-    def validate(self) -> None:
-        """Checks shapes and dtypes against each other; raises ValueError naming the bad tensor."""
-        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        want = {
-            "w13_packed": ((e, 2 * i, h // 2), torch.uint8),
-            "w13_scale": ((e, 2 * i, h // 16), torch.float8_e4m3fn),
-            "w13_gs": ((e,), torch.float32),
-            "w2_packed": ((e, h, i // 2), torch.uint8),
-            "w2_scale": ((e, h, i // 16), torch.float8_e4m3fn),
-            "w2_gs": ((e,), torch.float32),
-        }
-        if h % 16 or i % 16:
-            raise ValueError(f"NVFP4 experts need hidden ({h}) and intermediate ({i}) sizes divisible by 16")
-        for name, (shape, dtype) in want.items():
-            t = getattr(self, name)
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(f"NVFP4 expert tensor {name}: got {tuple(t.shape)} {t.dtype}, "
-                                 f"expected {shape} {dtype}")
-        if (self.a13_scale is None) != (self.a2_scale is None):
-            raise ValueError("W4A4 needs both a13_scale and a2_scale (or neither for W4A16)")
-        for name in ("a13_scale", "a2_scale"):
-            t = getattr(self, name)
-            if t is not None and (tuple(t.shape) != (e,) or t.dtype != torch.float32):
-                raise ValueError(f"NVFP4 expert tensor {name}: got {tuple(t.shape)} {t.dtype}, expected ({e},) fp32")
-
-    def packed_bytes_per_expert(self) -> int:
-        """Bytes a kernel reads for one touched expert (packed values + block scales + global scales)."""
-        total = 0
-        for name in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
-            t = getattr(self, name)
-            total += t[0].numel() * t.element_size()
-        return total + 8
-
-
-def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, a13_amax: torch.Tensor | None = None,
-                     a2_amax: torch.Tensor | None = None) -> NVFP4MoEWeights:
-    """Stacked high-precision experts (w13 [E, 2I, H], w2 [E, H, I]) -> NVFP4MoEWeights, one expert at a
-    time (gate and up share the global scale: the one of the whole w13[e], the max of the two).
-    With calibrated input amaxes [E] the result carries W4A4 input scales."""
-    parts13 = [quantize_weight(w13[e], name=f"w13[{e}]") for e in range(w13.shape[0])]
-    parts2 = [quantize_weight(w2[e], name=f"w2[{e}]") for e in range(w2.shape[0])]
-    p13, s13, g13 = (torch.stack(t) for t in zip(*parts13))
-    p2, s2, g2 = (torch.stack(t) for t in zip(*parts2))
-    w = NVFP4MoEWeights(p13, s13, g13, p2, s2, g2)
-    if a13_amax is not None and a2_amax is not None:
-        w.a13_scale = input_scale_for(a13_amax).to(w13.device)
-        w.a2_scale = input_scale_for(a2_amax).to(w13.device)
-    w.validate()
-    return w
 
 
 def random_nvfp4_weights(num_experts: int, hidden: int, inter: int, device: torch.device | str = "cpu",
@@ -162,17 +83,41 @@ def unpermute(ys: torch.Tensor, d: MoEDispatch, topk_weights: torch.Tensor, num_
     return out.index_add_(0, d.token, ys.float() * w)
 
 
-def grouped_gemm(xs: torch.Tensor, weight_of, counts: torch.Tensor) -> torch.Tensor:
+def grouped_gemm(xs: torch.Tensor, weight_of, counts: torch.Tensor, quantize_input=None) -> torch.Tensor:
     """y[rows of e] = xs[rows of e] @ weight_of(e).T for every expert with rows; experts without rows are
-    skipped (their weights are never touched). `weight_of(e) -> [out, in]` lets NVFP4 dequantize lazily."""
+    skipped (their weights are never touched). `weight_of(e) -> [out, in]` lets NVFP4 dequantize lazily;
+    `quantize_input(e, rows)` rounds an expert's input rows first (W4A4 emulation)."""
     chunks, start = [], 0
     for e, m in enumerate(counts.tolist()):
         if m:
-            chunks.append(xs[start:start + m] @ weight_of(e).to(xs.dtype).T)
+            a = xs[start:start + m]
+            if quantize_input is not None:
+                a = quantize_input(e, a)
+            chunks.append(a @ weight_of(e).to(xs.dtype).T)
             start += m
     if not chunks:
         return xs.new_zeros(0, 0)
     return torch.cat(chunks, 0)
+
+
+def _torch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+               w13_of, w2_of, a13_quant=None, a2_quant=None) -> torch.Tensor:
+    """The reference pipeline both formats share, in fp32: dispatch, gate_up, SiLU-and-mul, down, weighted
+    sum. With activation quantization (W4A4) the gate_up output and the SiLU product are rounded to x's
+    dtype before the next quantization, as Blackwell MoE pipelines write them between GEMMs."""
+    d = dispatch(topk_ids, num_experts)
+    xs = permute(x, d).float()
+    h = grouped_gemm(xs, w13_of, d.counts, a13_quant)
+    if h.numel() == 0:
+        return torch.zeros_like(x)
+    round_between = a13_quant is not None
+    if round_between:
+        h = h.to(x.dtype).float()
+    act = silu_and_mul(h)
+    if round_between:
+        act = act.to(x.dtype).float()
+    ys = grouped_gemm(act, w2_of, d.counts, a2_quant)
+    return unpermute(ys, d, topk_weights, x.shape[0]).to(x.dtype)
 
 
 def torch_moe_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -182,13 +127,7 @@ def torch_moe_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     Computes in fp32 from the given values (bf16 products are exact in fp32), so a kernel's error against
     it is the kernel's own rounding; the result is cast to x's dtype once.
     """
-    d = dispatch(topk_ids, w13.shape[0])
-    xs = permute(x, d).float()
-    h = silu_and_mul(grouped_gemm(xs, lambda e: w13[e], d.counts))
-    ys = grouped_gemm(h, lambda e: w2[e], d.counts)
-    if ys.numel() == 0:
-        return torch.zeros_like(x)
-    return unpermute(ys, d, topk_weights, x.shape[0]).to(x.dtype)
+    return _torch_moe(x, topk_ids, topk_weights, w13.shape[0], lambda e: w13[e], lambda e: w2[e])
 
 
 def torch_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -196,35 +135,18 @@ def torch_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     """Reference MoE over NVFP4 weights: dequantizes each touched expert to fp32 and runs fp32 GEMMs.
 
     W4A16 when `w.a13_scale` is None; otherwise W4A4 emulation (both GEMM inputs rounded to NVFP4 with the
-    expert's calibrated input scale before each GEMM, products accumulated in fp32). In W4A4 the gate_up
-    output and the SiLU product are rounded to x's dtype before the next quantization, as Blackwell MoE
-    pipelines write them between GEMMs (and as namazu.quant.experts.NvFP4Experts emulates them).
+    expert's calibrated input scale before each GEMM, products accumulated in fp32, rounding between the
+    GEMMs as `_torch_moe` says; the C++ kernel rounds at the same points).
     """
-    d = dispatch(topk_ids, w.num_experts)
-    xs = permute(x, d).float()
-    w4a4 = w.a13_scale is not None
+    def dequant(packed, scale, gs):
+        return lambda e: dequantize_weight(packed[e], scale[e], gs[e], dtype=torch.float32)
 
-    def gemm(inp, packed, scale, gs, act_scale):
-        chunks, start = [], 0
-        for e, m in enumerate(d.counts.tolist()):
-            if m:
-                a = inp[start:start + m]
-                if w4a4:
-                    a = fake_quantize_activation(a, act_scale[e])
-                chunks.append(a @ dequantize_weight(packed[e], scale[e], gs[e], dtype=torch.float32).T)
-                start += m
-        return torch.cat(chunks, 0) if chunks else inp.new_zeros(0, 0)
-
-    h = gemm(xs, w.w13_packed, w.w13_scale, w.w13_gs, w.a13_scale)
-    if h.numel() == 0:
-        return torch.zeros_like(x)
-    if w4a4:
-        h = h.to(x.dtype).float()
-    act = silu_and_mul(h)
-    if w4a4:
-        act = act.to(x.dtype).float()
-    ys = gemm(act, w.w2_packed, w.w2_scale, w.w2_gs, w.a2_scale)
-    return unpermute(ys, d, topk_weights, x.shape[0]).to(x.dtype)
+    a13_quant = a2_quant = None
+    if w.a13_scale is not None:
+        a13_quant = lambda e, a: fake_quantize_activation(a, w.a13_scale[e])  # noqa: E731
+        a2_quant = lambda e, a: fake_quantize_activation(a, w.a2_scale[e])  # noqa: E731
+    return _torch_moe(x, topk_ids, topk_weights, w.num_experts, dequant(w.w13_packed, w.w13_scale, w.w13_gs),
+                      dequant(w.w2_packed, w.w2_scale, w.w2_gs), a13_quant, a2_quant)
 
 
 @dataclass

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from namazu.kernels.moe_dispatch import BlockDispatch, NVFP4MoEWeights, block_dispatch
+from namazu.kernels.moe_dispatch import BlockDispatch, block_dispatch
+from namazu.kernels.moe_types import NVFP4MoEWeights
 
 try:
     import triton

@@ -10,14 +10,16 @@ Weights are addressed the way checkpoints name them: expert `e`, projection `gat
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-PROJS = ("gate_proj", "up_proj", "down_proj")
-# torch's grouped GEMM (CPU and sm90+ GPUs); older torch falls back to the gathered reference.
+from namazu.kernels.moe_types import PROJS, MoERuntime, sort_by_expert
+from namazu.layers.weight_loading import Loaded, TPShard, load_shard
+
+# torch's grouped GEMM (CPU and sm90+ GPUs); older torch falls back to the gathered path.
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
@@ -25,15 +27,32 @@ class RoutedExperts(nn.Module, abc.ABC):
     """Base class of every routed-experts implementation.
 
     `forward(x [N, H], topk_ids [N, k] int64, topk_weights [N, k] fp32) -> [N, H]` in x's dtype.
+    `runtime` is the MoERuntime the model was built with (which kernel backend runs the forward).
+    Under tensor parallelism (`tp`) every expert is held sliced along its intermediate dimension: gate and
+    up rows, down columns; `intermediate_size` is the slice this module holds.
     """
 
     num_experts: int
     hidden_size: int
     intermediate_size: int
+    runtime: MoERuntime
+    tp: TPShard
+
+    @property
+    def full_intermediate_size(self) -> int:
+        return self.intermediate_size * self.tp.size
+
+    def shard_of(self, proj: str) -> tuple[tuple[int, int], int]:
+        """(full checkpoint shape [out, in] of one expert's `proj` weight, the dimension ranks split)."""
+        if proj not in PROJS:
+            raise KeyError(f"unknown projection {proj!r}; expected one of {PROJS}")
+        i, h = self.full_intermediate_size, self.hidden_size
+        return ((h, i), 1) if proj == "down_proj" else ((i, h), 0)
 
     @abc.abstractmethod
-    def load_expert_param(self, expert: int, proj: str, param: str, tensor: torch.Tensor) -> None:
-        """Copies one checkpoint tensor (expert `expert`, projection `proj`, parameter `param`) in."""
+    def load_expert_param(self, expert: int, proj: str, param: str, tensor: Loaded) -> None:
+        """The weight loader of the stacked expert tensors: copies this rank's part of one checkpoint tensor
+        (expert `expert`, projection `proj`, parameter `param`; a tensor or a LazyTensor) in."""
 
     @abc.abstractmethod
     def expert_params(self) -> Iterator[tuple[int, str, str, torch.Tensor]]:
@@ -44,22 +63,6 @@ class RoutedExperts(nn.Module, abc.ABC):
         """param name -> (shape per proj, dtype) that `load_expert_param` accepts, for load-time checks."""
 
 
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Groups the N*k (token, slot) pairs by expert, with static shapes and no host sync.
-
-    Returns (order [N*k]: indices into the flattened topk pairs, sorted by expert;
-    counts [E]; offsets [E+1] cumulative). Token of pair p is p // k.
-    """
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    # scatter_add instead of bincount: bincount sizes its output from the data (a device sync on GPU).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    offsets[1:] = torch.cumsum(counts, 0)
-    return order, counts, offsets
-
-
 class TorchExperts(RoutedExperts):
     """BF16/FP32 experts stored as stacked tensors; differentiable, used for training and as the reference.
 
@@ -67,9 +70,12 @@ class TorchExperts(RoutedExperts):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 runtime: MoERuntime | None = None, tp: TPShard = TPShard()):
         super().__init__()
+        intermediate_size = tp.split(intermediate_size, "moe_intermediate_size")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.runtime, self.tp = runtime or MoERuntime(), tp
         kw = {"dtype": dtype, "device": device}
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
@@ -91,13 +97,14 @@ class TorchExperts(RoutedExperts):
     def expected_params(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         return {"weight": ((0,), None)}
 
-    def load_expert_param(self, expert: int, proj: str, param: str, tensor: torch.Tensor) -> None:
+    def load_expert_param(self, expert: int, proj: str, param: str, tensor: Loaded) -> None:
         if param != "weight":
             raise KeyError(f"unexpected expert parameter '{param}' for a BF16 expert")
-        dst = self._slice(expert, proj)
-        if tuple(tensor.shape) != tuple(dst.shape):
-            raise ValueError(f"expert {expert} {proj}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(tensor.to(dst.dtype))
+        full, dim = self.shard_of(proj)
+        try:
+            load_shard(self._slice(expert, proj), tensor, full, dim, self.tp.rank)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"expert {expert} {proj}: {err}") from err
 
     def expert_params(self) -> Iterator[tuple[int, str, str, torch.Tensor]]:
         for e in range(self.num_experts):
@@ -109,10 +116,8 @@ class TorchExperts(RoutedExperts):
             return self._forward_grouped(x, topk_ids, topk_weights)
         # A kernel backend with its own BF16 kernel (the fused Triton MoE on GPU) takes inference; the
         # torch paths below are the CPU default and the fallback.
-        from namazu.kernels.backends import get_moe_backend
-
-        backend = get_moe_backend(x.device)
-        if backend.bf16_impl != "torch":
+        backend = self.runtime.backend_for(x.device)
+        if backend is not None and backend.bf16_impl != "torch":
             return backend.bf16(x, topk_ids, topk_weights, self.w13, self.w2)
         if _HAS_GROUPED_MM and x.dtype == self.w13.dtype and x.dtype in (torch.bfloat16, torch.float32):
             return self._forward_grouped_mm(x, topk_ids, topk_weights)
@@ -156,8 +161,8 @@ class TorchExperts(RoutedExperts):
     @torch.no_grad()
     def _forward_gathered(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                           pairs_per_chunk: int = 256) -> torch.Tensor:
-        """Inference reference with static shapes and no host sync: gathers each (token, slot)'s expert
-        weights and runs batched mat-vecs, chunked to bound the gathered-weight memory."""
+        """Inference fallback (for dtypes grouped_mm lacks) with static shapes and no host sync: gathers each
+        (token, slot)'s expert weights and runs batched mat-vecs, chunked to bound the gathered-weight memory."""
         n, k = topk_ids.shape
         ids = topk_ids.reshape(-1)
         xs = x.repeat_interleave(k, dim=0)
@@ -172,29 +177,3 @@ class TorchExperts(RoutedExperts):
         if not outs:
             return torch.zeros_like(x)
         return torch.cat(outs, 0).view(n, k, -1).sum(1)
-
-
-# -- formats ----------------------------------------------------------------------------------------
-# A format builds the experts of one MoE layer: make_experts(fmt, cfg, layer_idx, dtype, device).
-ExpertsFactory = Callable[..., RoutedExperts]
-_FORMATS: dict[str, ExpertsFactory] = {}
-
-
-def register_experts_format(name: str, factory: ExpertsFactory) -> None:
-    _FORMATS[name] = factory
-
-
-def make_experts(fmt: str, cfg, layer_idx: int, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> RoutedExperts:
-    if fmt not in _FORMATS and fmt == "nvfp4":
-        import namazu.quant.experts  # noqa: F401  (registers the format on import)
-    if fmt not in _FORMATS:
-        raise ValueError(f"unknown routed-experts format {fmt!r}; known: {sorted(_FORMATS)}")
-    return _FORMATS[fmt](cfg, layer_idx, dtype=dtype, device=device)
-
-
-def _torch_experts(cfg, layer_idx: int, dtype=None, device=None) -> TorchExperts:
-    return TorchExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
-
-
-register_experts_format("bf16", _torch_experts)

@@ -15,8 +15,10 @@ from torch import nn
 
 from namazu.config import ModelConfig
 from namazu.context import get_forward_context
+from namazu.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from namazu.layers.norm import RMSNorm
 from namazu.layers.rotary import RotaryEmbedding, yarn_softmax_scale
+from namazu.layers.weight_loading import TPShard
 
 
 def latent_attention_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
@@ -36,11 +38,17 @@ def latent_attention_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Ten
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype | None = None, device=None):
+    """Under tensor parallelism a rank holds whole heads: q / q_b, kv_b by output rows, o_proj by input
+    columns; the latent down-projections (q_a, kv_a) and their norms are replicated."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype | None = None, device=None,
+                 tp: TPShard = TPShard()):
         super().__init__()
         kw = {"dtype": dtype, "device": device}
+        tkw = {**kw, "tp": tp}
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
+        self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")  # this rank's heads
+        heads = cfg.num_attention_heads
         self.q_lora_rank = cfg.q_lora_rank
         self.kv_lora_rank = cfg.kv_lora_rank
         self.qk_nope_head_dim = cfg.qk_nope_head_dim
@@ -50,16 +58,16 @@ class MLAAttention(nn.Module):
         bias = cfg.attention_bias
         h = cfg.hidden_size
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, self.num_heads * self.qk_head_dim, bias=False, **kw)
+            self.q_proj = ColumnParallelLinear(h, heads * self.qk_head_dim, bias=False, **tkw)
         else:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=bias, **kw)
+            self.q_a_proj = ReplicatedLinear(h, cfg.q_lora_rank, bias=bias, **tkw)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **kw)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False, **kw)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias, **kw)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * self.qk_head_dim, bias=False, **tkw)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias, **tkw)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, **kw)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank,
-                                   self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False, **kw)
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, h, bias=bias, **kw)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim),
+                                              bias=False, **tkw)
+        self.o_proj = RowParallelLinear(heads * self.v_head_dim, h, bias=bias, **tkw)
         self.rotary = RotaryEmbedding(cfg.rope, self.qk_rope_head_dim, cfg.rope_interleave)
         self.softmax_scale = yarn_softmax_scale(cfg.rope, self.qk_head_dim)
 

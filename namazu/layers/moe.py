@@ -6,18 +6,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from namazu.config import ModelConfig
-from namazu.layers.experts import RoutedExperts, make_experts
+from namazu.kernels.moe_types import MoERuntime
+from namazu.layers.experts import RoutedExperts, TorchExperts
+from namazu.layers.linear import ColumnParallelLinear, RowParallelLinear
+from namazu.layers.weight_loading import TPShard
+from namazu.quant.experts import nvfp4_experts_for_layer
+
+EXPERTS_FORMATS = ("bf16", "nvfp4")
+
+
+def make_experts(fmt: str, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, runtime: MoERuntime | None = None,
+                 tp: TPShard = TPShard()) -> RoutedExperts:
+    """The routed experts of one MoE layer in checkpoint format `fmt`, running on `runtime`; under tensor
+    parallelism every rank holds all experts, each sharded along its intermediate dimension."""
+    if fmt == "bf16":
+        return TorchExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device,
+                            runtime=runtime, tp=tp)
+    if fmt == "nvfp4":
+        return nvfp4_experts_for_layer(cfg, layer_idx, dtype, device, runtime, tp)
+    raise ValueError(f"unknown routed-experts format {fmt!r}; known: {list(EXPERTS_FORMATS)}")
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: the dense layers' FFN and the shared experts."""
+    """SwiGLU MLP: the dense layers' FFN and the shared experts (a rank holds a slice of the intermediate)."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype | None = None, device=None):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype | None = None, device=None,
+                 tp: TPShard = TPShard()):
         super().__init__()
-        kw = {"bias": False, "dtype": dtype, "device": device}
-        self.gate_proj = nn.Linear(hidden, inter, **kw)
-        self.up_proj = nn.Linear(hidden, inter, **kw)
-        self.down_proj = nn.Linear(inter, hidden, **kw)
+        kw = {"bias": False, "dtype": dtype, "device": device, "tp": tp}
+        self.gate_proj = ColumnParallelLinear(hidden, inter, **kw)
+        self.up_proj = ColumnParallelLinear(hidden, inter, **kw)
+        self.down_proj = RowParallelLinear(inter, hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -96,12 +116,13 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, experts_format: str = "bf16",
-                 dtype: torch.dtype | None = None, device=None):
+                 dtype: torch.dtype | None = None, device=None, runtime: MoERuntime | None = None,
+                 tp: TPShard = TPShard()):
         super().__init__()
         self.gate = Router(cfg, dtype=dtype, device=device)
-        self.experts: RoutedExperts = make_experts(experts_format, cfg, layer_idx, dtype=dtype, device=device)
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device)
-                               if cfg.n_shared_experts else None)
+        self.experts: RoutedExperts = make_experts(experts_format, cfg, layer_idx, dtype, device, runtime, tp)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device,
+                                   tp) if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from namazu.config import ModelConfig
+from namazu.layers.weight_loading import LazyTensor
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -45,24 +46,55 @@ def checkpoint_files(path: str | os.PathLike) -> list[str]:
     return [os.path.join(path, f) for f in found]
 
 
-def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                         name: str = "?") -> torch.Tensor:
-    """DeepSeek block FP8: one fp32 `weight_scale_inv` per (block[0] x block[1]) tile; edge tiles are partial."""
-    out_f, in_f = weight.shape
+def _check_fp8_scale(weight_shape, scale_shape, block: tuple[int, int], name: str) -> None:
+    out_f, in_f = weight_shape
     bo, bi = block
     expect = ((out_f + bo - 1) // bo, (in_f + bi - 1) // bi)
-    if tuple(scale_inv.shape) != expect:
-        raise CheckpointError(f"{name}.weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {expect} "
-                              f"for a {tuple(weight.shape)} weight in {bo}x{bi} blocks")
-    scale = scale_inv.float().repeat_interleave(bo, 0)[:out_f].repeat_interleave(bi, 1)[:, :in_f]
+    if tuple(scale_shape) != expect:
+        raise CheckpointError(f"{name}.weight_scale_inv has shape {tuple(scale_shape)}, expected {expect} "
+                              f"for a {tuple(weight_shape)} weight in {bo}x{bi} blocks")
+
+
+def _apply_fp8_scale(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                     offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """weight (a [rows, cols] window starting at `offset` of the full weight) times its tiles' scales;
+    `scale_inv` holds the tiles from the one containing `offset` on. Edge tiles may be partial."""
+    (bo, bi), (r0, c0) = block, offset
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(bo, 0).repeat_interleave(bi, 1)
+    scale = scale[r0 % bo: r0 % bo + rows, c0 % bi: c0 % bi + cols]
     return weight.float() * scale
 
 
-def iter_checkpoint(path: str | os.PathLike, config: ModelConfig | None = None,
-                    progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+class LazyFP8BlockTensor(LazyTensor):
+    """DeepSeek block FP8: one fp32 `weight_scale_inv` per (block[0] x block[1]) tile (edge tiles partial),
+    read as the dequantized fp32 weight. A range along one dimension reads only that range of the codes
+    and the scale tiles covering it, so a tensor-parallel rank dequantizes only its slice."""
+
+    def __init__(self, handle, name: str, scale: LazyTensor, block: tuple[int, int]):
+        super().__init__(handle, name)
+        _check_fp8_scale(self.shape, scale.shape, block, name[: -len(".weight")])
+        self._scale, self._block = scale, block
+        self.dtype = torch.float32
+
+    def read(self) -> torch.Tensor:
+        return _apply_fp8_scale(self._read(None), self._scale.read(), self._block)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        b = self._block[dim]
+        first, last = start // b, (start + length - 1) // b
+        scale = self._scale.narrow(dim, first, last - first + 1)
+        offset = (start, 0) if dim == 0 else (0, start)
+        return _apply_fp8_scale(super().narrow(dim, start, length), scale, self._block, offset)
+
+
+def iter_checkpoint(path: str | os.PathLike, config: ModelConfig | None = None, progress: bool = True,
+                    lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
     """Yields (name, tensor) for every tensor; FP8 block-quantized weights come out dequantized (fp32).
 
     Tensors are read lazily from memory-mapped files, so peak memory is one tensor, not the checkpoint.
+    With `lazy`, every tensor comes as a LazyTensor (FP8 weights as LazyFP8BlockTensor): nothing is read
+    until a parameter's weight loader asks for (its slice of) it.
     """
     config = config or ModelConfig.from_pretrained(path)
     qcfg = config.quantization_config or {}
@@ -76,14 +108,16 @@ def iter_checkpoint(path: str | os.PathLike, config: ModelConfig | None = None,
     for h, name in bar:
         if name.endswith(".weight_scale_inv") and fp8:
             continue
-        t = h.get_tensor(name)
+        try:
+            t = LazyTensor(h, name)
+        except TypeError as err:
+            raise CheckpointError(str(err)) from err
         if fp8 and t.dtype == torch.float8_e4m3fn and name.endswith(".weight"):
             scale_name = name[: -len("weight")] + "weight_scale_inv"
             if scale_name not in owner:
                 raise CheckpointError(f"{name} is float8_e4m3fn but {scale_name} is missing")
-            scale = owner[scale_name].get_tensor(scale_name)
-            t = dequantize_fp8_block(t, scale, block, name[: -len(".weight")])
-        yield name, t
+            t = LazyFP8BlockTensor(h, name, LazyTensor(owner[scale_name], scale_name), block)
+        yield name, (t if lazy else t.read())
 
 
 def save_checkpoint(model, path: str | os.PathLike, dtype: torch.dtype | None = None,

@@ -11,21 +11,25 @@ import torch
 from torch import nn
 
 from namazu.config import ModelConfig
+from namazu.kernels.moe_types import MoERuntime
+from namazu.layers.linear import ColumnParallelLinear
 from namazu.layers.mla import MLAAttention
 from namazu.layers.moe import MLP, MoE
 from namazu.layers.norm import RMSNorm
+from namazu.layers.weight_loading import TPShard
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, experts_format: str, dtype, device):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, experts_format: str, dtype, device,
+                 runtime: MoERuntime | None, tp: TPShard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = MLAAttention(cfg, layer_idx, dtype, device)
+        self.self_attn = MLAAttention(cfg, layer_idx, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp: nn.Module = MoE(cfg, layer_idx, experts_format, dtype, device)
+            self.mlp: nn.Module = MoE(cfg, layer_idx, experts_format, dtype, device, runtime, tp)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, tp)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions)
@@ -33,22 +37,29 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, experts_format: str, dtype, device):
+    def __init__(self, cfg: ModelConfig, experts_format: str, dtype, device, runtime: MoERuntime | None,
+                 tp: TPShard):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, experts_format, dtype, device) for i in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, i, experts_format, dtype, device, runtime, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
+    """`runtime`: how the routed experts run (kernels.backends.resolve_moe_runtime; None: the torch
+    reference). `tp`: the tensor-parallel shard this copy holds; the embedding is replicated, lm_head holds
+    a slice of the vocabulary (unless tied to the embedding)."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 experts_format: str = "bf16"):
+                 experts_format: str = "bf16", runtime: MoERuntime | None = None, tp: TPShard = TPShard()):
         super().__init__()
         self.config = config
         self.experts_format = experts_format
-        self.model = DeepseekV3Model(config, experts_format, dtype, device)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.tp = tp
+        self.model = DeepseekV3Model(config, experts_format, dtype, device, runtime, tp)
+        self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
+                                            device=device, tp=TPShard() if config.tie_word_embeddings else tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -69,6 +80,10 @@ class DeepseekV3ForCausalLM(nn.Module):
 
         Returns the final-normed hidden states and {layer index: that layer's output hidden state}.
         """
+        if self.tp.size > 1:
+            raise RuntimeError(f"this model holds rank {self.tp.rank}'s shard of a tensor-parallel model of size "
+                               f"{self.tp.size}; its forward needs the all-reduce of tensor-parallel serving, "
+                               f"which namazu does not run yet (load with tp_size 1)")
         if positions is None:
             t = input_ids.shape[-1]
             positions = torch.arange(t, device=input_ids.device).expand_as(input_ids)

@@ -1,15 +1,24 @@
-"""Builds a DeepseekV3ForCausalLM from a checkpoint directory, checking every tensor against the model."""
+"""Builds a DeepseekV3ForCausalLM from a checkpoint directory, checking every tensor against the model.
+
+Each checkpoint tensor goes to the weight loader of the parameter it names (`param.weight_loader`, else
+`default_weight_loader`; routed experts: their module's `load_expert_param`), which copies the part this
+rank holds. Tensors arrive as LazyTensors, so a rank of a tensor-parallel model reads only its slices.
+"""
 from __future__ import annotations
 
 import logging
 import os
 import re
 import time
+from collections.abc import Iterable
 
 import torch
 
 from namazu.config import ModelConfig
-from namazu.layers.experts import PROJS, RoutedExperts
+from namazu.kernels.backends import resolve_moe_runtime
+from namazu.kernels.moe_types import PROJS, MoERuntime
+from namazu.layers.experts import RoutedExperts
+from namazu.layers.weight_loading import Loaded, TPShard, default_weight_loader, materialize
 from namazu.models.checkpoint import CheckpointError, iter_checkpoint
 from namazu.models.deepseek_v3 import DeepseekV3ForCausalLM
 
@@ -47,13 +56,19 @@ def experts_format_of(config: ModelConfig) -> str:
 
 
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               progress: bool = True, experts_format: str | None = None) -> DeepseekV3ForCausalLM:
+               progress: bool = True, experts_format: str | None = None, runtime: MoERuntime | None = None,
+               tp: TPShard = TPShard()) -> DeepseekV3ForCausalLM:
+    """The model in `path`, on `device`. `runtime`: how its routed experts run (the runner resolves it
+    once from its flags; None resolves it here from the environment). `tp`: load only this rank's shard."""
     t0 = time.perf_counter()
     config = ModelConfig.from_pretrained(path)
     run_dtype = resolve_dtype(dtype, config)
     fmt = experts_format or experts_format_of(config)
-    model = DeepseekV3ForCausalLM(config, dtype=run_dtype, device=device, experts_format=fmt)
-    load_weights(model, iter_checkpoint(path, config, progress=progress))
+    if runtime is None:
+        runtime = resolve_moe_runtime(device)
+    model = DeepseekV3ForCausalLM(config, dtype=run_dtype, device=device, experts_format=fmt, runtime=runtime,
+                                  tp=tp)
+    load_weights(model, iter_checkpoint(path, config, progress=progress, lazy=True))
     model.eval()
     logger.info("loaded %s (%s, experts=%s) in %.1fs", os.fspath(path), str(run_dtype).replace("torch.", ""), fmt,
                 time.perf_counter() - t0)
@@ -61,9 +76,10 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "auto", devic
 
 
 @torch.no_grad()
-def load_weights(model: DeepseekV3ForCausalLM, weights) -> None:
-    """Copies named tensors into the model. Every model tensor must be written exactly once; any unknown,
-    mis-shaped or unsupported tensor is an error naming it."""
+def load_weights(model: DeepseekV3ForCausalLM, weights: Iterable[tuple[str, Loaded]]) -> None:
+    """Hands each named checkpoint tensor (a tensor or a LazyTensor) to its parameter's weight loader.
+    Every model tensor must be written exactly once; any unknown, mis-shaped or unsupported tensor is an
+    error naming it."""
     cfg = model.config
     params = dict(model.named_parameters(remove_duplicate=False))
     transient = ("inv_freq", "tokens_per_expert")
@@ -100,7 +116,7 @@ def load_weights(model: DeepseekV3ForCausalLM, weights) -> None:
             continue
         fm = _FUSED_EXPERT_KEY.match(name)
         if fm and fm.group(1) in experts:
-            _load_fused(experts[fm.group(1)], fm.group(3), tensor, name)
+            _load_fused(experts[fm.group(1)], fm.group(3), materialize(tensor), name)
             for e in range(experts[fm.group(1)].num_experts):
                 for proj in (("gate_proj", "up_proj") if fm.group(3) == "gate_up_proj" else ("down_proj",)):
                     expert_pending.discard((fm.group(1), e, proj, "weight"))
@@ -108,11 +124,11 @@ def load_weights(model: DeepseekV3ForCausalLM, weights) -> None:
         if name not in params:
             raise CheckpointError(f"unexpected tensor {name} (shape {tuple(tensor.shape)}) not in the model")
         dst = params[name]
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(dst.shape)}")
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"{name}: dtype {tensor.dtype} where a floating-point weight is expected")
-        dst.copy_(tensor.to(dst.dtype))
+        loader = getattr(dst, "weight_loader", default_weight_loader)
+        try:
+            loader(dst, tensor)
+        except (ValueError, TypeError) as err:
+            raise CheckpointError(f"{name}: {err}") from err
         pending.discard(name)
     if pending or expert_pending:
         names = sorted(pending) + sorted(f"{p}.{e}.{proj}.{param}" for p, e, proj, param in expert_pending)
@@ -122,7 +138,7 @@ def load_weights(model: DeepseekV3ForCausalLM, weights) -> None:
 
 def _load_fused(mod: RoutedExperts, which: str, tensor: torch.Tensor, name: str) -> None:
     """transformers' in-memory fused layout: gate_up_proj [E, 2I, H] (gate first), down_proj [E, H, I]."""
-    i = mod.intermediate_size
+    i = mod.full_intermediate_size
     for e in range(mod.num_experts):
         if which == "gate_up_proj":
             if tensor.shape[1] != 2 * i:

@@ -26,6 +26,8 @@ import torch
 from safetensors import safe_open
 
 from namazu.config import ModelConfig
+from namazu.kernels.backends import resolve_moe_runtime
+from namazu.kernels.moe_types import MoERuntime
 from namazu.models.checkpoint import checkpoint_files, iter_checkpoint, state_items, write_safetensors
 from namazu.models.deepseek_v3 import DeepseekV3ForCausalLM
 from namazu.models.loader import load_weights, resolve_dtype
@@ -116,12 +118,16 @@ def _quantized_linear_prefixes(path: str | os.PathLike) -> set[str]:
 
 
 def load_quantized(path: str | os.PathLike, mode: str | None = None, dtype: str | torch.dtype = "auto",
-                   device: str | torch.device = "cpu", progress: bool = True) -> DeepseekV3ForCausalLM:
-    """Loads any NVFP4 ModelOpt checkpoint namazu wrote (or one with the same layout), in `mode`."""
+                   device: str | torch.device = "cpu", progress: bool = True,
+                   runtime: MoERuntime | None = None) -> DeepseekV3ForCausalLM:
+    """Loads any NVFP4 ModelOpt checkpoint namazu wrote (or one with the same layout), in `mode`
+    (None: the runtime's; a runtime not given is resolved here from the environment)."""
     read_quant_config(path)
     config = ModelConfig.from_pretrained(path)
+    if runtime is None:
+        runtime = resolve_moe_runtime(device, nvfp4_mode=mode)
     model = DeepseekV3ForCausalLM(config, dtype=resolve_dtype(dtype, config), device=device,
-                                  experts_format="nvfp4")
+                                  experts_format="nvfp4", runtime=runtime)
     linears = _quantized_linear_prefixes(path)
     stash: dict[str, dict[str, torch.Tensor]] = {p: {} for p in linears}
 
@@ -146,7 +152,7 @@ def load_quantized(path: str | os.PathLike, mode: str | None = None, dtype: str 
             raise ValueError(f"{prefix}: NVFP4 linear lacks {missing}")
         old = model.get_submodule(prefix)
         new = NvFP4Linear.from_tensors({k: v.to(device) for k, v in tensors.items()},
-                                       bias=getattr(old, "bias", None), dtype=model.dtype)
+                                       bias=getattr(old, "bias", None), mode=runtime.nvfp4_mode, dtype=model.dtype)
         parent, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     if mode is not None:

@@ -11,63 +11,36 @@ Two execution modes, chosen once (a flag, not per call):
   sum is scaled by `alpha = input_scale * weight_scale_2`. GEMM outputs are rounded to the activation
   dtype, as a kernel writes them.
 
-Both modes run on the MoE kernel backend picked at start-up (namazu.kernels.backends); `forward_reference`
-is the torch oracle the backends are tested against.
+The mode and the kernel backend come from the MoERuntime the module is handed at construction (resolved
+once by the runner, `kernels.backends.resolve_moe_runtime`); a module handed none runs the plain-torch
+reference `kernels.moe_dispatch.torch_moe_nvfp4`, in W4A16 unless given a mode. `set_mode` switches a
+built model.
 
-Storage (the layout the NVFP4 kernels consume, ModelOpt's per-expert tensors stacked over experts):
-w13_packed uint8 [E, 2I, H/2] (gate rows then up rows), w13_scale e4m3 [E, 2I, H/16], w13_gs fp32 [E]
-(gate and up share one weight_scale_2), w2_packed uint8 [E, H, I/2], w2_scale e4m3 [E, H, I/16],
-w2_gs fp32 [E], a13_scale / a2_scale fp32 [E] (input_scale of gate/up and of down).
+Storage: the buffers are the tensors of one `NVFP4MoEWeights` (kernels/moe_types.py, the only place the
+layout is spelled out): ModelOpt's per-expert tensors stacked over experts, gate rows then up rows in w13,
+gate and up sharing one weight_scale_2; a13_scale / a2_scale are the input scales of gate/up and of down.
+`quantize_experts` is the one way high-precision experts become NVFP4.
 """
 from __future__ import annotations
 
 import fnmatch
 import logging
-import os
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
-from namazu.layers.experts import PROJS, RoutedExperts, TorchExperts, register_experts_format, sort_by_expert
-from namazu.quant.nvfp4 import (
-    BLOCK,
-    dequantize_weight,
-    fake_quantize_activation,
-    global_scale_for,
-    input_scale_for,
-    quantize_weight,
-)
+from namazu.kernels.moe_dispatch import torch_moe_nvfp4
+from namazu.kernels.moe_types import PROJS, MoERuntime, NVFP4MoEWeights, check_nvfp4_mode
+from namazu.layers.experts import RoutedExperts, TorchExperts
+from namazu.layers.weight_loading import Loaded, TPShard, load_shard, materialize
+from namazu.quant.nvfp4 import BLOCK, global_scale_for, input_scale_for, quantize_weight
 
 logger = logging.getLogger(__name__)
-
-MODES = ("w4a16", "w4a4")
-MODE_ENV = "NAMAZU_NVFP4_MODE"
-_default_mode: str | None = None
-
-
-def set_default_mode(mode: str) -> None:
-    """Mode of NVFP4 experts built from now on (the loader builds them through the format registry)."""
-    global _default_mode
-    _check_mode(mode)
-    _default_mode = mode
-
-
-def default_mode() -> str:
-    """set_default_mode's value, else $NAMAZU_NVFP4_MODE, else w4a16 (the Hopper serving path)."""
-    mode = _default_mode or os.environ.get(MODE_ENV) or "w4a16"
-    _check_mode(mode)
-    return mode
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"NVFP4 mode {mode!r}: expected one of {MODES}")
 
 
 def set_mode(model: torch.nn.Module, mode: str) -> int:
     """Switches every NVFP4 module (experts and linears) in `model` to `mode`; returns how many."""
-    _check_mode(mode)
+    check_nvfp4_mode(mode)
     n = 0
     for m in model.modules():
         if hasattr(m, "nvfp4_mode"):
@@ -76,30 +49,51 @@ def set_mode(model: torch.nn.Module, mode: str) -> int:
     return n
 
 
+@torch.no_grad()
+def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, a13_amax: torch.Tensor | None = None,
+                     a2_amax: torch.Tensor | None = None, *, name: str = "experts",
+                     scale_search: bool = False) -> NVFP4MoEWeights:
+    """Stacked high-precision experts (w13 [E, 2I, H] gate rows first, w2 [E, H, I]) -> NVFP4, one expert
+    at a time. Gate and up share weight_scale_2 (the max of their own). With calibrated input amaxes [E]
+    the result carries W4A4 input scales (amax / (6 * 448)), else none. `scale_search`: see
+    nvfp4.quantize_weight; errors name `{name}.{expert}.{proj}.weight`."""
+    e_count, i2, h = w13.shape
+    i = i2 // 2
+    out = NVFP4MoEWeights.zeros(e_count, h, i, device=w13.device).weight_only()
+    for e in range(e_count):
+        gate, up = w13[e, :i], w13[e, i:]
+        s13 = torch.maximum(global_scale_for(gate), global_scale_for(up))
+        for r, (proj, t) in enumerate((("gate_proj", gate), ("up_proj", up))):
+            packed, sf, _ = quantize_weight(t, s13, name=f"{name}.{e}.{proj}.weight", scale_search=scale_search)
+            out.w13_packed[e, r * i:(r + 1) * i] = packed
+            out.w13_scale[e, r * i:(r + 1) * i] = sf
+        out.w13_gs[e] = s13
+        packed, sf, s2 = quantize_weight(w2[e], name=f"{name}.{e}.down_proj.weight", scale_search=scale_search)
+        out.w2_packed[e], out.w2_scale[e], out.w2_gs[e] = packed, sf, s2
+    if a13_amax is not None and a2_amax is not None:
+        out.a13_scale = input_scale_for(torch.as_tensor(a13_amax, dtype=torch.float32)).to(w13.device)
+        out.a2_scale = input_scale_for(torch.as_tensor(a2_amax, dtype=torch.float32)).to(w13.device)
+    out.validate()
+    return out
+
+
 class NvFP4Experts(RoutedExperts):
     """Routed experts in NVFP4 (see the module docstring for layout and modes)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, mode: str | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, runtime: MoERuntime | None = None,
+                 tp: TPShard = TPShard()):
         super().__init__()
-        if hidden_size % BLOCK or intermediate_size % BLOCK:
+        local = tp.split(intermediate_size, "moe_intermediate_size")
+        if hidden_size % BLOCK or local % BLOCK:
             raise ValueError(f"NVFP4 experts need hidden_size ({hidden_size}) and moe_intermediate_size "
-                             f"({intermediate_size}) divisible by {BLOCK}")
-        e, h, i = num_experts, hidden_size, intermediate_size
+                             f"({intermediate_size}, {local} per rank) divisible by {BLOCK}")
+        e, h, i = num_experts, hidden_size, local
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
-        self.nvfp4_mode = mode or default_mode()
-        _check_mode(self.nvfp4_mode)
-        # Both modes run on the MoE kernel backend; False keeps them on this module's torch reference.
-        self.use_kernels = True
-        u8, f8, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
-        self.register_buffer("w13_packed", torch.zeros(e, 2 * i, h // 2, dtype=u8, device=device))
-        self.register_buffer("w13_scale", torch.zeros(e, 2 * i, h // BLOCK, dtype=f8, device=device))
-        self.register_buffer("w13_gs", torch.zeros(e, dtype=f32, device=device))
-        self.register_buffer("w2_packed", torch.zeros(e, h, i // 2, dtype=u8, device=device))
-        self.register_buffer("w2_scale", torch.zeros(e, h, i // BLOCK, dtype=f8, device=device))
-        self.register_buffer("w2_gs", torch.zeros(e, dtype=f32, device=device))
-        self.register_buffer("a13_scale", torch.zeros(e, dtype=f32, device=device))
-        self.register_buffer("a2_scale", torch.zeros(e, dtype=f32, device=device))
+        self.runtime, self.tp = runtime or MoERuntime(), tp
+        self.nvfp4_mode = check_nvfp4_mode(mode or self.runtime.nvfp4_mode)
+        for name, t in NVFP4MoEWeights.zeros(e, h, i, device=device).named_tensors():
+            self.register_buffer(name, t)
         # gate and up each carry weight_scale_2 / input_scale in a checkpoint; remember the first to check
         # the second against it.
         self._w13_seen: dict[tuple[int, str], str] = {}
@@ -122,27 +116,28 @@ class NvFP4Experts(RoutedExperts):
     @torch.no_grad()
     def from_experts(cls, src: RoutedExperts, a13_amax: torch.Tensor | None = None,
                      a2_amax: torch.Tensor | None = None, mode: str | None = None,
-                     name: str = "experts", scale_search: bool = False) -> NvFP4Experts:
+                     name: str = "experts", scale_search: bool = False,
+                     runtime: MoERuntime | None = None) -> NvFP4Experts:
         """Quantizes high-precision experts (any RoutedExperts yielding `weight`s). gate and up share
         weight_scale_2 = the max of their own.
 
         a13_amax / a2_amax [E] are calibrated input amaxes (gate/up input, down input); without them the
         input scales stay 0 and only W4A16 can run (W4A4 and saving refuse such experts). `scale_search`:
-        see nvfp4.quantize_weight.
+        see nvfp4.quantize_weight. The new module keeps `runtime` (default: the source's).
         """
-        e_count, h, i = src.num_experts, src.hidden_size, src.intermediate_size
+        if src.tp.size > 1:
+            # weight_scale_2 is the amax of the whole expert: one rank's slice cannot compute it.
+            raise ValueError(f"{name}: quantize the unsharded experts (tp size 1), then load the NVFP4 "
+                             f"checkpoint sharded")
         w = {(e, proj): t for e, proj, param, t in src.expert_params() if param == "weight"}
-        out = cls(e_count, h, i, mode=mode, device=next(iter(w.values())).device)
-        for e in range(e_count):
-            gate, up, down = (w[(e, p)] for p in PROJS)
-            s13 = torch.maximum(global_scale_for(gate), global_scale_for(up))
-            for r, (proj, t) in enumerate((("gate_proj", gate), ("up_proj", up))):
-                packed, sf, _ = quantize_weight(t, s13, name=f"{name}.{e}.{proj}.weight", scale_search=scale_search)
-                out.w13_packed[e, r * i:(r + 1) * i] = packed
-                out.w13_scale[e, r * i:(r + 1) * i] = sf
-            out.w13_gs[e] = s13
-            packed, sf, s2 = quantize_weight(down, name=f"{name}.{e}.down_proj.weight", scale_search=scale_search)
-            out.w2_packed[e], out.w2_scale[e], out.w2_gs[e] = packed, sf, s2
+        e_count = src.num_experts
+        w13 = torch.stack([torch.cat([w[(e, "gate_proj")], w[(e, "up_proj")]]) for e in range(e_count)])
+        w2 = torch.stack([w[(e, "down_proj")] for e in range(e_count)])
+        q = quantize_experts(w13, w2, name=name, scale_search=scale_search)
+        out = cls(e_count, src.hidden_size, src.intermediate_size, mode=mode, device=w13.device,
+                  runtime=runtime if runtime is not None else getattr(src, "runtime", None))
+        for field, t in q.named_tensors():
+            getattr(out, field).copy_(t)
         if a13_amax is not None or a2_amax is not None:
             out.set_input_amax(a13_amax, a2_amax)
         return out
@@ -166,7 +161,7 @@ class NvFP4Experts(RoutedExperts):
     # -- checkpoint I/O (ModelOpt per-expert tensors) ----------------------------------------------------
     def expected_params(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         """Shapes are gate_proj's / up_proj's ([I, H/2], [I, H/16]); down_proj's swap I and H."""
-        i, h = self.intermediate_size, self.hidden_size
+        i, h = self.full_intermediate_size, self.hidden_size
         return {"weight": ((i, h // 2), torch.uint8), "weight_scale": ((i, h // BLOCK), torch.float8_e4m3fn),
                 "weight_scale_2": ((), torch.float32), "input_scale": ((), torch.float32)}
 
@@ -181,7 +176,7 @@ class NvFP4Experts(RoutedExperts):
         raise KeyError(f"unknown projection {proj!r}; expected one of {PROJS}")
 
     @torch.no_grad()
-    def load_expert_param(self, expert: int, proj: str, param: str, tensor: torch.Tensor) -> None:
+    def load_expert_param(self, expert: int, proj: str, param: str, tensor: Loaded) -> None:
         where = f"expert {expert} {proj}.{param}"
         if not 0 <= expert < self.num_experts:
             raise KeyError(f"{where}: expert index out of range [0, {self.num_experts})")
@@ -190,10 +185,16 @@ class NvFP4Experts(RoutedExperts):
             dst, want = (packed, torch.uint8) if param == "weight" else (scale, torch.float8_e4m3fn)
             if tensor.dtype != want:
                 raise TypeError(f"{where}: dtype {tensor.dtype}, expected {want} (NVFP4 ModelOpt layout)")
-            if tuple(tensor.shape) != tuple(dst.shape):
-                raise ValueError(f"{where}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            # Packed codes hold two inputs per byte and one scale per 16 inputs; a rank's slice of the
+            # intermediate dimension is whole blocks (NVFP4MoEWeights.layout checks I/tp % 16 == 0).
+            (out_f, in_f), dim = self.shard_of(proj)
+            full = (out_f, in_f // (2 if param == "weight" else BLOCK))
+            try:
+                load_shard(dst, tensor, full, dim, self.tp.rank, exact_dtype=True)
+            except (ValueError, TypeError) as err:
+                raise type(err)(f"{where}: {err}") from err
             return
+        tensor = materialize(tensor)
         if param not in ("weight_scale_2", "input_scale"):
             raise KeyError(f"{where}: unexpected parameter for NVFP4 experts")
         if tensor.numel() != 1 or not tensor.is_floating_point():
@@ -248,62 +249,18 @@ class NvFP4Experts(RoutedExperts):
         return 3 * self.num_experts * self.hidden_size * self.intermediate_size
 
     # -- compute ----------------------------------------------------------------------------------------
-    def moe_weights(self):
-        """The packed tensors as the kernels' NVFP4MoEWeights (input scales only in W4A4 mode)."""
-        from namazu.kernels.moe_dispatch import NVFP4MoEWeights
-
-        w4a4 = self.nvfp4_mode == "w4a4"
-        return NVFP4MoEWeights(self.w13_packed, self.w13_scale, self.w13_gs, self.w2_packed, self.w2_scale,
-                               self.w2_gs, self.a13_scale if w4a4 else None, self.a2_scale if w4a4 else None)
+    def moe_weights(self) -> NVFP4MoEWeights:
+        """The buffers as the kernels' NVFP4MoEWeights (input scales only in W4A4 mode)."""
+        w = NVFP4MoEWeights(**self._buffers)   # exactly the layout's tensors (registered in __init__)
+        return w if self.nvfp4_mode == "w4a4" else w.weight_only()
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.use_kernels:
-            # The MoE backend chosen at start-up (C++ on CPU, Triton/CUDA on GPU); each backend runs the
-            # W4A4 emulation with the same rounding points as forward_reference (tested).
-            from namazu.kernels.backends import get_moe_backend
-
-            return get_moe_backend(x.device).nvfp4(x, topk_ids, topk_weights, self.moe_weights())
-        return self.forward_reference(x, topk_ids, topk_weights)
-
-    def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The torch reference of both modes, the oracle of every backend. In W4A4 the GEMM outputs and the
-        SwiGLU product are rounded to the activation dtype before the next quantization, as Blackwell MoE
-        pipelines write them (bf16 between GEMMs)."""
-        n, k = topk_ids.shape
-        order, counts, _ = sort_by_expert(topk_ids, self.num_experts)
-        token = order // k
-        xs = x.index_select(0, token)
-        ys = torch.empty(n * k, self.hidden_size, dtype=torch.float32, device=x.device)
-        start = 0
-        # Expert sizes are read on the host: this is the torch reference; kernels run grouped GEMMs instead.
-        for e, m in enumerate(counts.tolist()):
-            if m:
-                ys[start:start + m] = self.expert_forward(e, xs[start:start + m])
-                start += m
-        w = topk_weights.reshape(-1).index_select(0, order).float().unsqueeze(-1)
-        out = torch.zeros(n, self.hidden_size, dtype=torch.float32, device=x.device)
-        return out.index_add_(0, token, ys * w).to(x.dtype)
-
-    def expert_forward(self, e: int, xe: torch.Tensor) -> torch.Tensor:
-        """One expert's SwiGLU MLP on its rows [m, H] -> [m, H] (fp32), in the current mode."""
-        if self.nvfp4_mode == "w4a4":
-            h = _w4a4_gemm(xe, self.w13_packed[e], self.w13_scale[e], self.w13_gs[e], self.a13_scale[e])
-            h = h.to(xe.dtype)
-            gate, up = h.chunk(2, dim=-1)
-            act = (F.silu(gate.float()) * up.float()).to(xe.dtype)
-            return _w4a4_gemm(act, self.w2_packed[e], self.w2_scale[e], self.w2_gs[e], self.a2_scale[e])
-        w13 = dequantize_weight(self.w13_packed[e], self.w13_scale[e], self.w13_gs[e], xe.dtype)
-        gate, up = F.linear(xe, w13).chunk(2, dim=-1)
-        w2 = dequantize_weight(self.w2_packed[e], self.w2_scale[e], self.w2_gs[e], xe.dtype)
-        return F.linear(F.silu(gate) * up, w2).float()
-
-
-def _w4a4_gemm(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, w_gs: torch.Tensor,
-               input_scale: torch.Tensor) -> torch.Tensor:
-    """Emulated block-scaled FP4 GEMM: alpha * sum_b SFa_b SFw_b <qa_b, qw_b>, fp32 accumulation."""
-    qa = fake_quantize_activation(a, input_scale, include_global=False)
-    qw = dequantize_weight(packed, scale, 1.0, torch.float32)
-    return (qa @ qw.T) * (input_scale * w_gs)
+        # The backend resolved at start-up (C++ on CPU, Triton/CUDA on GPU) rounds W4A4 at the same points
+        # as the torch reference (tested); without one the reference itself runs.
+        backend = self.runtime.backend_for(x.device)
+        if backend is None:
+            return torch_moe_nvfp4(x, topk_ids, topk_weights, self.moe_weights())
+        return backend.nvfp4(x, topk_ids, topk_weights, self.moe_weights())
 
 
 def _experts_excluded(cfg, layer_idx: int) -> bool:
@@ -313,13 +270,14 @@ def _experts_excluded(cfg, layer_idx: int) -> bool:
     return any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
 
 
-def _nvfp4_factory(cfg, layer_idx: int, dtype: torch.dtype | None = None,
-                   device: torch.device | str | None = None) -> RoutedExperts:
+def nvfp4_experts_for_layer(cfg, layer_idx: int, dtype: torch.dtype | None = None,
+                            device: torch.device | str | None = None, runtime: MoERuntime | None = None,
+                            tp: TPShard = TPShard()) -> RoutedExperts:
+    """The routed experts of layer `layer_idx` of an NVFP4 ModelOpt checkpoint."""
     # exclude_modules may keep some layers' experts in high precision (ModelOpt semantics).
     if _experts_excluded(cfg, layer_idx):
-        return TorchExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
+        return TorchExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device,
+                            runtime=runtime, tp=tp)
     # The packed weights have no dtype to follow; activations bring theirs.
-    return NvFP4Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, device=device)
-
-
-register_experts_format("nvfp4", _nvfp4_factory)
+    return NvFP4Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, device=device,
+                        runtime=runtime, tp=tp)

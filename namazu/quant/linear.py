@@ -12,8 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from namazu.quant.experts import _w4a4_gemm, default_mode
-from namazu.quant.nvfp4 import BLOCK, dequantize_weight, input_scale_for, quantize_weight
+from namazu.kernels.moe_types import check_nvfp4_mode
+from namazu.quant.nvfp4 import BLOCK, dequantize_weight, fake_quantize_activation, input_scale_for, quantize_weight
+
+
+def _w4a4_gemm(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, w_gs: torch.Tensor,
+               input_scale: torch.Tensor) -> torch.Tensor:
+    """Emulated block-scaled FP4 GEMM: alpha * sum_b SFa_b SFw_b <qa_b, qw_b>, fp32 accumulation."""
+    qa = fake_quantize_activation(a, input_scale, include_global=False)
+    qw = dequantize_weight(packed, scale, 1.0, torch.float32)
+    return (qa @ qw.T) * (input_scale * w_gs)
+
 
 _STATE = (("qweight", "weight"), ("weight_scale", "weight_scale"), ("weight_scale_2", "weight_scale_2"),
           ("input_scale", "input_scale"))
@@ -26,7 +35,8 @@ class NvFP4Linear(nn.Module):
         if in_features % BLOCK:
             raise ValueError(f"NVFP4 linear needs in_features divisible by {BLOCK}, got {in_features}")
         self.in_features, self.out_features = in_features, out_features
-        self.nvfp4_mode = mode or default_mode()
+        # Callers building a served model pass the runtime's mode; W4A16 is Hopper's serving path.
+        self.nvfp4_mode = check_nvfp4_mode(mode or "w4a16")
         self.out_dtype = dtype or torch.bfloat16
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("weight_scale", torch.zeros(out_features, in_features // BLOCK,

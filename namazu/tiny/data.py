@@ -1,6 +1,6 @@
 """Deterministic generator of namazu-tiny's chat training data, and of the held-out tool prompts.
 
-Two kinds of conversation, rendered with the shipped chat template (`tokenizer.render_chat`):
+Two kinds of conversation, rendered with the shipped chat template (`chat_format.render_chat`):
 - business question-and-answer dialogs in polite Japanese (and some English) built from corpus passages:
   summarise a passage, explain a command from its man page, explain a manual section from its title,
   follow-up turns, and business writing requests; every answer is drawn from the passage itself;
@@ -21,10 +21,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from namazu.tiny.chat_format import render_chat
 from namazu.tiny.copy_tasks import copy_task, term_readback
 from namazu.tiny.corpus import read_documents
 from namazu.tiny.synthetic_tools import synthetic_tools
-from namazu.tiny.tokenizer import render_chat
 from namazu.tiny.tools import HELDOUT_TOOLS, TRAIN_TOOLS, Prop, Tool, draw_value, procedural_tools
 
 
