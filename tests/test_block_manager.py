@@ -150,7 +150,7 @@ def test_invariants_under_random_operations(ops, num_blocks, chunked, caching):
             for item in out.scheduled:
                 kv.check(item.seq)            # what the step attends to, cache hits included
                 known = item.seq.token_ids[item.start:item.start + item.num_new_tokens]
-                kv.write(item.seq, item.start, known + item.draft_token_ids)
+                kv.write(item.seq, item.start, known + [r % 5] * item.num_drafts)   # drafts: all r % 5
             for item in out.scheduled:
                 seq = item.seq
                 if item.samples:
