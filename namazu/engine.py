@@ -62,6 +62,10 @@ class EngineStats:
     num_generated_tokens: int
     num_draft_tokens: int
     num_accepted_draft_tokens: int
+    grammar_cache_hits: int = 0          # compiled-grammar cache (JSON schema, regex, EBNF, tools)
+    grammar_cache_misses: int = 0
+    grammar_mask_rows: int = 0           # bitmask rows filled by grammars
+    grammar_mask_seconds: float = 0.0    # host time spent filling them
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -101,7 +105,8 @@ class LLMEngine:
         self._finished_seq_ids: list[int] = []     # the workers forget these with the next batch
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
-        self._num_steps = self._prompt_tokens = self._drafted = self._accepted = 0
+        self._num_steps = self._prompt_tokens = self._drafted = self._accepted = self._mask_rows = 0
+        self._mask_seconds = 0.0
         info = self.worker_info
         logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s%s",
                     self.model_path, self.num_kv_blocks, config.block_size, self.max_model_len, info.device,
@@ -223,7 +228,11 @@ class LLMEngine:
             return None
         batch, samplers, prompt_lp_items = build_step_batch(plan.scheduled, self.vocab_size, self._finished_seq_ids)
         self._finished_seq_ids = []
+        t0 = time.perf_counter()
         batch.sampling.bitmask = fill_step_bitmask(samplers, self.vocab_size)
+        if batch.sampling.bitmask is not None:
+            self._mask_rows += len(batch.sampling.bitmask)
+            self._mask_seconds += time.perf_counter() - t0
         if self.drafter is not None and self.drafter.on_device:
             batch.spec.max_drafts_next = self.num_speculative_tokens
         self.executor.submit(batch)
@@ -314,12 +323,15 @@ class LLMEngine:
     # -- state ----------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
+        cache = self._structured.backend if self._structured is not None else None
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=bm.usage, prefix_cache_hit_rate=bm.prefix_hit_rate, num_kv_blocks=bm.num_blocks,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._num_steps,
             num_prompt_tokens=self._prompt_tokens, num_generated_tokens=self.outputs.num_generated_tokens,
-            num_draft_tokens=self._drafted, num_accepted_draft_tokens=self._accepted)
+            num_draft_tokens=self._drafted, num_accepted_draft_tokens=self._accepted,
+            grammar_cache_hits=cache.hits if cache else 0, grammar_cache_misses=cache.misses if cache else 0,
+            grammar_mask_rows=self._mask_rows, grammar_mask_seconds=self._mask_seconds)
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()

@@ -37,7 +37,8 @@ _RENAMED = {
     "peak_requests_in_flight": ("namazu_peak_requests_in_flight", "most engine requests in flight at once"),
 }
 _MONOTONIC = {"num_preemptions", "num_steps", "num_prompt_tokens", "num_generated_tokens", "num_draft_tokens",
-              "num_accepted_draft_tokens", "prefix_cache_queries", "prefix_cache_hits"}
+              "num_accepted_draft_tokens", "prefix_cache_queries", "prefix_cache_hits",
+              "grammar_cache_hits", "grammar_cache_misses", "grammar_mask_rows", "grammar_mask_seconds"}
 
 
 class _EngineCollector(Collector):
