@@ -79,6 +79,13 @@ class Executor:
     def close(self) -> None:
         pass
 
+    def failure(self) -> str | None:
+        """Why a worker cannot serve (e.g. its process died), or None while all are alive."""
+        return None
+
+    def kill(self) -> None:
+        """Ends the workers at once (a hung step); in-process workers cannot be."""
+
 
 class InlineExecutor(Executor):
     """Rank 0 in the engine's process: a submitted step runs when it is collected (same order and
@@ -202,6 +209,19 @@ class MultiprocExecutor(Executor):
 
     def close(self) -> None:
         self._finalizer()
+
+    def failure(self) -> str | None:
+        for rank, p in enumerate(self.procs):
+            if not p.is_alive():
+                code = p.exitcode
+                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                return f"worker {rank} (pid {p.pid}) died, {how}"
+        return None
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
 
 
 def make_executor(config: EngineConfig, model_path: str | Path) -> Executor:
