@@ -304,6 +304,9 @@ class AsyncEngine:
                 if cause is not None:
                     raise _WorkerDied(cause)
                 continue
+            if self.config.debug_step_delay:
+                time.sleep(self.config.debug_step_delay)
+                self._take_inbox()              # aborts that arrived meanwhile apply before the step
             self._step_started = time.monotonic()
             try:
                 outputs = engine.step()

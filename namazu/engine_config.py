@@ -96,6 +96,8 @@ class EngineConfig:
                                              "past it the request is aborted (default: no deadline)")
     max_worker_restarts: int = _f(3, "times a dead or hung model-runner worker is restarted before the "
                                      "server gives up and exits non-zero (0: exit on the first death)")
+    debug_step_delay: float = _f(0.0, "seconds the async front waits before each step (tests and fault drills: "
+                                      "streams then outlast a fault or a disconnect on any machine)")
     step_timeout: float = _f(600.0, "seconds one engine step may take before its worker is deemed hung, "
                                     "killed and restarted")
 
@@ -145,6 +147,8 @@ class EngineConfig:
             bad("request_timeout", "must be a positive number of seconds")
         if self.max_worker_restarts < 0:
             bad("max_worker_restarts", "must be >= 0")
+        if not 0 <= self.debug_step_delay <= 10:
+            bad("debug_step_delay", "must be in [0, 10] seconds")
         if not self.step_timeout > 0:
             bad("step_timeout", "must be a positive number of seconds")
         if self.tensor_parallel_size != 1:
