@@ -24,6 +24,7 @@ from server.common import ServerState, now
 from server.errors import ENGINE_ERRORS, APIError, as_api_error, http_error
 from server.json_body import parse_json_async
 from server.metrics import ServerMetrics
+from server.openapi import build_openapi
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 from server.timeouts import WriteTimeoutMiddleware
@@ -48,6 +49,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        Route("/openapi.json", openapi_document, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/completions", _generation(create_completion), methods=["POST"]),
@@ -57,6 +59,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     handlers.update({cls: _engine_error for cls in ENGINE_ERRORS})
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.server = state
+    app.state.openapi = build_openapi(state.vocab_size, state.max_logprobs, auth=api_key is not None)
     app.add_middleware(_AuthMiddleware, api_key=api_key)
     app.add_middleware(_StatusCounter, metrics=metrics, paths={r.path for r in routes})
     app.add_middleware(WriteTimeoutMiddleware, timeout=write_timeout)
@@ -73,6 +76,10 @@ async def health(request: Request) -> Response:
     if not engine.is_running:
         return JSONResponse({"status": engine.status}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+async def openapi_document(request: Request) -> Response:
+    return JSONResponse(request.app.state.openapi)
 
 
 async def prometheus(request: Request) -> Response:
@@ -137,7 +144,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         return APIError(404, f"no route {request.method} {request.url.path}; see /v1/models, "
-                             "/v1/completions, /v1/chat/completions, /health, /metrics",
+                             "/v1/completions, /v1/chat/completions, /health, /metrics, /openapi.json",
                         code="not_found").response()
     return http_error(exc.status_code, exc.detail).response()
 
