@@ -56,20 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Server:
-    """uvicorn.Server with namazu's signal handling: the first SIGTERM/SIGINT starts a graceful
-    shutdown (engine drain, then uvicorn's), a second one forces it; uvicorn's own handlers would
-    re-raise the signal after serving, exiting 143 before the engine is shut down."""
+def _uvicorn_server(config: object) -> object:
+    """uvicorn.Server without its signal handlers: namazu's own (in `serve`) start a graceful shutdown
+    on the first SIGTERM/SIGINT and force it on the second. uvicorn's would re-raise the signal after
+    serving, exiting 143 before the engine is shut down."""
+    import uvicorn
 
-    def __init__(self, config: object):
-        import uvicorn
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            yield
 
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):  # type: ignore[override]
-                yield
-
-        self.uv = Server(config)
+    return Server(config)
 
 
 async def _graceful_shutdown(server: object, engine: object, timeout: float) -> None:
@@ -108,7 +106,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                             http=header_timeout_protocol(args.header_timeout),
                             timeout_keep_alive=args.keep_alive_timeout,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
-        server = _Server(uv).uv
+        server = _uvicorn_server(uv)
         loop = asyncio.get_running_loop()
         tasks: list[asyncio.Task] = []
 

@@ -5,6 +5,7 @@ Status classes the server uses:
   the context limit, temperature < 0, `suffix`, an unknown field), or a body that is not JSON;
 - 401 authentication_error: missing or wrong API key;
 - 404 not_found_error: unknown route or unknown model name;
+- 408 invalid_request_error with code "request_timeout": the body did not arrive within --body-timeout;
 - 413 request_too_large: body over --max-request-bytes;
 - 422 invalid_request_error with code "invalid_type": a field of the wrong JSON type, or a required field
   missing (the body is JSON but not the shape of the request);

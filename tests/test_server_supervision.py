@@ -41,6 +41,13 @@ def worker_pid(server_pid: int) -> int:
     raise AssertionError("no worker process found")
 
 
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def health(srv: LiveServer) -> int:
     try:
         return httpx.get(srv.url + "/health", timeout=2).status_code
@@ -163,6 +170,7 @@ def test_sigterm_finishes_short_requests_and_ends_long_ones_cleanly(model):
         for t in threads:
             t.start()
         time.sleep(0.3)
+        wpid = worker_pid(srv.proc.pid)
         srv.proc.send_signal(signal.SIGTERM)
         assert wait_for(lambda: health(srv) != 200, 5, 0.05) < 5
         for t in threads:
@@ -173,6 +181,7 @@ def test_sigterm_finishes_short_requests_and_ends_long_ones_cleanly(model):
         assert result["short"].json()["usage"]["completion_tokens"] == 5
         assert result["long"].status_code == 503 and result["long"].json()["error"]["message"]
         assert srv.proc.wait(timeout=30) == 0, srv.output()
+        assert wait_for(lambda: not alive(wpid), 10) < 10        # the engine shut its worker down
 
 
 def test_silent_connections_are_closed(model):
