@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 if TYPE_CHECKING:
     from namazu.async_engine import AsyncEngine
 
-from server.common import ServerState, now
+from server.common import ClientGone, ServerState, now
 from server.errors import ENGINE_ERRORS, APIError, as_api_error, http_error
 from server.json_body import parse_json_async
 from server.metrics import ServerMetrics
@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 OPEN_PATHS = frozenset({"/health"})
+CLIENT_CLOSED = 499         # nginx's status for a request whose client went away (counted in /metrics)
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
@@ -110,7 +111,10 @@ def _generation(handler: Any) -> Any:
         except TimeoutError:
             raise APIError(408, f"the request body was not received within {state.body_timeout:g} s "
                                 "(--body-timeout)", code="request_timeout") from None
-        return await handler(request, state, body, state.metrics.tracker())
+        try:
+            return await handler(request, state, body, state.metrics.tracker())
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)     # not sent: the connection is gone
     return endpoint
 
 

@@ -160,14 +160,26 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
                 return
 
     watcher = asyncio.ensure_future(watch())
+    gone = False
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
             task.cancel()
+            gone = watcher.done()
             logger.info("client disconnected from %s; request aborted", request.url.path)
         watcher.cancel()
-    return await task
+    try:
+        return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if gone and not (current is not None and current.cancelling()):
+            raise ClientGone from None      # an expected end, not an error to log with a traceback
+        raise
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streamed) answer was ready; nobody gets a response."""
 
 
 def sse(obj: Any) -> bytes:
