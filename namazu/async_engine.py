@@ -356,6 +356,12 @@ class AsyncEngine:
             except ValueError as err:               # validated already; a race on the id lands here
                 self._deliver(err, p.request_id)
                 continue
+            except Exception as err:                # noqa: BLE001 -- this request only; the engine goes on
+                logger.exception("adding request %s failed", p.request_id)
+                self.engine.abort_request(p.request_id)
+                self._deliver(RequestFailedError(f"the engine could not queue this request "
+                                                 f"({type(err).__name__}: {err})"), p.request_id)
+                continue
             self._in_engine[p.request_id] = p.params.n
 
     def _on_failure(self, err: BaseException) -> bool:

@@ -187,3 +187,28 @@ def test_seed_near_int64_max_with_several_sequences():
 def test_sampling_params_refuse_values_the_engine_cannot_hold(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_a_request_the_engine_cannot_queue_fails_alone():
+    engine = _engine()
+    inner = engine.engine.add_request
+    calls = []
+
+    def add_request(*args, **kw):
+        calls.append(args[0])
+        if len(calls) == 1:
+            raise RuntimeError("injected add failure")
+        return inner(*args, **kw)
+
+    engine.engine.add_request = add_request
+
+    async def main():
+        with pytest.raises(RequestFailedError, match="injected add failure"):
+            await asyncio.wait_for(_collect(engine, "first"), 30)      # bounded: the bug was a hang
+        out = await _collect(engine, "second", SamplingParams(max_tokens=3, ignore_eos=True))
+        assert out.finished and len(out.outputs[0].token_ids) == 3
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
