@@ -13,8 +13,9 @@ What keeps one request (or one fault) from taking the server down:
 - bounded output buffers: outputs are cumulative, so a slot keeps only the newest; a client that stops
   reading costs one output, not one per step;
 - a step that raises fails only the requests that were in it (RequestFailedError); the engine serves on;
-- supervision: a dead worker process is noticed within a second even while idle, a step running past
-  `step_timeout` has its worker killed; either way every request in flight fails with
+- supervision: a dead worker process is noticed within a second even while idle, a hung one (alive but
+  silent) when it does not answer a ping within `step_timeout` while idle or a step runs past it; a hung
+  worker is killed; either way every request in flight fails with
   EngineUnavailableError (503), the engine is rebuilt (up to `max_worker_restarts` times), and when it
   cannot be, `failed` is set so the server exits non-zero for its supervisor to restart it;
 - deadlines: with `request_timeout`, a request still running past it is aborted (RequestTimeoutError).
@@ -42,7 +43,8 @@ from namazu.worker import WorkerError
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 0.5       # how often an idle engine thread checks its workers
+_IDLE_POLL_S = 0.5       # how often an idle engine thread checks its workers are alive
+_IDLE_PING_S = 2.0       # how often it asks them to answer (a hung worker is alive but silent)
 
 
 class EngineUnavailableError(RuntimeError):
@@ -294,6 +296,7 @@ class AsyncEngine:
 
     def _serve(self) -> None:
         engine = self.engine
+        last_ping = time.monotonic()
         while not self._stopped:
             self._take_inbox()
             self._admit()
@@ -303,6 +306,12 @@ class AsyncEngine:
                 cause = engine.worker_failure()
                 if cause is not None:
                     raise _WorkerDied(cause)
+                if time.monotonic() - last_ping > _IDLE_PING_S and not self._inbox.qsize():
+                    if not engine.workers_respond(self.config.step_timeout):
+                        engine.kill_workers()
+                        raise _WorkerDied(f"the idle worker did not answer within --step-timeout="
+                                          f"{self.config.step_timeout:g} s (hung); killed it")
+                    last_ping = time.monotonic()
                 continue
             if self.config.debug_step_delay:
                 time.sleep(self.config.debug_step_delay)

@@ -295,3 +295,8 @@ class LLMEngine:
     def kill_workers(self) -> None:
         """Ends the worker processes at once (a hung step); the step waiting on them then fails."""
         self.executor.kill()
+
+    def workers_respond(self, timeout: float) -> bool:
+        """Whether the workers answer a no-op within `timeout` seconds (between steps only): a worker
+        that is alive but hung does not."""
+        return self.executor.ping(timeout)

@@ -14,6 +14,7 @@ import logging
 import multiprocessing as mp
 import os
 import sys
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -85,6 +86,10 @@ class Executor:
 
     def kill(self) -> None:
         """Ends the workers at once (a hung step); in-process workers cannot be."""
+
+    def ping(self, timeout: float) -> bool:
+        """Whether every worker answers a no-op within `timeout` seconds (call between steps only)."""
+        return True
 
 
 class InlineExecutor(Executor):
@@ -222,6 +227,16 @@ class MultiprocExecutor(Executor):
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+
+    def ping(self, timeout: float) -> bool:
+        for conn in self.conns:
+            conn.send(("info", ()))
+        deadline = time.monotonic() + timeout
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                return False
+            self._recv(rank)
+        return True
 
 
 def make_executor(config: EngineConfig, model_path: str | Path) -> Executor:

@@ -245,3 +245,18 @@ def test_a_client_that_stops_reading_is_cut_and_its_request_aborted(model):
             before.get('namazu_request_success_total{finish_reason="length"}', 0)
         wait_for(lambda: srv.metrics()["namazu_kv_cache_usage_ratio"] == 0.0, 10)
         assert served(srv)
+
+
+def test_hung_worker_is_noticed_while_idle(model):
+    with LiveServer(model, *ARGS, "--step-timeout", "2") as srv:
+        pid = worker_pid(srv.proc.pid)
+        os.kill(pid, signal.SIGSTOP)         # hung while nothing runs: only a ping can tell
+        try:
+            assert wait_for(lambda: health(srv) != 200, 10, 0.05) < 10
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        wait_for(lambda: served(srv), 60, 0.5)
+        assert "hung" in srv.output()
