@@ -164,7 +164,7 @@ class LLMEngine:
         self.compile_grammar(params)      # a cache hit when the async front compiled it already
         seqs = []
         for i in range(params.n):
-            seed = int(self._rng.integers(0, 2**62)) if params.seed is None else params.seed + 1_000_003 * i
+            seed = int(self._rng.integers(0, 2**62)) if params.seed is None else (params.seed + 1_000_003 * i) % 2**63
             seq = Sequence(next(self._seq_ids), request_id, i, list(ids), params, seed, priority=priority)
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                                params.stop_strings, params.include_stop_str_in_output)
@@ -340,3 +340,35 @@ class LLMEngine:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.close()
+
+    # -- failure handling (used by the async front's supervision) -------------------------------------
+    def fail_running_requests(self) -> list[str]:
+        """After `step()` raised: aborts the requests that had sequences in the failed step (running,
+        or in a launched step) and frees their blocks; waiting requests stay queued. With async
+        scheduling, a step launched but not collected is collected first (and discarded) so the next
+        step's results line up. Returns the aborted request ids."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            try:
+                self.executor.collect()
+            except Exception:       # noqa: BLE001 -- the step is discarded either way
+                logger.warning("discarding the in-flight step after a failure", exc_info=True)
+        ids = {seq.request_id for seq in self.scheduler.running}
+        if launched is not None:
+            ids |= {item.seq.request_id for item in launched.scheduled}
+        ids &= set(self.requests)
+        self.abort_request(sorted(ids))
+        return sorted(ids)
+
+    def worker_failure(self) -> str | None:
+        """Why the model-runner workers cannot serve (a dead process, with its exit code), or None."""
+        return self.executor.failure()
+
+    def kill_workers(self) -> None:
+        """Ends the worker processes at once (a hung step); the step waiting on them then fails."""
+        self.executor.kill()
+
+    def workers_respond(self, timeout: float) -> bool:
+        """Whether the workers answer a no-op within `timeout` seconds (between steps only): a worker
+        that is alive but hung does not."""
+        return self.executor.ping(timeout)

@@ -88,6 +88,19 @@ class EngineConfig:
                              "process (debugging)", choices=("mp", "inline"))
     debug_no_host_sync: bool = _f(False, "raise if a step's forward/sampling/acceptance syncs with the "
                                          "host (slow; for tests and debugging)")
+    # -- admission and supervision (the async front, namazu.async_engine) ------------------------------
+    max_seqs_per_request: int = _f(256, "most sequences one request may create (prompts x n); more is "
+                                        "refused with 400")
+    max_waiting_seqs: int = _f(256, "sequences admitted beyond --max-num-seqs before new requests are "
+                                    "refused with 429 and Retry-After")
+    request_timeout: float | None = _f(None, "seconds a request may take from arrival to its last token; "
+                                             "past it the request is aborted (default: no deadline)")
+    max_worker_restarts: int = _f(3, "times a dead or hung model-runner worker is restarted before the "
+                                     "server gives up and exits non-zero (0: exit on the first death)")
+    debug_step_delay: float = _f(0.0, "seconds the async front waits before each step (tests and fault drills: "
+                                      "streams then outlast a fault or a disconnect on any machine)")
+    step_timeout: float = _f(600.0, "seconds one engine step may take before its worker is deemed hung, "
+                                    "killed and restarted")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -124,6 +137,18 @@ class EngineConfig:
             bad("num_speculative_tokens", f"must be > 0 with --speculative-method {self.speculative_method}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             bad("ngram_min", f"must be in [1, --ngram-max={self.ngram_max}]")
+        if self.max_seqs_per_request < 1:
+            bad("max_seqs_per_request", "must be at least 1")
+        if self.max_waiting_seqs < 0:
+            bad("max_waiting_seqs", "must be >= 0")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            bad("request_timeout", "must be a positive number of seconds")
+        if self.max_worker_restarts < 0:
+            bad("max_worker_restarts", "must be >= 0")
+        if not 0 <= self.debug_step_delay <= 10:
+            bad("debug_step_delay", "must be in [0, 10] seconds")
+        if not self.step_timeout > 0:
+            bad("step_timeout", "must be a positive number of seconds")
         if self.tensor_parallel_size != 1:
             bad("tensor_parallel_size", "only 1 is implemented in this version")
 

@@ -1,9 +1,18 @@
 """Per-request sampling settings (vLLM-shaped names, so OpenAI request fields map one to one)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# Integers the engine stores in int64 arrays (seeds, top_k, token ids, counts) must fit one.
+INT64_MAX = 2**63 - 1
+# top_k crosses a float64 row of sampling settings on its way to the sampler; below 2**31 it is exact.
+TOP_K_MAX = 2**31 - 1
+# Per-request sequence and length ceilings no real request comes near; beyond them a number is hostile
+# (each sequence costs a scheduler entry and a detokenizer, each token a KV slot).
+MAX_N = 1024
 
 
 @dataclass
@@ -77,14 +86,26 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
-        if self.n < 1:
-            bad("n", "must be at least 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, "must be a finite number")
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                bad(name, "must be an integer")
+        if self.n < 1 or self.n > MAX_N:
+            bad("n", f"must be in [1, {MAX_N}]")
+        if self.seed is not None and not 0 <= self.seed <= INT64_MAX:
+            bad("seed", f"must be in [0, {INT64_MAX}] (it seeds an int64 generator)")
         if self.temperature < 0:
             bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if self.top_k < -1:
-            bad("top_k", "must be -1 or 0 (disabled) or a positive count")
+        if not -1 <= self.top_k <= TOP_K_MAX:
+            bad("top_k", f"must be -1 or 0 (disabled) or a count up to {TOP_K_MAX} (a count at or "
+                         "above the vocabulary size keeps every token)")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -93,13 +114,14 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", "must be > 0 (1 disables it)")
-        if self.max_tokens is not None and self.max_tokens < 1:
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= INT64_MAX:
             bad("max_tokens", "must be at least 1")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+        upper = INT64_MAX if self.max_tokens is None else self.max_tokens
+        if not 0 <= self.min_tokens <= upper:
             bad("min_tokens", "must be in [0, max_tokens]")
-        if self.logprobs is not None and self.logprobs < 0:
+        if self.logprobs is not None and not 0 <= self.logprobs <= INT64_MAX:
             bad("logprobs", "must be >= 0")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= INT64_MAX:
             bad("prompt_logprobs", "must be >= 0")
         if any(not isinstance(s, str) or not s for s in self._stop_list):
             bad("stop", "every stop string must be a non-empty string")
@@ -123,9 +145,14 @@ class SamplingParams:
             bad("grammar_factory", "must be a callable returning a new grammar")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             bad("allowed_token_ids", "must not be empty")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name) or []
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                bad(name, "must be a list of integer token ids")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Token ids given by the client must exist in the model's vocabulary."""
+        """Token ids given by the client must exist in the model's vocabulary. (top_k beyond the
+        vocabulary is accepted: it keeps every token, as top_k = vocabulary size does.)"""
         for name in ("stop_token_ids", "allowed_token_ids"):
             ids = getattr(self, name) or []
             bad = [t for t in ids if not 0 <= t < vocab_size]

@@ -1,7 +1,8 @@
 """`python -m namazu.server`: the OpenAI-compatible HTTP server.
 
 Engine flags come from EngineConfig (one definition each, shared with `LLM(...)`); the server adds
---host, --port, --api-key, --served-model-name, --max-request-bytes and --log-level. The engine (and its
+--host, --port, --api-key, --served-model-name, --max-request-bytes, --log-level and its time limits
+(--shutdown-timeout, --header-timeout, --body-timeout, --write-timeout, --keep-alive-timeout). The engine (and its
 model-runner worker) starts before the port opens, so a bad checkpoint or an impossible --max-model-len
 fails here with its own message instead of on the first request.
 """
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
 
 from namazu.engine_config import EngineConfig, parse_bytes
@@ -35,24 +38,89 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body; larger ones get 413 (default: 8MiB)")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="log level of namazu and uvicorn (default: info)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT: stop accepting, give requests in flight this long to finish, then "
+                        "end the rest with an error (503; an error event and [DONE] in streams) and exit 0 "
+                        "(default: 30)")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request headers are not complete this long after it opened "
+                        "or its request began (default: 10)")
+    g.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="answer 408 when a request body is not fully received in this long (default: 30)")
+    g.add_argument("--write-timeout", type=float, default=30.0, metavar="S",
+                   help="abandon a response (and abort its request) when the client has not read for this "
+                        "long (default: 30)")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                   help="close an idle keep-alive connection after this long (default: 5)")
     EngineConfig.add_cli_args(p)
     return p
 
 
-async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
+def _uvicorn_server(config: object) -> object:
+    """uvicorn.Server without its signal handlers: namazu's own (in `serve`) start a graceful shutdown
+    on the first SIGTERM/SIGINT and force it on the second. uvicorn's would re-raise the signal after
+    serving, exiting 143 before the engine is shut down."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            yield
+
+    return Server(config)
+
+
+async def _graceful_shutdown(server: object, engine: object, timeout: float) -> None:
+    from namazu.async_engine import EngineUnavailableError
+
+    engine.begin_drain()
+    server.should_exit = True            # uvicorn stops accepting and waits for open responses
+    logger.info("shutting down: waiting up to %g s for %d sequence(s) in flight", timeout,
+                engine.num_admitted_seqs)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while engine.num_admitted_seqs and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if engine.num_admitted_seqs:
+        logger.warning("shutdown timeout: ending %d sequence(s) still in flight", engine.num_admitted_seqs)
+        engine.fail_all(EngineUnavailableError(f"the server is shutting down (--shutdown-timeout={timeout:g} s "
+                                               "passed); retry on another instance"))
+
+
+async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Serves until a signal (returns 0 after a graceful shutdown) or until the engine gives up on its
+    workers (returns 1, so a supervisor restarts the server)."""
     import uvicorn
 
     from namazu.async_engine import AsyncEngine
     from server.app import build_app
+    from server.timeouts import header_timeout_protocol
 
     engine = AsyncEngine(config)
+    exit_code = 0
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                        max_request_bytes=parse_bytes(args.max_request_bytes))
+                        max_request_bytes=parse_bytes(args.max_request_bytes), body_timeout=args.body_timeout,
+                        write_timeout=args.write_timeout)
         uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="none",
-                            timeout_graceful_shutdown=5)
-        server = uvicorn.Server(uv)
-        # Announce the real port (with --port 0 the OS picks it) once uvicorn is listening.
+                            http=header_timeout_protocol(args.header_timeout),
+                            timeout_keep_alive=args.keep_alive_timeout,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+        server = _uvicorn_server(uv)
+        loop = asyncio.get_running_loop()
+        tasks: list[asyncio.Task] = []
+
+        def on_signal(sig: signal.Signals) -> None:
+            if tasks:                    # the second signal: do not wait any longer
+                logger.warning("%s again: forcing shutdown", sig.name)
+                server.force_exit = True
+                engine.fail_all(RuntimeError("the server was stopped"))
+                return
+            logger.info("%s received: graceful shutdown", sig.name)
+            tasks.append(asyncio.ensure_future(_graceful_shutdown(server, engine, args.shutdown_timeout)))
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
         started = asyncio.ensure_future(server.serve())
         while not server.started and not started.done():
             await asyncio.sleep(0.05)
@@ -60,9 +128,16 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
             port = server.servers[0].sockets[0].getsockname()[1]
             logger.info("serving %s on http://%s:%d (auth %s)", app.state.server.served_model_name,
                         args.host, port, "on" if args.api_key else "off")
+        while not started.done():
+            if engine.failed.is_set() and not server.should_exit:
+                logger.error("the engine cannot serve any more (%s); exiting with status 1", engine.status)
+                exit_code = 1
+                server.should_exit = True
+            await asyncio.wait({started}, timeout=0.2)
         await started
     finally:
         engine.shutdown()
+    return exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,13 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = EngineConfig.from_cli_args(args)
         parse_bytes(args.max_request_bytes)
+        if args.api_key is not None and not args.api_key.strip():
+            raise ValueError("--api-key (or $NAMAZU_API_KEY) is empty, which would turn authentication off "
+                             "unnoticed; give a key, or unset it to run without authentication")
+        for name in ("shutdown_timeout", "header_timeout", "body_timeout", "write_timeout", "keep_alive_timeout"):
+            if not getattr(args, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvloop
 
     try:
-        uvloop.run(serve(args, config))
+        return uvloop.run(serve(args, config))
     except (FileNotFoundError, ValueError) as e:     # bad checkpoint path, config or memory budget
         print(f"error: {e}", file=sys.stderr)
         return 1

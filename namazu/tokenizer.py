@@ -52,6 +52,9 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+_GIL_FREE_CHARS = 16384     # texts this long are tokenized with the GIL released
+
+
 class Tokenizer:
     """encode / decode / chat template for one checkpoint. Use `Tokenizer.from_pretrained(dir)`."""
 
@@ -147,7 +150,11 @@ class Tokenizer:
         """Special-token text (e.g. from a chat template) becomes the special token. With
         add_special_tokens, BOS is prepended when the tokenizer config asks for it."""
         if self.kind == "hf":
-            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            # `encode` holds the GIL throughout; `encode_batch` releases it, so a long text tokenized on
+            # a server's worker thread does not stall its event loop (same ids either way).
+            enc = (self._backend.encode(text, add_special_tokens=add_special_tokens) if len(text) < _GIL_FREE_CHARS
+                   else self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0])
+            ids = enc.ids
             prepend = add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id)
         else:
             ids = self._backend.encode(text, allowed_special="all")
@@ -156,6 +163,8 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self.kind == "hf":
+            if len(ids) >= _GIL_FREE_CHARS // 4:      # as in encode: the batch call releases the GIL
+                return self._backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         if skip_special_tokens:
             ids = [i for i in ids if i not in self.special_ids]

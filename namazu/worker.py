@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import sys
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -90,6 +91,17 @@ class Executor:
 
     def close(self) -> None:
         pass
+
+    def failure(self) -> str | None:
+        """Why a worker cannot serve (e.g. its process died), or None while all are alive."""
+        return None
+
+    def kill(self) -> None:
+        """Ends the workers at once (a hung step); in-process workers cannot be."""
+
+    def ping(self, timeout: float) -> bool:
+        """Whether every worker answers a no-op within `timeout` seconds (call between steps only)."""
+        return True
 
 
 class InlineExecutor(Executor):
@@ -225,6 +237,29 @@ class MultiprocExecutor(Executor):
 
     def close(self) -> None:
         self._finalizer()
+
+    def failure(self) -> str | None:
+        for rank, p in enumerate(self.procs):
+            if not p.is_alive():
+                code = p.exitcode
+                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                return f"worker {rank} (pid {p.pid}) died, {how}"
+        return None
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+    def ping(self, timeout: float) -> bool:
+        for conn in self.conns:
+            conn.send(("info", ()))
+        deadline = time.monotonic() + timeout
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                return False
+            self._recv(rank)
+        return True
 
 
 def make_executor(config: EngineConfig, model_path: str | Path, proposer: Proposer | None = None) -> Executor:

@@ -5,8 +5,8 @@ thread and worker process, so nothing here can hold up a step.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -20,38 +20,50 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 if TYPE_CHECKING:
     from namazu.async_engine import AsyncEngine
 
-from server.common import ServerState, now
-from server.errors import APIError, http_error
+from server.common import ClientGone, ServerState, now
+from server.errors import ENGINE_ERRORS, APIError, as_api_error, http_error
+from server.json_body import parse_json_async
 from server.metrics import ServerMetrics
+from server.openapi import build_openapi
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
+from server.timeouts import WriteTimeoutMiddleware
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 OPEN_PATHS = frozenset({"/health"})
+CLIENT_CLOSED = 499         # nginx's status for a request whose client went away (counted in /metrics)
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Starlette:
-    """The app around a started engine. `api_key` None: no authentication."""
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, body_timeout: float = 30.0,
+              write_timeout: float = 30.0) -> Starlette:
+    """The app around a started engine. `api_key` None: no authentication (an empty key is refused:
+    it would look like authentication while letting anyone in)."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("the API key is empty; give a non-empty --api-key (or none, for no authentication)")
     state = ServerState(engine=engine, served_model_name=served_model_name or engine.model_name,
                         max_logprobs=engine.config.max_logprobs, metrics=None,  # type: ignore[arg-type]
-                        max_request_bytes=max_request_bytes)
+                        max_request_bytes=max_request_bytes, body_timeout=body_timeout)
     metrics = state.metrics = ServerMetrics(state.stats)
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        Route("/openapi.json", openapi_document, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/completions", _generation(create_completion), methods=["POST"]),
         Route("/v1/chat/completions", _generation(create_chat_completion), methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={
-        APIError: _api_error, HTTPException: _http_exception, Exception: _internal_error})
+    handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_exception, Exception: _internal_error}
+    handlers.update({cls: _engine_error for cls in ENGINE_ERRORS})
+    app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.server = state
+    app.state.openapi = build_openapi(state.vocab_size, state.max_logprobs, auth=api_key is not None)
     app.add_middleware(_AuthMiddleware, api_key=api_key)
     app.add_middleware(_StatusCounter, metrics=metrics, paths={r.path for r in routes})
+    app.add_middleware(WriteTimeoutMiddleware, timeout=write_timeout)
     return app
 
 
@@ -61,9 +73,14 @@ def _state(request: Request) -> ServerState:
 
 # -- handlers ---------------------------------------------------------------------------------------------
 async def health(request: Request) -> Response:
-    if not _state(request).engine.is_running:
-        return JSONResponse({"status": "engine not running"}, status_code=503)
+    engine = _state(request).engine
+    if not engine.is_running:
+        return JSONResponse({"status": engine.status}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+async def openapi_document(request: Request) -> Response:
+    return JSONResponse(request.app.state.openapi)
 
 
 async def prometheus(request: Request) -> Response:
@@ -88,8 +105,16 @@ async def get_model(request: Request) -> Response:
 def _generation(handler: Any) -> Any:
     async def endpoint(request: Request) -> Response:
         state = _state(request)
-        body = await _read_json(request, state.max_request_bytes)
-        return await handler(request, state, body, state.metrics.tracker())
+        try:
+            async with asyncio.timeout(state.body_timeout):
+                body = await _read_json(request, state.max_request_bytes)
+        except TimeoutError:
+            raise APIError(408, f"the request body was not received within {state.body_timeout:g} s "
+                                "(--body-timeout)", code="request_timeout") from None
+        try:
+            return await handler(request, state, body, state.metrics.tracker())
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)     # not sent: the connection is gone
     return endpoint
 
 
@@ -103,13 +128,7 @@ async def _read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise _too_large(size, limit)
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw:
-        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    return await parse_json_async(b"".join(chunks))
 
 
 def _too_large(size: int, limit: int) -> APIError:
@@ -129,19 +148,25 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         return APIError(404, f"no route {request.method} {request.url.path}; see /v1/models, "
-                             "/v1/completions, /v1/chat/completions, /health, /metrics",
+                             "/v1/completions, /v1/chat/completions, /health, /metrics, /openapi.json",
                         code="not_found").response()
     return http_error(exc.status_code, exc.detail).response()
 
 
+async def _engine_error(request: Request, exc: Exception) -> Response:
+    err = as_api_error(exc)
+    logger.warning("%s %s: %d %s", request.method, request.url.path, err.status, err.message)
+    return err.response()
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    logger.exception("internal error on %s %s", request.method, request.url.path)
-    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+    logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    return as_api_error(exc).response()
 
 
 # -- middleware -------------------------------------------------------------------------------------------
 class _AuthMiddleware:
-    """`Authorization: Bearer KEY` on every path but /health (constant-time compare)."""
+    """Exactly one `Authorization: Bearer KEY` on every path but /health (constant-time compare)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None):
         self.app = app
@@ -151,12 +176,16 @@ class _AuthMiddleware:
         if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization", b"")
+        headers = [v for k, v in scope["headers"] if k == b"authorization"]
+        header = headers[0] if len(headers) == 1 else b""
         scheme, _, token = header.partition(b" ")
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
             await self.app(scope, receive, send)
             return
-        what = "no API key provided" if not header else "incorrect API key provided"
+        # Several Authorization headers are refused whatever they hold: which one a proxy in front of
+        # us checked is unknowable.
+        what = ("several Authorization headers sent; send exactly one" if len(headers) > 1
+                else "no API key provided" if not header else "incorrect API key provided")
         resp = APIError(401, f"{what}; send 'Authorization: Bearer <key>' with the key the server was "
                              "started with (--api-key)", code="invalid_api_key").response()
         await resp(scope, receive, send)

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.requests import Request
 
 from namazu.sampling_params import SamplingParams
-from server.errors import APIError, invalid
+from server.errors import ENGINE_ERRORS, APIError, as_api_error, invalid
 from server.metrics import RequestTracker, ServerMetrics
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ class ServerState:
     max_logprobs: int
     metrics: ServerMetrics
     max_request_bytes: int
+    body_timeout: float = 30.0
     in_flight: int = 0              # engine requests started and not yet finished
     peak_in_flight: int = 0
 
@@ -47,6 +48,14 @@ class ServerState:
         if name is not None and name != self.served_model_name:
             raise APIError(404, f"The model '{name}' does not exist; this server serves "
                                 f"'{self.served_model_name}'", param="model", code="model_not_found")
+
+    def check_num_seqs(self, num_seqs: int, param: str) -> None:
+        """Admission of a request creating `num_seqs` sequences: 400 if it never could be, 429 when the
+        engine's queue is full, 503 when the engine is not serving."""
+        try:
+            self.engine.check_admission(num_seqs)
+        except ValueError as e:
+            raise invalid(str(e), param, code="too_many_sequences") from None
 
     def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
         """The engine's own admission checks, run before any response byte is sent."""
@@ -61,6 +70,12 @@ class ServerState:
         s.update(alive=self.engine.is_running, requests_in_flight=self.in_flight,
                  peak_requests_in_flight=self.peak_in_flight)
         return s
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Runs CPU work proportional to a request's size (tokenizing, rendering a chat template) in a
+    thread, so the event loop keeps answering other clients (and /health) meanwhile."""
+    return await asyncio.to_thread(fn, *args)
 
 
 def new_id(prefix: str) -> str:
@@ -96,7 +111,9 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int,
             async for item in only:
                 yield 0, item
         return
-    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    # Bounded: a consumer that stops reading stops the pumps, and each engine stream then keeps only its
+    # newest (cumulative) output instead of this queue keeping every step's.
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue(maxsize=len(streams))
     done = object()
 
     async def pump(i: int, it: AsyncIterator[T]) -> None:
@@ -137,14 +154,26 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
                 return
 
     watcher = asyncio.ensure_future(watch())
+    gone = False
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
             task.cancel()
+            gone = watcher.done()
             logger.info("client disconnected from %s; request aborted", request.url.path)
         watcher.cancel()
-    return await task
+    try:
+        return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if gone and not (current is not None and current.cancelling()):
+            raise ClientGone from None      # an expected end, not an error to log with a traceback
+        raise
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streamed) answer was ready; nobody gets a response."""
 
 
 def sse(obj: Any) -> bytes:
@@ -157,6 +186,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 def sse_error(err: APIError) -> bytes:
     """Errors after the stream started go in-band (the status line is already sent)."""
     return sse(err.body())
+
+
+def stream_error(rid: str, e: BaseException) -> APIError:
+    """The in-band error event for a stream that failed after its status line was sent."""
+    err = as_api_error(e)
+    if not isinstance(e, (APIError, *ENGINE_ERRORS)):
+        logger.error("request %s failed mid-stream", rid, exc_info=e)
+    return err
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -241,7 +278,7 @@ class GenerationJob:
         for p in self.prompt_ids:
             self.tracker.on_prompt(len(p))
         streams = [self.state.engine.generate(None, self.params, request_id=eid, prompt_token_ids=p,
-                                              priority=self.priority)
+                                              priority=self.priority, group=self.rid)
                    for p, eid in zip(self.prompt_ids, self.engine_ids)]
         return self._observed(merge(streams))
 

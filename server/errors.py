@@ -5,9 +5,14 @@ Status classes the server uses:
   the context limit, temperature < 0, `suffix`, an unknown field), or a body that is not JSON;
 - 401 authentication_error: missing or wrong API key;
 - 404 not_found_error: unknown route or unknown model name;
+- 408 invalid_request_error with code "request_timeout": the body did not arrive within --body-timeout;
 - 413 request_too_large: body over --max-request-bytes;
 - 422 invalid_request_error with code "invalid_type": a field of the wrong JSON type, or a required field
-  missing (the body is JSON but not the shape of the request).
+  missing (the body is JSON but not the shape of the request);
+- 429 rate_limit_error: the engine's queue is full (--max-waiting-seqs), with a Retry-After header;
+- 500 server_error: the engine step serving the request failed (the server goes on serving others);
+- 503 server_error: the engine is unavailable (worker died and is restarting, or shutting down);
+- 504 server_error with code "request_timeout": the request ran past --request-timeout.
 The official `openai` client maps each of these to its typed exception (BadRequestError, ...).
 """
 from __future__ import annotations
@@ -16,17 +21,26 @@ from http import HTTPStatus
 
 from starlette.responses import JSONResponse
 
+from namazu.async_engine import (
+    EngineOverloadedError,
+    EngineUnavailableError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "request_too_large",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 
@@ -34,8 +48,9 @@ class APIError(Exception):
     """Raised anywhere in request handling; the app turns it into an OpenAI-style JSON error."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = dict(headers or {})
         self.status = status
         self.message = message
         self.param = param
@@ -46,7 +61,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = dict(self.headers)
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -59,6 +76,24 @@ def wrong_type(param: str, expected: str, got: object) -> APIError:
     """422: `param` has the wrong JSON type."""
     return APIError(422, f"'{param}' must be {expected}, got {_json_type(got)}", param=param,
                     code="invalid_type")
+
+
+ENGINE_ERRORS = (EngineOverloadedError, EngineUnavailableError, RequestFailedError, RequestTimeoutError)
+
+
+def as_api_error(e: BaseException) -> APIError:
+    """Any error met while serving a request, as the response it deserves (no traceback in it)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineOverloadedError):
+        return APIError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)})
+    if isinstance(e, EngineUnavailableError):
+        return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
+    if isinstance(e, RequestTimeoutError):
+        return APIError(504, str(e), code="request_timeout")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), code="engine_step_failed")
+    return APIError(500, f"internal server error ({type(e).__name__}); see the server log")
 
 
 def http_error(status: int, detail: str | None = None) -> APIError:

@@ -8,14 +8,16 @@ change nothing here (`user`, `metadata`, ...) are accepted and ignored.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from namazu.sampling_params import SamplingParams
+from namazu.sampling_params import INT64_MAX, TOP_K_MAX, SamplingParams
 from server.errors import APIError, invalid, wrong_type
 
 MAX_N = 128
+INT64_MIN = -(2**63)
 MAX_STOP = 16
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "modalities"}
 
@@ -46,7 +48,8 @@ class Fields:
             v = int(v)
         if isinstance(v, bool) or not isinstance(v, int):
             raise wrong_type(name, "an integer", v)
-        _check_range(name, v, lo, hi)
+        # Every integer the engine keeps lives in an int64 array; nothing wider can mean anything.
+        _check_range(name, v, INT64_MIN if lo is None else lo, INT64_MAX if hi is None else hi)
         return v
 
     def number(self, name: str, default: float | None = None, lo: float | None = None,
@@ -56,6 +59,10 @@ class Fields:
             return default
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise wrong_type(name, "a number", v)
+        if isinstance(v, int) and abs(v) > 2**53:
+            raise invalid(f"'{name}' = {v} is out of range", name)
+        if not math.isfinite(v):
+            raise invalid(f"'{name}' must be a finite number", name)
         _check_range(name, v, lo, hi)
         return float(v)
 
@@ -143,11 +150,11 @@ def _read_sampling(f: Fields) -> SamplingFields:
     kwargs: dict[str, Any] = dict(
         temperature=f.number("temperature", 1.0, lo=0.0, hi=2.0),
         top_p=f.number("top_p", 1.0, lo=0.0, hi=1.0),
-        top_k=f.int("top_k", 0, lo=-1),
+        top_k=f.int("top_k", 0, lo=-1, hi=TOP_K_MAX),
         min_p=f.number("min_p", 0.0, lo=0.0, hi=1.0),
         presence_penalty=f.number("presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=f.number("frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        repetition_penalty=f.number("repetition_penalty", 1.0, lo=0.0),
+        repetition_penalty=f.number("repetition_penalty", 1.0, lo=0.0, hi=1e6),
         stop=f.stop(),
         stop_token_ids=f.int_list("stop_token_ids"),
         ignore_eos=f.bool("ignore_eos"),

@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -21,14 +22,16 @@ from server.common import (
     ServerState,
     TokenText,
     new_id,
+    off_loop,
     resolve_max_tokens,
     sse,
     sse_error,
+    stream_error,
     top_n,
     until_disconnect,
     usage,
 )
-from server.errors import APIError, invalid
+from server.errors import invalid
 from server.metrics import RequestTracker
 from server.protocol import ChatRequest, make_sampling_params, parse_chat
 from server.tool_parser import ToolCallParser
@@ -40,12 +43,23 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
                                  tracker: RequestTracker) -> Response:
     req = parse_chat(body, state.max_logprobs)
     state.check_model(req.model)
+    state.check_num_seqs(req.sampling.n, "n")
+    param = "max_completion_tokens" if isinstance(body, dict) and "max_completion_tokens" in body else "max_tokens"
+    # Rendering the template and tokenizing are proportional to the body: off the event loop.
+    prompt_ids, params, rid = await off_loop(_prepare, state, req, param)
+    job = _ChatJob(state, req, prompt_ids, params, rid, tracker)
+    if req.sampling.stream:
+        return StreamingResponse(job.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return JSONResponse(await until_disconnect(request, job.run()))
+
+
+def _prepare(state: ServerState, req: ChatRequest, param: str) -> tuple[list[int], Any, str]:
     engine = state.engine
     try:
         prompt_ids = engine.tokenizer.encode_chat(req.messages, add_generation_prompt=True, tools=req.tools)
-    except ValueError as e:
+    except (ValueError, TypeError, TemplateError) as e:     # the template refused these messages
         raise invalid(f"'messages' cannot be rendered by the model's chat template: {e}", "messages") from None
-    param = "max_completion_tokens" if isinstance(body, dict) and "max_completion_tokens" in body else "max_tokens"
     max_tokens = resolve_max_tokens(len(prompt_ids), req.max_tokens, engine.max_model_len, param, "messages")
     sampling = req.sampling
     if req.tool_choice == "auto":
@@ -54,11 +68,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     params = make_sampling_params(sampling, max_tokens, req.top_logprobs, None, state.vocab_size)
     rid = new_id("chatcmpl")
     state.validate(f"{rid}-0", prompt_ids, params, "messages")
-    job = _ChatJob(state, req, prompt_ids, params, rid, tracker)
-    if sampling.stream:
-        return StreamingResponse(job.stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    return JSONResponse(await until_disconnect(request, job.run()))
+    return prompt_ids, params, rid
 
 
 class _ChatJob(GenerationJob):
@@ -155,11 +165,8 @@ class _ChatJob(GenerationJob):
                     yield sse(self._chunk([choice]))
             if self.req.sampling.include_usage:
                 yield sse(self._chunk([], usage(self.num_prompt_tokens, completion_tokens, self.cached[0])))
-        except APIError as e:
-            yield sse_error(e)
         except Exception as e:      # noqa: BLE001 -- the status line is sent; report in-band
-            logger.exception("request %s failed mid-stream", self.rid)
-            yield sse_error(APIError(500, f"{type(e).__name__}: {e}"))
+            yield sse_error(stream_error(self.rid, e))
         finally:
             await outputs.aclose()      # aborts what is still running, now rather than at GC
         yield SSE_DONE

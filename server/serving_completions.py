@@ -21,9 +21,11 @@ from server.common import (
     ServerState,
     TokenText,
     new_id,
+    off_loop,
     resolve_max_tokens,
     sse,
     sse_error,
+    stream_error,
     top_n,
     until_disconnect,
     usage,
@@ -74,8 +76,20 @@ async def create_completion(request: Request, state: ServerState, body: Any,
                             tracker: RequestTracker) -> Response:
     req = parse_completion(body, state.max_logprobs)
     state.check_model(req.model)
+    state.check_num_seqs(len(req.prompts) * req.sampling.n, "prompt" if len(req.prompts) > 1 else "n")
+    # Tokenizing (and detokenizing token-id prompts) is proportional to the body: off the event loop.
+    prompts, params, rid = await off_loop(_prepare, state, req)
+    job = _Job(state, req, prompts, params, rid, tracker)
+    if req.sampling.stream:
+        return StreamingResponse(job.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return JSONResponse(await until_disconnect(request, job.run()))
+
+
+def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[_Prompt], Any, str]:
     engine = state.engine
     tok = engine.tokenizer
+    gen_tokens = max(1, req.max_tokens)      # max_tokens 0 (echo only): one token, discarded
     prompts: list[_Prompt] = []
     for i, p in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
@@ -83,12 +97,11 @@ async def create_completion(request: Request, state: ServerState, body: Any,
             ids = tok.encode(p, add_special_tokens=True)
             if not ids:
                 raise APIError(400, f"'{param}' encodes to no tokens", param=param)
+            resolve_max_tokens(len(ids), gen_tokens, engine.max_model_len)
             prompts.append(_Prompt(p, ids))
         else:
+            resolve_max_tokens(len(p), gen_tokens, engine.max_model_len)
             prompts.append(_Prompt(None, list(p)))     # text decoded once the engine accepted the ids
-    gen_tokens = max(1, req.max_tokens)      # max_tokens 0 (echo only): one token, discarded
-    for p in prompts:
-        resolve_max_tokens(len(p.ids), gen_tokens, engine.max_model_len)
     want_prompt_lp = req.echo and req.logprobs is not None
     params = make_sampling_params(req.sampling, gen_tokens, req.logprobs,
                                   req.logprobs if want_prompt_lp else None, state.vocab_size)
@@ -97,11 +110,7 @@ async def create_completion(request: Request, state: ServerState, body: Any,
         state.validate(f"{rid}-{i}", p.ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
         if p.text is None:
             p.text = tok.decode(p.ids, skip_special_tokens=False)
-    job = _Job(state, req, prompts, params, rid, tracker)
-    if req.sampling.stream:
-        return StreamingResponse(job.stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    return JSONResponse(await until_disconnect(request, job.run()))
+    return prompts, params, rid
 
 
 class _Job(GenerationJob):
@@ -188,11 +197,8 @@ class _Job(GenerationJob):
             if self.req.sampling.include_usage:
                 yield sse(self._chunk([], usage(self.num_prompt_tokens, completion_tokens,
                                                 sum(self.cached))))
-        except APIError as e:
-            yield sse_error(e)
         except Exception as e:      # noqa: BLE001 -- the status line is sent; report in-band
-            logger.exception("request %s failed mid-stream", self.rid)
-            yield sse_error(APIError(500, f"{type(e).__name__}: {e}"))
+            yield sse_error(stream_error(self.rid, e))
         finally:
             await outputs.aclose()      # aborts what is still running, now rather than at GC
         yield SSE_DONE

@@ -7,8 +7,10 @@ echo logprobs == generated logprobs, same seed == same text), not particular wor
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
+import socket
 import time
 
 import httpx
@@ -19,6 +21,9 @@ from server_harness import LiveServer, make_tiny_model
 from namazu.tokenizer import Tokenizer
 
 KEY = "test-key"
+# A floor on each engine step's duration, so the tests that need a request still running when the client
+# acts (64 streams at once, disconnects) hold on a machine of any speed: 200 steps take at least 4 s.
+STEP_DELAY = 0.02
 NO_EOS = {"ignore_eos": True}
 
 
@@ -28,7 +33,7 @@ def srv(tmp_path_factory):
     # NAMAZU_SERVER_TEST_ARGS runs the suite under other engine modes, e.g. "--async-scheduling".
     extra = os.environ.get("NAMAZU_SERVER_TEST_ARGS", "").split()
     with LiveServer(model, "--max-model-len", "256", "--max-num-seqs", "64", "--kv-cache-memory", "32MiB",
-                    "--served-model-name", "tiny", *extra, api_key=KEY) as s:
+                    "--served-model-name", "tiny", "--debug-step-delay", str(STEP_DELAY), *extra, api_key=KEY) as s:
         yield s
 
 
@@ -216,49 +221,57 @@ def test_invalid_inputs_get_4xx_and_server_keeps_serving(srv, client):
 def test_64_concurrent_streams(srv):
     aclient = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=300,
                                  http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=100)))
-    n, max_tokens = 64, 40     # long enough that the first stream is still running when the last opens
+    # Each stream stops reading after its first chunk until all 64 have one; none can have finished by then
+    # (STEP_DELAY per step bounds how fast max_tokens steps can go, on any machine), so at that moment all
+    # 64 are running in the engine together: no dependence on how fast this machine opens them.
+    n, max_tokens = 64, 200
+    all_started = asyncio.Event()
+    started: list[int] = []
+    running_at_barrier: list[float] = []
 
     async def one(i: int) -> tuple[int, int, int]:
         stream = await aclient.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": f"request {i}"}], max_tokens=max_tokens,
             temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True}, extra_body=NO_EOS)
-        pieces, usage = 0, None
+        pieces, usage, first = 0, None, True
         async for chunk in stream:
+            if first:
+                first = False
+                started.append(i)
+                if len(started) == n:
+                    running_at_barrier.append(_metric(await _metrics_async(srv), "namazu_num_requests_running"))
+                    all_started.set()
+                await all_started.wait()
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces += 1
             usage = chunk.usage or usage
         return i, pieces, usage.completion_tokens
 
-    async def watch(done: asyncio.Event) -> float:
-        peak = 0.0
-        async with httpx.AsyncClient() as hc:
-            while not done.is_set():
-                text = (await hc.get(srv.url + "/metrics", headers=srv.headers())).text
-                for line in text.splitlines():
-                    if line.startswith("namazu_num_requests_running "):
-                        peak = max(peak, float(line.split()[1]))
-                await asyncio.sleep(0.05)
-        return peak
-
     async def main():
-        done = asyncio.Event()
-        watcher = asyncio.ensure_future(watch(done))
-        results = await asyncio.gather(*(one(i) for i in range(n)))
-        done.set()
-        return results, await watcher
+        return await asyncio.gather(*(one(i) for i in range(n)))
 
-    results, sampled_peak = asyncio.run(main())
+    results = asyncio.run(main())
     assert sorted(r[0] for r in results) == list(range(n))
     assert all(r[2] == max_tokens for r in results), results
     assert all(0 < r[1] <= max_tokens for r in results)
+    assert running_at_barrier == [n], running_at_barrier
     m = srv.metrics()
-    # All 64 were being streamed at once (the server's high-water mark of engine requests in flight),
-    # and the engine ran them together: its running count, sampled from /metrics while they streamed.
-    assert m["namazu_peak_requests_in_flight"] >= n, (m["namazu_peak_requests_in_flight"], sampled_peak)
-    assert sampled_peak >= n // 2, sampled_peak
+    assert m["namazu_peak_requests_in_flight"] >= n, m["namazu_peak_requests_in_flight"]
     if "namazu_peak_num_running" in m:     # the engine's own high-water mark of sequences in one step
         assert m["namazu_peak_num_running"] >= n
     assert m["namazu_num_requests_running"] == 0 and m["namazu_requests_in_flight"] == 0
+
+
+async def _metrics_async(srv) -> str:
+    async with httpx.AsyncClient() as hc:
+        return (await hc.get(srv.url + "/metrics", headers=srv.headers())).text
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(srv):
@@ -287,9 +300,15 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(srv):
 
 def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(srv):
     before = srv.metrics()
-    body = {"model": "tiny", "prompt": "give up on me", "max_tokens": 230, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(srv.url + "/v1/completions", json=body, headers=srv.headers(), timeout=httpx.Timeout(5, read=0.1))
+    body = json.dumps({"model": "tiny", "prompt": "give up on me", "max_tokens": 230, "ignore_eos": True}).encode()
+    # The client goes away once the server has the request running (not after a fixed read timeout, which
+    # a fast machine could outlast).
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 30
+        while srv.metrics()["namazu_num_requests_running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = srv.metrics()
