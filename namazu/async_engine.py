@@ -38,6 +38,7 @@ from namazu.engine_config import EngineConfig
 from namazu.outputs import RequestOutput
 from namazu.sampling_params import SamplingParams
 from namazu.spec.proposer import Proposer
+from namazu.structured.factory import needs_compiler
 from namazu.tokenizer import Tokenizer
 from namazu.worker import WorkerError
 
@@ -184,13 +185,11 @@ class AsyncEngine:
                              f"{self.config.max_seqs_per_request} sequences per request (--max-seqs-per-request)")
         return self.engine.validate_request(request_id, prompt, params, prompt_token_ids)
 
-    async def compile_grammar(self, params: SamplingParams) -> None:
-        """Compiles a request's grammar on a worker thread (cached by its text), so that a slow schema
-        makes only its own request wait; ValueError says what is wrong with it."""
-        from namazu.structured.factory import needs_compiler
-
-        if needs_compiler(params):
-            await asyncio.to_thread(self.engine.compile_grammar, params)
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Checks and compiles a request's grammar (cached by its text); ValueError says what is wrong.
+        Blocking: call it off the event loop (`generate` runs it on a worker thread, so a slow schema
+        makes only its own request wait and never the step loop)."""
+        self.engine.compile_grammar(params)
 
     @property
     def is_running(self) -> bool:
@@ -240,7 +239,8 @@ class AsyncEngine:
         self.check_admission(params.n)
         request_id = request_id or f"req-{next(self._ids)}"
         ids = self.validate_request(request_id, prompt, params, prompt_token_ids)
-        await self.compile_grammar(params)
+        if needs_compiler(params):
+            await asyncio.to_thread(self.compile_grammar, params)
         timeout = self.config.request_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         slot = _Slot(asyncio.get_running_loop(), asyncio.Event(), params.n)

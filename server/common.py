@@ -58,11 +58,17 @@ class ServerState:
             raise invalid(str(e), param, code="too_many_sequences") from None
 
     def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
-        """The engine's own admission checks, run before any response byte is sent."""
+        """The engine's own admission checks, run before any response byte is sent, and the request's
+        grammar compiled (a bad schema, regex or grammar is a 400 naming the parameter). Blocking: the
+        endpoints call it off the event loop."""
         try:
             self.engine.validate_request(request_id, None, params, prompt_ids)
         except ValueError as e:
             raise invalid(str(e), param) from None
+        try:
+            self.engine.compile_grammar(params)
+        except ValueError as e:
+            raise invalid(str(e), _grammar_param(params)) from None
 
     def stats(self) -> dict[str, Any]:
         """Engine statistics (every EngineStats field) plus the server's in-flight counts."""
@@ -76,6 +82,14 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     """Runs CPU work proportional to a request's size (tokenizing, rendering a chat template) in a
     thread, so the event loop keeps answering other clients (and /health) meanwhile."""
     return await asyncio.to_thread(fn, *args)
+
+
+def _grammar_param(params: SamplingParams) -> str:
+    if params.json_schema is not None or params.json_object:
+        return "response_format"
+    if params.tool_calls is not None:
+        return "tools"
+    return "regex" if params.regex is not None else "grammar"
 
 
 def new_id(prefix: str) -> str:

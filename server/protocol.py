@@ -164,6 +164,13 @@ def _read_sampling(f: Fields) -> SamplingFields:
     )
     if kwargs["top_p"] == 0.0:
         raise invalid("'top_p' must be greater than 0", "top_p")
+    # Extra (non-OpenAI) parameters: constrain the output to a regex or an EBNF grammar.
+    for name in ("regex", "grammar"):
+        v = f.str(name)
+        if v is not None:
+            if not v:
+                raise invalid(f"'{name}' must not be empty", name)
+            kwargs[name] = v
     priority = f.int("priority", 0)
     return SamplingFields(n=n, seed=seed, stream=stream, include_usage=include_usage, priority=priority,
                           kwargs=kwargs)
@@ -242,7 +249,8 @@ class ChatRequest:
     model: str | None
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
-    tool_choice: str
+    tool_choice: str                 # "none", "auto", "required" or the name of one declared function
+    parallel_tool_calls: bool
     max_tokens: int | None           # None: up to the end of the context
     logprobs: bool
     top_logprobs: int | None
@@ -263,17 +271,55 @@ def parse_chat(body: Any, max_logprobs: int) -> ChatRequest:
         raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
     tools = _read_tools(f.raw("tools"))
     tool_choice = _read_tool_choice(f.raw("tool_choice"), tools)
-    rf = f.raw("response_format")
-    if rf is not None:
-        r = Fields(rf, "'response_format' object")
-        kind = r.str("type", "text")
-        if kind != "text":
-            raise invalid(f"'response_format' type {kind!r} is not supported by this server (only 'text')",
-                          "response_format")
+    parallel = f.bool("parallel_tool_calls", True)
+    structured = _read_response_format(f.raw("response_format"))
     sampling = _read_sampling(f)
     f.finish()
-    return ChatRequest(model, messages, tools, tool_choice, max_tokens, logprobs,
+    constraints = [k for k in ("regex", "grammar") if k in sampling.kwargs] + list(structured)[:1]
+    if tool_choice != "none":
+        constraints.append("tools")
+    if len(constraints) > 1:
+        raise invalid(f"'{constraints[0]}' and '{constraints[1]}' both constrain the output; a request may use "
+                      "one (for tools with a JSON answer, use tool_choice 'none' or drop response_format)",
+                      "response_format" if structured else constraints[1])
+    sampling.kwargs.update(structured)
+    return ChatRequest(model, messages, tools, tool_choice, parallel, max_tokens, logprobs,
                        (top or 0) if logprobs else None, sampling)
+
+
+def _read_response_format(v: Any) -> dict[str, Any]:
+    """response_format -> SamplingParams keywords: {} (text), json_object, or json_schema + strict."""
+    if v is None:
+        return {}
+    r = Fields(v, "'response_format' object")
+    kind = r.str("type", "text")
+    if kind == "text":
+        r.finish()
+        return {}
+    if kind == "json_object":
+        r.finish()
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise invalid(f"'response_format.type' = {kind!r}; expected 'text', 'json_object' or 'json_schema'",
+                      "response_format.type")
+    js = r.raw("json_schema")
+    r.finish()
+    if not isinstance(js, dict):
+        raise wrong_type("response_format.json_schema", "an object with 'name' and 'schema'", js)
+    j = Fields(js, "'response_format.json_schema' object")
+    name = j.str("name")
+    if name is None or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise invalid("'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'",
+                      "response_format.json_schema.name")
+    j.str("description")
+    schema = j.raw("schema")
+    strict = j.bool("strict", False)
+    j.finish()
+    if schema is None:
+        schema = {}
+    if not isinstance(schema, (dict, bool)):
+        raise wrong_type("response_format.json_schema.schema", "a JSON-schema object", schema)
+    return {"json_schema": schema, "json_schema_strict": strict}
 
 
 def _read_messages(v: Any) -> list[dict[str, Any]]:
@@ -351,18 +397,31 @@ def _read_tools(v: Any) -> list[dict[str, Any]] | None:
         params = t["function"].get("parameters")
         if params is not None and not isinstance(params, dict):
             raise wrong_type(f"tools[{i}].function.parameters", "a JSON-schema object", params)
+        strict = t["function"].get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise wrong_type(f"tools[{i}].function.strict", "a boolean", strict)
+    names = [t["function"]["name"] for t in v]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise invalid(f"'tools[{i}].function.name' = {name!r} is declared twice; tool names must be unique",
+                          f"tools[{i}].function.name")
     return v or None
 
 
 def _read_tool_choice(v: Any, tools: list[dict[str, Any]] | None) -> str:
     if v is None:
         return "auto" if tools else "none"
-    if v in ("none", "auto"):
-        if v == "auto" and not tools:
-            raise invalid("'tool_choice' is 'auto' but no 'tools' were given", "tool_choice")
+    if v in ("none", "auto", "required"):
+        if v != "none" and not tools:
+            raise invalid(f"'tool_choice' is {v!r} but no 'tools' were given", "tool_choice")
         return v
-    if v == "required" or isinstance(v, dict):
-        raise invalid("'tool_choice' 'required' or a named function needs grammar-constrained decoding, "
-                      "which this server does not do yet; use 'auto'", "tool_choice")
+    if isinstance(v, dict):
+        fn = v.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if v.get("type") != "function" or not isinstance(name, str):
+            raise invalid("'tool_choice' must be {'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        if name not in [t["function"]["name"] for t in tools or []]:
+            raise invalid(f"'tool_choice' names the function {name!r}, which is not among 'tools'", "tool_choice")
+        return name
     raise invalid(f"'tool_choice' = {json.dumps(v)}; expected 'none', 'auto', 'required' or "
                   "{'type': 'function', 'function': {'name': ...}}", "tool_choice")

@@ -4,7 +4,12 @@ with n sequences, the answer as a message or streamed as SSE chunks.
 Streaming follows the OpenAI wire format: each choice's first chunk carries `role`, then `content` (and
 `tool_calls`) deltas, then a chunk with its `finish_reason`; with `stream_options.include_usage` every
 chunk has `"usage": null` and one last chunk with no choices carries the usage. When `tools` are given
-(tool_choice auto), Kimi-K2 tool-call sections in the output become `tool_calls` (server/tool_parser.py).
+and tool_choice is not "none", the model writes Kimi-K2 tool-call sections under a grammar that allows
+only the declared functions and their argument schemas (namazu/structured/tool_calls.py: free text
+first with "auto", a section at once with "required" or a named function), and they become `tool_calls`
+(server/tool_parser.py). With tool_choice "none" the tools are not shown to the model at all.
+`response_format` json_object / json_schema and the extra `regex` / `grammar` parameters constrain the
+answer the same way (namazu/structured/).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from namazu.structured.tool_calls import tool_call_constraint
 from server.common import (
     SSE_DONE,
     GenerationJob,
@@ -56,15 +62,20 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
 
 def _prepare(state: ServerState, req: ChatRequest, param: str) -> tuple[list[int], Any, str]:
     engine = state.engine
+    calls = req.tool_choice != "none"
     try:
-        prompt_ids = engine.tokenizer.encode_chat(req.messages, add_generation_prompt=True, tools=req.tools)
+        prompt_ids = engine.tokenizer.encode_chat(req.messages, add_generation_prompt=True,
+                                                  tools=req.tools if calls else None)
     except (ValueError, TypeError, TemplateError) as e:     # the template refused these messages
         raise invalid(f"'messages' cannot be rendered by the model's chat template: {e}", "messages") from None
     max_tokens = resolve_max_tokens(len(prompt_ids), req.max_tokens, engine.max_model_len, param, "messages")
     sampling = req.sampling
-    if req.tool_choice == "auto":
+    if calls:
         # The tool-call section markers are special tokens; the parser needs to see them.
         sampling.kwargs["skip_special_tokens"] = False
+        choice = req.tool_choice if req.tool_choice in ("auto", "required") else \
+            {"type": "function", "function": {"name": req.tool_choice}}
+        sampling.kwargs["tool_calls"] = tool_call_constraint(req.tools, choice, req.parallel_tool_calls)
     params = make_sampling_params(sampling, max_tokens, req.top_logprobs, None, state.vocab_size)
     rid = new_id("chatcmpl")
     state.validate(f"{rid}-0", prompt_ids, params, "messages")
@@ -79,7 +90,8 @@ class _ChatJob(GenerationJob):
         super().__init__(state, [prompt_ids], params, rid, tracker, req.sampling.priority)
         self.req = req
         self.tt = TokenText(state.engine.tokenizer)
-        self.tools = req.tool_choice == "auto"
+        self.tools = req.tool_choice != "none"
+        self.declared = {t["function"]["name"] for t in req.tools or []}
 
     def _logprobs(self, ids: list[int], entries: list[dict[int, float]]) -> list[dict[str, Any]]:
         k = self.req.top_logprobs or 0
@@ -105,7 +117,7 @@ class _ChatJob(GenerationJob):
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
             finish = c.finish_reason
             if self.tools:
-                parser = ToolCallParser(self.state.engine.tokenizer)
+                parser = ToolCallParser(self.state.engine.tokenizer, self.declared)
                 content, calls = parser.parse(c.text)
                 message["content"] = content
                 if calls:
@@ -134,7 +146,7 @@ class _ChatJob(GenerationJob):
                         yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]))
                         if self.tools:
-                            parsers[i] = ToolCallParser(self.state.engine.tokenizer)
+                            parsers[i] = ToolCallParser(self.state.engine.tokenizer, self.declared)
                     n_tok, n_chr = sent[i]
                     text = c.text[n_chr:]
                     new_ids = list(c.token_ids[n_tok:])

@@ -6,9 +6,11 @@ The model writes
 The parser is a small state machine over the decoded text (special tokens kept). Text before the section
 is content; each call becomes one `tool_calls` entry with id `functions.NAME:INDEX`, the name between the
 last '.' and the ':', and the argument JSON streamed as it arrives. A tail that could be the start of a
-marker is held back until the next delta decides it. The end-of-turn token's text is dropped. A call
-whose name never completes (output cut off) is returned as raw text content; one cut off inside its
-arguments keeps the partial arguments (finish_reason then says "length").
+marker is held back until the next delta decides it. The end-of-turn token's text is dropped. Marker
+text never reaches `content`: a call whose name never completes (output cut off) is dropped, one cut
+off inside its arguments keeps the partial arguments (finish_reason then says "length"), and a call to
+a function the request did not declare is dropped (the tool-call grammar makes both rare: only
+max_tokens can cut a call).
 """
 from __future__ import annotations
 
@@ -33,9 +35,11 @@ def _held_tail(buf: str, markers: list[str]) -> int:
 
 
 class ToolCallParser:
-    def __init__(self, tokenizer: Any = None):
+    def __init__(self, tokenizer: Any = None, declared: set[str] | None = None):
         eos = getattr(tokenizer, "eos_token", None)
         self.drop = [eos] if eos else []
+        self.declared = declared
+        self.skipping = False           # inside the arguments of an undeclared function
         self.state = "content"          # content | section | header | args
         self.buf = ""
         self.header = ""
@@ -70,18 +74,17 @@ class ToolCallParser:
                 cut = self._find([ARG_BEGIN])
                 if cut is None:
                     if final:
-                        # Cut off (or malformed) before the call's name was complete: no call can be
-                        # built, so the client gets the model's raw text rather than nothing.
-                        content.append(SECTION_BEGIN * (self.num_calls == 0) + CALL_BEGIN + self.buf)
-                        self.buf = ""
+                        self.buf = ""       # cut off before the call's name was complete: no call
                     break
                 pos, _ = cut
                 self.header = self.buf[:pos].strip()
                 self.buf = self.buf[pos + len(ARG_BEGIN):]
                 name = self.header.split(":", 1)[0].rsplit(".", 1)[-1]
-                calls.append({"index": self.num_calls, "id": self.header, "type": "function",
-                              "function": {"name": name, "arguments": ""}})
-                self.num_calls += 1
+                self.skipping = self.declared is not None and name not in self.declared
+                if not self.skipping:
+                    calls.append({"index": self.num_calls, "id": self.header, "type": "function",
+                                  "function": {"name": name, "arguments": ""}})
+                    self.num_calls += 1
                 self.state = "args"
             else:   # args
                 cut = self._find([CALL_END])
@@ -97,7 +100,7 @@ class ToolCallParser:
         return "".join(content), calls
 
     def _args(self, calls: list[dict[str, Any]], text: str) -> None:
-        if not text:
+        if not text or self.skipping:
             return
         idx = self.num_calls - 1
         if calls and calls[-1]["index"] == idx:
@@ -121,3 +124,8 @@ class ToolCallParser:
             calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
         content = content.strip() if calls else content
         return (content or None) if calls else content, calls
+
+    @property
+    def in_call(self) -> bool:
+        """Inside a tool-call section (content after it is not expected)."""
+        return self.state != "content"

@@ -165,9 +165,15 @@ def test_tool_parser_streaming_matches_whole(step):
     assert p.num_calls == 2
 
 
+def test_tool_parser_drops_calls_to_undeclared_functions():
+    text = _section(("functions.rm_rf:0", '{"path": "/"}'), ("functions.get_weather:1", '{"city": "Osaka"}'))
+    content, calls = ToolCallParser(_Tok(), declared={"get_weather"}).parse(text)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
 def test_tool_parser_cut_off_output():
     cut = SECTION_BEGIN + CALL_BEGIN + "functions.get_wea"
-    assert ToolCallParser(_Tok()).parse("Hi" + cut) == ("Hi" + cut, [])
+    assert ToolCallParser(_Tok()).parse("Hi" + cut) == ("Hi", [])     # no marker text leaks into content
     content, calls = ToolCallParser(_Tok()).parse(SECTION_BEGIN + CALL_BEGIN + "functions.f:0" + ARG_BEGIN + '{"a": ')
     assert content is None and calls == [{"id": "functions.f:0", "type": "function",
                                           "function": {"name": "f", "arguments": '{"a": '}}]
