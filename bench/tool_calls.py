@@ -4,11 +4,13 @@ Sends namazu-tiny's held-out tool prompts (schemas never seen in training, argum
 valid split) to /v1/chat/completions with `tools` and counts what a client sees: the share of prompts
 answered with `tool_calls` (trigger rate), calls naming a declared tool, calls whose `arguments` parse as
 JSON and validate against the declared schema (the verifier's target: zero invalid), and calls of the
-expected tool. It also checks the streaming path: at temperature 0 the tool calls assembled from the SSE
-deltas must equal the non-streamed ones.
+expected tool. Each `--tool-choice` (auto: free text until the model opens a tool-call section;
+required: a call at once) runs over the same prompts; calls are generated under namazu's tool-call
+grammar either way. It also checks the streaming path: at temperature 0 the tool calls assembled from
+the SSE deltas must equal the non-streamed ones.
 
     python bench/tool_calls.py                      # starts a server on the embedded namazu-tiny
-    python bench/tool_calls.py --url http://127.0.0.1:8000 --num-prompts 200
+    python bench/tool_calls.py --url http://127.0.0.1:8000 --num-prompts 200 --tool-choice auto required
 """
 from __future__ import annotations
 
@@ -30,10 +32,10 @@ START, END = "<!-- bench-tools:start -->", "<!-- bench-tools:end -->"
 
 
 async def ask(client: httpx.AsyncClient, model: str, p, temperature: float, max_tokens: int, seed: int,
-              stream: bool) -> dict:
+              stream: bool, tool_choice: str = "auto") -> dict:
     """The choice's message (content + tool_calls), assembled from SSE deltas when streaming."""
     body = {"model": model, "messages": p.messages, "tools": p.tools, "temperature": temperature,
-            "max_tokens": max_tokens, "seed": seed, "stream": stream}
+            "max_tokens": max_tokens, "seed": seed, "stream": stream, "tool_choice": tool_choice}
     if not stream:
         r = await client.post("/v1/chat/completions", json=body)
         r.raise_for_status()
@@ -88,7 +90,7 @@ def score(prompts: list, answers: list[dict]) -> dict:
             "right_tool": right / calls if calls else 0.0}
 
 
-async def run(args, url: str) -> tuple[dict, int, int]:
+async def run(args, url: str, tool_choice: str) -> tuple[dict, int, int]:
     from namazu.tiny.corpus import default_corpus_dir
     from namazu.tiny.data import heldout_tool_prompts
 
@@ -100,7 +102,8 @@ async def run(args, url: str) -> tuple[dict, int, int]:
 
         async def one(i: int, p, temperature: float, stream: bool) -> dict:
             async with sem:
-                return await ask(client, model, p, temperature, args.max_tokens, args.seed + i, stream)
+                return await ask(client, model, p, temperature, args.max_tokens, args.seed + i, stream,
+                                 tool_choice)
 
         answers = await asyncio.gather(*(one(i, p, args.temperature, False) for i, p in enumerate(prompts)))
         k = min(args.stream_checks, len(prompts))
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--stream-checks", type=int, default=20, help="prompts whose streamed calls are compared")
     p.add_argument("--seed", type=int, default=4321)
+    p.add_argument("--tool-choice", nargs="+", default=["auto", "required"], choices=["auto", "required"])
     p.add_argument("--results", default=str(HERE / "RESULTS.md"), help="markdown file to update ('' to skip)")
     args = p.parse_args(argv)
 
@@ -129,28 +133,36 @@ def main(argv: list[str] | None = None) -> None:
     url = args.url
     if url is None:
         proc, url = start_server(args.model, [])
+    results = {}
     try:
-        s, k, mismatches = asyncio.run(run(args, url.rstrip("/")))
+        for choice in args.tool_choice:
+            results[choice] = asyncio.run(run(args, url.rstrip("/"), choice))
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=30)
-    rows = [("prompts (held-out schemas)", f"{s['prompts']}"), ("answered with tool_calls", f"{s['trigger_rate']:.1%}"),
-            ("tool calls", f"{s['calls']}"), ("naming a declared tool", f"{s['declared_tool']:.1%}"),
-            ("arguments parse as JSON", f"{s['json_parses']:.1%}"),
-            ("arguments valid under the schema", f"{s['schema_valid']:.1%}"),
-            ("invalid calls (verifier target: 0)", f"{s['invalid_calls']}"),
-            ("expected tool", f"{s['right_tool']:.1%}"),
-            ("streamed == non-streamed at T=0", f"{k - mismatches}/{k}")]
-    table = "\n".join(["| measure | value |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
+    measures = [("prompts (held-out schemas)", lambda s, k, m: f"{s['prompts']}"),
+                ("answered with tool_calls", lambda s, k, m: f"{s['trigger_rate']:.1%}"),
+                ("tool calls", lambda s, k, m: f"{s['calls']}"),
+                ("naming a declared tool", lambda s, k, m: f"{s['declared_tool']:.1%}"),
+                ("arguments parse as JSON", lambda s, k, m: f"{s['json_parses']:.1%}"),
+                ("arguments valid under the schema", lambda s, k, m: f"{s['schema_valid']:.1%}"),
+                ("invalid calls (verifier target: 0)", lambda s, k, m: f"{s['invalid_calls']}"),
+                ("expected tool", lambda s, k, m: f"{s['right_tool']:.1%}"),
+                ("streamed == non-streamed at T=0", lambda s, k, m: f"{k - m}/{k}")]
+    head = "| measure | " + " | ".join(f"tool_choice {c}" for c in results) + " |"
+    rows = [head, "|---|" + "---|" * len(results)]
+    rows += [f"| {name} | " + " | ".join(fn(*results[c]) for c in results) + " |" for name, fn in measures]
+    mismatches = sum(m for _, _, m in results.values())
+    k = sum(k for _, k, _ in results.values())
+    table = "\n".join(rows)
     print(table)
     if args.results:
         command = "python bench/tool_calls.py " + " ".join(argv if argv is not None else sys.argv[1:])
         section = "\n".join(["## Tool calls through the API (`make bench-tools`)", "",
-                             f"Command: `{command.strip()}`; temperature {args.temperature}, no grammar, "
-                             f"Kimi-K2 tool-call sections parsed by the server into `tool_calls`. JSON and "
-                             "schema validity are counted over all calls; a call naming an undeclared tool has no "
-                             "schema and counts as invalid.", "", table])
+                             f"Command: `{command.strip()}`; temperature {args.temperature}; Kimi-K2 tool-call "
+                             "sections generated under namazu's tool-call grammar and parsed by the server into "
+                             "`tool_calls`. JSON and schema validity are counted over all calls.", "", table])
         path = Path(args.results)
         write_section(START, END, section, path)
         print(f"\nwrote {path}")
