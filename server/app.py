@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 from server.common import ServerState, now
 from server.errors import APIError, http_error
 from server.metrics import ServerMetrics
+from server.replica_routes import kv_events, load
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 
@@ -42,6 +43,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        Route("/kv/events", kv_events, methods=["GET"]),   # the KV-aware router's feed (server/router/)
+        Route("/load", load, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/completions", _generation(create_completion), methods=["POST"]),
