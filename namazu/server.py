@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="join this Ray cluster (e.g. ray://head:10001 or auto); default: start Ray locally")
     r.add_argument("--ray-num-cpus", type=float, default=None, help="CPUs of a local Ray (default: all cores)")
     r.add_argument("--replica-threads", type=int, default=1, help="torch/OpenMP threads per replica (default 1)")
+    r.add_argument("--upscale-delay-s", type=float, default=5.0,
+                   help="seconds queue/KV pressure must last before a replica is added (default 5)")
+    r.add_argument("--downscale-delay-s", type=float, default=20.0,
+                   help="seconds a replica must be spare before it is drained and removed (default 20)")
     r.add_argument("--router-policy", default="kv", choices=("kv", "round_robin", "p2c", "affinity"),
                    help="replica choice: kv = namazu's KV-aware cost (default); the others are baselines")
     EngineConfig.add_cli_args(p)
@@ -116,7 +120,8 @@ def _serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
     serve_forever(config, ServeOptions(lo, hi, host=args.host, port=args.port, ray_address=args.ray_address,
                                        ray_num_cpus=args.ray_num_cpus, replica_threads=args.replica_threads,
                                        policy=args.router_policy, served_model_name=args.served_model_name,
-                                       api_key=args.api_key))
+                                       api_key=args.api_key, upscale_delay_s=args.upscale_delay_s,
+                                       downscale_delay_s=args.downscale_delay_s))
     return 0
 
 

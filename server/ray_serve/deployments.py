@@ -69,6 +69,8 @@ class NamazuEngine:
         if self.api_key:
             headers.append(("authorization", f"Bearer {self.api_key}"))
         async for item in asgi_stream(self.app, method, path, body, query, headers):
+            if isinstance(item, dict):
+                item["headers"].append(["x-namazu-replica", self.engine.replica_id])
             yield item
 
     def record_routing_stats(self) -> dict[str, Any]:
