@@ -50,11 +50,13 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
         hashes, blocks = info.get("hashes", []), int(info.get("prompt_blocks", 0))
         now = time.monotonic()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        decision = self.policy.choose([self._view(r, hashes, now) for r in candidate_replicas], blocks)
+        views = [self._view(r, hashes, now) for r in candidate_replicas]
+        decision = self.policy.choose(views, blocks)
         self._history[decision.replica].record(hashes, now)
         decisions.record(decision.replica, decision.costs)
-        if pending_request is not None:
-            self._open[pending_request.metadata.internal_request_id] = (decision.replica, blocks)
+        if pending_request is not None:     # what it adds there: the blocks not cached yet
+            cached = next(v.cached_blocks for v in views if v.name == decision.replica)
+            self._open[pending_request.metadata.internal_request_id] = (decision.replica, max(1, blocks - cached))
         # The chosen replica first; the rest by cost, so a full replica falls through to the next best.
         rest = sorted((r for rid, r in by_id.items() if rid != decision.replica),
                       key=lambda r: decision.costs.get(r.replica_id.unique_id, 0.0))

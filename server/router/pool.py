@@ -4,7 +4,7 @@ Each replica is polled on its own task: `GET /health` (a replica failing `fail_t
 row, or refusing a forwarded request, is taken out and everything the router knew about its cache is
 dropped), `GET /load` (queue depth, active KV blocks) and `GET /kv/events?after=N` (the index).
 Reports are up to a poll interval old, so the router keeps its own part of the load current: active
-blocks = prompt blocks of the requests it has open there now + whatever the last report held beyond
+blocks = the uncached prompt blocks of the requests it has open there now + whatever the last report held beyond
 the router's requests open at that time (other clients, generated tokens); queued requests shrink by
 the router's requests that finished since. A burst arriving between two polls therefore spreads, and a
 replica that just finished a long prompt does not look busy until the next poll.
@@ -35,7 +35,7 @@ class Replica:
     failures: int = 0
     load: dict[str, Any] = field(default_factory=dict)   # the last /load answer
     in_flight: int = 0                                    # requests this router has open there
-    open_blocks: int = 0                                  # their prompt blocks
+    open_blocks: int = 0                                  # KV blocks they added there (uncached prompt)
     open_at_report: tuple[int, int] = (0, 0)              # (in_flight, open_blocks) when /load answered
     num_routed: int = 0
     last_error: str = ""
@@ -52,15 +52,15 @@ class Replica:
             queued=max(0.0, self.load.get("num_waiting", 0) - max(0, self.open_at_report[0] - self.in_flight)),
             in_flight=self.in_flight)
 
-    def opened(self, hashes: list[int], prompt_blocks: int) -> None:
+    def opened(self, hashes: list[int], new_blocks: int) -> None:
         self.in_flight += 1
         self.num_routed += 1
-        self.open_blocks += prompt_blocks
+        self.open_blocks += new_blocks
         self.history.record(hashes)
 
-    def closed(self, prompt_blocks: int) -> None:
+    def closed(self, new_blocks: int) -> None:
         self.in_flight -= 1
-        self.open_blocks -= prompt_blocks
+        self.open_blocks -= new_blocks
 
     def forget(self) -> None:
         """Out of rotation: nothing believed about its cache or load survives."""

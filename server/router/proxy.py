@@ -106,11 +106,14 @@ class Router:
             self.metrics.decisions.labels(replica.url, self.policy.name).inc()
             self.metrics.prompt_blocks.inc(prompt_blocks)
             self.metrics.matched_blocks.inc(chosen.cached_blocks)
-            replica.opened(hashes, prompt_blocks)
+            # What the request adds to the replica's KV: its blocks the replica does not hold yet (a cached
+            # prefix is shared, not copied).
+            new_blocks = max(1, prompt_blocks - chosen.cached_blocks)
+            replica.opened(hashes, new_blocks)
             try:
-                return await self._send(request, replica, path, raw, prompt_blocks)
+                return await self._send(request, replica, path, raw, new_blocks)
             except _Retry as e:
-                replica.closed(prompt_blocks)
+                replica.closed(new_blocks)
                 self.pool.mark_failed(replica, str(e))
                 self.metrics.retries.labels(replica.url).inc()
                 tried.add(replica.url)
