@@ -275,7 +275,8 @@ async def bench_ray(args, pm: PromptMaker, runs: list[Run]) -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = ["-m", "namazu.server", "--port", str(port), "--replicas", "3:3", "--router-policy", policy,
-               "--ray-num-cpus", "2", "--replica-threads", "1", "--log-level", "warning"]
+               "--ray-num-cpus", "2", "--replica-threads", "1", "--log-level", "warning",
+               *shlex.split(args.replica_args)]
         if args.model:
             cmd += ["--model", args.model]
         proc = spawn(cmd, Path(args.log_dir) / f"ray-{policy}.log", 1)

@@ -3,11 +3,11 @@
 Each replica is polled on its own task: `GET /health` (a replica failing `fail_threshold` checks in a
 row, or refusing a forwarded request, is taken out and everything the router knew about its cache is
 dropped), `GET /load` (queue depth, active KV blocks) and `GET /kv/events?after=N` (the index).
-Reports are up to a poll interval old, so the router keeps its own part of the load current: active
-blocks = the uncached prompt blocks of the requests it has open there now + whatever the last report held beyond
-the router's requests open at that time (other clients, generated tokens); queued requests shrink by
-the router's requests that finished since. A burst arriving between two polls therefore spreads, and a
-replica that just finished a long prompt does not look busy until the next poll.
+Reports are up to a poll interval old, so the router corrects them with its own changes since: active
+blocks = reported - prompt blocks of its requests that finished since + uncached prompt blocks of its
+requests sent since (a cached prefix is shared, not added); queued = reported - its requests finished
+since. A burst arriving between two polls therefore spreads, and a replica that just finished a long
+prompt does not look busy until the next poll.
 """
 from __future__ import annotations
 
@@ -35,8 +35,11 @@ class Replica:
     failures: int = 0
     load: dict[str, Any] = field(default_factory=dict)   # the last /load answer
     in_flight: int = 0                                    # requests this router has open there
-    open_blocks: int = 0                                  # KV blocks they added there (uncached prompt)
-    open_at_report: tuple[int, int] = (0, 0)              # (in_flight, open_blocks) when /load answered
+    # The router's own changes since the last /load report: blocks its new requests add (their uncached
+    # prompt), and the requests that finished with the prompt blocks they held.
+    opened_blocks: int = 0
+    closed_blocks: int = 0
+    closed_requests: int = 0
     num_routed: int = 0
     last_error: str = ""
 
@@ -48,26 +51,30 @@ class Replica:
             cached = self.history.matched(hashes, now)
         return ReplicaView(
             name=self.url, cached_blocks=cached,
-            active_blocks=self.open_blocks + max(0.0, self.load.get("active_kv_blocks", 0) - self.open_at_report[1]),
-            queued=max(0.0, self.load.get("num_waiting", 0) - max(0, self.open_at_report[0] - self.in_flight)),
-            in_flight=self.in_flight)
+            active_blocks=max(0.0, self.load.get("active_kv_blocks", 0) - self.closed_blocks) + self.opened_blocks,
+            queued=max(0.0, self.load.get("num_waiting", 0) - self.closed_requests), in_flight=self.in_flight)
 
     def opened(self, hashes: list[int], new_blocks: int) -> None:
         self.in_flight += 1
         self.num_routed += 1
-        self.open_blocks += new_blocks
+        self.opened_blocks += new_blocks
         self.history.record(hashes)
 
-    def closed(self, new_blocks: int) -> None:
+    def closed(self, prompt_blocks: int) -> None:
         self.in_flight -= 1
-        self.open_blocks -= new_blocks
+        self.closed_blocks += prompt_blocks
+        self.closed_requests += 1
+
+    def reported(self, load: dict[str, Any]) -> None:
+        self.load = load
+        self.opened_blocks = self.closed_blocks = self.closed_requests = 0
 
     def forget(self) -> None:
         """Out of rotation: nothing believed about its cache or load survives."""
         self.healthy = False
         self.index.clear()
         self.history.clear()
-        self.load = {}
+        self.reported({})
 
 
 class ReplicaPool:
@@ -148,8 +155,7 @@ class ReplicaPool:
         try:
             r = await self.client.get(replica.url + "/load", headers=self.headers, timeout=2.0)
             r.raise_for_status()
-            replica.load = r.json()
-            replica.open_at_report = (replica.in_flight, replica.open_blocks)
+            replica.reported(r.json())
             self._check_block_size(replica, replica.load.get("block_size"))
             more = True
             while more:

@@ -108,12 +108,11 @@ class Router:
             self.metrics.matched_blocks.inc(chosen.cached_blocks)
             # What the request adds to the replica's KV: its blocks the replica does not hold yet (a cached
             # prefix is shared, not copied).
-            new_blocks = max(1, prompt_blocks - chosen.cached_blocks)
-            replica.opened(hashes, new_blocks)
+            replica.opened(hashes, max(1, prompt_blocks - chosen.cached_blocks))
             try:
-                return await self._send(request, replica, path, raw, new_blocks)
+                return await self._send(request, replica, path, raw, prompt_blocks)
             except _Retry as e:
-                replica.closed(new_blocks)
+                replica.closed(prompt_blocks)
                 self.pool.mark_failed(replica, str(e))
                 self.metrics.retries.labels(replica.url).inc()
                 tried.add(replica.url)
