@@ -127,9 +127,12 @@ async def conversations(client: httpx.AsyncClient, pm: PromptMaker, rate: float,
         finally:
             done.set_result(None)
 
+    # Users take turns in a random order (each exactly `turns` times), so no policy gets stickiness for
+    # free from a user count that happens to divide the replica count.
+    order = rng.permutation(np.repeat(np.arange(args.users), args.turns))
     tasks = []
     for i in range(n):
-        user = i % args.users
+        user = int(order[i])
         done = asyncio.get_running_loop().create_future()
         tasks.append(one(i, user, previous[user], done))
         previous[user] = done
