@@ -255,7 +255,7 @@ async def bench_router(args, pm: PromptMaker, replicas: list[str], runs: list[Ru
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = ["-m", "server.router", "--port", str(port), "--policy", policy, "--log-level", "warning",
-               "--seed", "0"] + [x for r in replicas for x in ("--replica", r)]
+               "--seed", "0", *shlex.split(args.router_args)] + [x for r in replicas for x in ("--replica", r)]
         if args.model:
             cmd += ["--tokenizer", args.model]
         proc = spawn(cmd, Path(args.log_dir) / f"router-{policy}.log", 1)
@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turn-output-len", type=int, default=16)
     p.add_argument("--burst", type=int, default=30, help="unrelated requests sent at once after each sweep")
     p.add_argument("--replica-args", default="", help="extra flags for each replica")
+    p.add_argument("--router-args", default="", help="extra flags for the router, e.g. '--prefix-weight 2'")
     p.add_argument("--ray", action="store_true", help="also run round_robin and kv through --replicas 3:3")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")

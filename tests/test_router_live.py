@@ -1,9 +1,12 @@
 """The KV-aware router over three live namazu replicas (tiny random checkpoint, one thread each): shared
 prefixes stick to the replica that caches them, a burst still reaches every replica, streams and client
-disconnects pass through, decisions show in /metrics, and a replica killed mid-run loses no request."""
+disconnects pass through, decisions show in /metrics, a hung replica is taken out by its health checks
+and its waiting requests move, and a replica killed mid-run loses no request."""
 from __future__ import annotations
 
+import os
 import random
+import signal
 import string
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +99,42 @@ def test_router_metrics_show_decisions_and_scores(cluster):
     assert all(r["indexed_blocks"] > 0 or r["routed"] == 0 for r in state["replicas"]), state
 
 
+def _wait_in_flight(router, url: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if next(r for r in router.state()["replicas"] if r["url"] == url)["in_flight"] > 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no request reached {url}")
+
+
+def test_hung_replica_fails_health_checks_and_its_waiting_requests_move(cluster):
+    """A replica that stops answering (SIGSTOP) keeps its connections open: only the health checks
+    notice. Its requests that had not received a byte must finish elsewhere; once it answers again it
+    returns to rotation with an empty index."""
+    router, replicas = cluster
+    victim = replicas[1]
+    rng = random.Random(4)
+    bodies = [{"prompt": _words(rng, 30), "max_tokens": 32, "ignore_eos": True} for _ in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(_complete, router.url, b) for b in bodies]
+        _wait_in_flight(router, victim.url)
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            responses = [f.result(timeout=60) for f in futures]
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+    assert [r.status_code for r in responses] == [200] * 6, [r.text for r in responses]
+    assert all(r.headers["x-namazu-replica"] != victim.url for r in responses)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        mine = next(r for r in router.state()["replicas"] if r["url"] == victim.url)
+        if mine["healthy"]:
+            break
+        time.sleep(0.1)
+    assert mine["healthy"] and mine["resets"] >= 2, mine
+
+
 def test_killed_replica_loses_no_request_and_leaves_the_index(cluster):
     """Runs last in this module: it kills one replica for good."""
     router, replicas = cluster
@@ -104,14 +143,7 @@ def test_killed_replica_loses_no_request_and_leaves_the_index(cluster):
     bodies = [{"prompt": _words(rng, 30), "max_tokens": 48, "ignore_eos": True} for _ in range(9)]
     with ThreadPoolExecutor(9) as pool:
         futures = [pool.submit(_complete, router.url, b) for b in bodies]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            mine = next(r for r in router.state()["replicas"] if r["url"] == victim.url)
-            if mine["in_flight"] > 0:
-                break
-            time.sleep(0.02)
-        else:
-            raise AssertionError("no request reached the victim replica")
+        _wait_in_flight(router, victim.url)
         victim.proc.kill()
         responses = [f.result() for f in futures]
     assert [r.status_code for r in responses] == [200] * 9, [r.text for r in responses]

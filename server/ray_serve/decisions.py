@@ -10,8 +10,11 @@ _decisions: dict[str, int] = {}
 _cost: dict[str, float] = {}
 
 
-def record(replica: str, costs: dict[str, float]) -> None:
+def record(replica: str) -> None:
     _decisions[replica] = _decisions.get(replica, 0) + 1
+
+
+def record_costs(costs: dict[str, float]) -> None:
     _cost.update(costs)
 
 

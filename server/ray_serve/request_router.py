@@ -53,7 +53,7 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
         views = [self._view(r, hashes, now) for r in candidate_replicas]
         decision = self.policy.choose(views, blocks)
         self._history[decision.replica].record(hashes, now)
-        decisions.record(decision.replica, decision.costs)
+        decisions.record_costs(decision.costs)
         if pending_request is not None:     # what it adds there: the blocks not cached yet
             cached = next(v.cached_blocks for v in views if v.name == decision.replica)
             self._open[pending_request.metadata.internal_request_id] = (decision.replica, max(1, blocks - cached))
@@ -61,6 +61,10 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
         rest = sorted((r for rid, r in by_id.items() if rid != decision.replica),
                       key=lambda r: decision.costs.get(r.replica_id.unique_id, 0.0))
         return [[by_id[decision.replica]]] + ([rest] if rest else [])
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        # choose_replicas may run several times for one request (a full replica, backoff); count here.
+        decisions.record(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
         self._open.pop(internal_request_id, None)

@@ -1,8 +1,9 @@
 """The router's replicas: health checks, load and KV-event polling, and the router's own estimates.
 
 Each replica is polled on its own task: `GET /health` (a replica failing `fail_threshold` checks in a
-row, or refusing a forwarded request, is taken out and everything the router knew about its cache is
-dropped), `GET /load` (queue depth, active KV blocks) and `GET /kv/events?after=N` (the index).
+row, or refusing a forwarded request, is taken out, its requests still waiting for a first byte are
+re-sent elsewhere, and everything the router knew about its cache is dropped), `GET /load` (queue
+depth, active KV blocks) and `GET /kv/events?after=N` (the index).
 Reports are up to a poll interval old, so the router corrects them with its own changes since: active
 blocks = reported - prompt blocks of its requests that finished since + uncached prompt blocks of its
 requests sent since (a cached prefix is shared, not added); queued = reported - its requests finished
@@ -42,6 +43,8 @@ class Replica:
     closed_requests: int = 0
     num_routed: int = 0
     last_error: str = ""
+    # Set when the replica is taken out: requests waiting for its first byte stop waiting and move on.
+    out: asyncio.Event = field(default_factory=asyncio.Event)
 
     def view(self, hashes: list[int], events_max_age: float, now: float) -> ReplicaView:
         fresh = self.index.fresh(events_max_age, now)
@@ -72,6 +75,7 @@ class Replica:
     def forget(self) -> None:
         """Out of rotation: nothing believed about its cache or load survives."""
         self.healthy = False
+        self.out.set()
         self.index.clear()
         self.history.clear()
         self.reported({})
@@ -147,6 +151,7 @@ class ReplicaPool:
             return
         if not replica.healthy:
             logger.info("replica %s is healthy", replica.url)
+            replica.out = asyncio.Event()
         replica.failures = 0
         replica.healthy = True
         await self.poll(replica)

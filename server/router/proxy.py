@@ -2,8 +2,9 @@
 
 Per request: tokenize the prompt as a namazu server would (chat template for chat), hash its blocks,
 score every healthy replica (`policy.py`), forward the body unchanged. The router commits to a replica
-only once its first response bytes arrived: a replica that refuses the connection, drops it or answers
-503 before that is taken out of rotation and the request goes to the next best one. After the first
+only once its first response bytes arrived: a replica that refuses the connection, drops it, answers
+503 or fails its health checks before that is taken out of rotation and the request goes to the next
+best one. After the first
 streamed byte a failure ends the stream with an in-band error (the client already has tokens). A client
 that disconnects closes the upstream connection, which aborts the request on the replica.
 """
@@ -123,7 +124,7 @@ class Router:
         upstream_req = self.client.build_request("POST", replica.url + path, content=raw, headers=headers,
                                                  timeout=httpx.Timeout(None, connect=5.0))
         try:
-            upstream = await _unless_disconnected(request, self.client.send(upstream_req, stream=True))
+            upstream = await _unless_gone(request, replica, self.client.send(upstream_req, stream=True))
         except httpx.TransportError as e:
             raise _Retry(f"{replica.url}: {type(e).__name__}: {e}") from None
         if upstream is None:                     # the client left before the replica answered
@@ -136,7 +137,7 @@ class Router:
         out_headers["x-namazu-replica"] = replica.url
         if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
             try:
-                content = await _unless_disconnected(request, upstream.aread())
+                content = await _unless_gone(request, replica, upstream.aread())
             except httpx.TransportError as e:
                 await upstream.aclose()
                 raise _Retry(f"{replica.url} dropped the request: {type(e).__name__}: {e}") from None
@@ -147,7 +148,7 @@ class Router:
             return Response(content, status_code=upstream.status_code, headers=out_headers)
         chunks = upstream.aiter_raw()
         try:
-            first = await _unless_disconnected(request, chunks.__anext__())
+            first = await _unless_gone(request, replica, chunks.__anext__())
         except (httpx.TransportError, StopAsyncIteration) as e:
             await upstream.aclose()
             raise _Retry(f"{replica.url} dropped the stream before its first byte: {type(e).__name__}") from None
@@ -220,20 +221,25 @@ class Router:
         ])
 
 
-async def _unless_disconnected(request: Request, aw: Any) -> Any:
-    """Awaits `aw`, or returns None (cancelling it) if the client disconnects first."""
+async def _unless_gone(request: Request, replica: Replica, aw: Any) -> Any:
+    """Awaits `aw`; returns None if the client disconnects first, raises _Retry if the replica is taken
+    out first (it failed its health checks while this request waited for its first byte)."""
     task = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    client_gone = asyncio.ensure_future(_disconnected(request))
+    replica_out = asyncio.ensure_future(replica.out.wait())
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, client_gone, replica_out}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             return task.result()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
-        return None
+        if client_gone in done:
+            return None
+        raise _Retry(f"{replica.url} was taken out ({replica.last_error}) before its first byte")
     finally:
-        watcher.cancel()
+        client_gone.cancel()
+        replica_out.cancel()
         if not task.done():
             task.cancel()
 
