@@ -12,7 +12,7 @@ def view(name, cached=0, active=0.0, queued=0.0, in_flight=0) -> ReplicaView:
 
 
 def test_cached_prefix_wins_when_load_is_equal():
-    p = KVAwarePolicy(seed=0)
+    p = KVAwarePolicy(prefix_weight=1.0, seed=0)
     d = p.choose([view("a"), view("b", cached=20), view("c", cached=5)], prompt_blocks=24)
     assert d.replica == "b"
     assert d.costs["a"] - d.costs["b"] == 20 and d.costs["c"] - d.costs["b"] == 15

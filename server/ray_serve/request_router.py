@@ -16,12 +16,13 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 import server.ray_serve.decisions as decisions
 from server.router.index import EventIndex, RoutingHistory
-from server.router.policy import ReplicaView, make_policy
+from server.router.policy import DEFAULT_PREFIX_WEIGHT, ReplicaView, make_policy
 
 
 class NamazuRequestRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, policy: str = "kv", prefix_weight: float = 1.0, queue_weight: float = 4.0,
-                         history_ttl: float = 120.0, recent_s: float = 5.0, **_: Any) -> None:
+    def initialize_state(self, policy: str = "kv", prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
+                         queue_weight: float = 4.0, history_ttl: float = 120.0, recent_s: float = 5.0,
+                         **_: Any) -> None:
         self.policy = make_policy(policy, prefix_weight, queue_weight)
         self.history_ttl, self.recent_s = history_ttl, recent_s
         self._index: dict[str, EventIndex] = {}

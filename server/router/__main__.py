@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from server.router.policy import POLICIES
+from server.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,8 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="kv", choices=sorted(POLICIES),
                    help="kv = cache- and load-aware cost (default); round_robin, p2c and affinity are "
                         "baselines for benchmarks")
-    p.add_argument("--prefix-weight", type=float, default=1.0,
-                   help="w: cost of one prompt block the replica would have to compute (default 1.0)")
+    p.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT,
+                   help="w: cost of one prompt block the replica would have to compute, in held KV blocks "
+                        f"(default {DEFAULT_PREFIX_WEIGHT:g})")
     p.add_argument("--queue-weight", type=float, default=4.0,
                    help="cost of one request queued on the replica, in blocks (default 4.0)")
     p.add_argument("--poll-interval", type=float, default=0.25, help="seconds between load/event polls")
