@@ -33,6 +33,15 @@ def ray_local(tmp_path_factory):
     ray.shutdown()
 
 
+@pytest.fixture
+def serve_app(ray_local):
+    """Each test gets its own Serve instance (its own HTTP port); the local Ray stays up."""
+    from ray import serve
+
+    yield ray_local
+    serve.shutdown()
+
+
 def _deploy(model, lo: int, hi: int, **kw):
     from server.ray_serve.launch import ServeOptions, start
 
@@ -66,8 +75,8 @@ def _post(url: str, body: dict, path: str = "/v1/completions") -> httpx.Response
     return httpx.post(url + path, json=body, timeout=120)
 
 
-def test_three_replicas_route_by_prefix_and_spread_a_burst(ray_local):
-    url = _deploy(ray_local, 3, 3)
+def test_three_replicas_route_by_prefix_and_spread_a_burst(serve_app):
+    url = _deploy(serve_app, 3, 3)
     deadline = time.monotonic() + 60
     while _running_replicas() < 3 and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -98,8 +107,8 @@ def test_three_replicas_route_by_prefix_and_spread_a_burst(ray_local):
     assert "namazu_router_decisions_total" in metrics and "namazu_router_replica_cost" in metrics
 
 
-def test_autoscaling_up_under_a_ramp_and_back_down_without_failures(ray_local):
-    url = _deploy(ray_local, 1, 3, upscale_delay_s=1.0, downscale_delay_s=4.0, target_queue=0.5,
+def test_autoscaling_up_under_a_ramp_and_back_down_without_failures(serve_app):
+    url = _deploy(serve_app, 1, 3, upscale_delay_s=1.0, downscale_delay_s=4.0, target_queue=0.5,
                   engine={"max_num_seqs": 1})
     assert _running_replicas() == 1
     results: list[int] = []
