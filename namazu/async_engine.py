@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from namazu.config import ModelConfig
 from namazu.engine import EngineStats, LLMEngine
@@ -173,6 +174,18 @@ class AsyncEngine:
     def capacity(self) -> int:
         """Most sequences admitted at once: one step's worth plus the waiting allowance."""
         return self.config.max_num_seqs + self.config.max_waiting_seqs
+
+    @property
+    def replica_id(self) -> str:
+        """Random per engine start: a router that sees it change knows this replica restarted."""
+        return self.engine.kv_events.replica_id
+
+    def kv_events(self, after: int, limit: int = 1024, replica_id: str | None = None) -> dict[str, Any]:
+        """The prefix cache's KV events after id `after` (see namazu.scheduler.kv_events.KVEventLog.since),
+        with the block size the hashes were computed at. Thread-safe: the log has its own lock."""
+        out = self.engine.kv_events.since(after, limit, replica_id)
+        out["block_size"] = self.engine.config.block_size
+        return out
 
     def validate_request(self, request_id: str, prompt: str | None, params: SamplingParams,
                          prompt_token_ids: list[int] | None = None) -> list[int]:

@@ -26,6 +26,7 @@ from namazu.outputs import RequestOutput
 from namazu.request_validation import RequestValidator
 from namazu.sampling_params import SamplingParams
 from namazu.scheduler.block_manager import BlockManager
+from namazu.scheduler.kv_events import KVEventLog
 from namazu.scheduler.scheduler import ScheduledSeq, Scheduler
 from namazu.scheduler.sequence import Sequence, SequenceStatus
 from namazu.spec.drafters import NgramProposer
@@ -90,8 +91,9 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
+        self.kv_events = KVEventLog()   # the prefix cache's stored/removed blocks, for the KV-aware router
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, events=self.kv_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill, config.scheduling_policy)
         self.vocab_size = self.model_config.vocab_size

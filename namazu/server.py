@@ -52,6 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "long (default: 30)")
     g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
                    help="close an idle keep-alive connection after this long (default: 5)")
+    r = p.add_argument_group("replicas (Ray Serve; needs `pip install ray[serve]`)")
+    r.add_argument("--replicas", default=None, metavar="MIN:MAX",
+                   help="serve MIN..MAX engine replicas as a Ray Serve application behind namazu's KV-aware "
+                        "router, autoscaled on queue depth and KV usage (N = N:N, fixed)")
+    r.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. ray://head:10001 or auto); default: start Ray locally")
+    r.add_argument("--ray-num-cpus", type=float, default=None, help="CPUs of a local Ray (default: all cores)")
+    r.add_argument("--replica-threads", type=int, default=1, help="torch/OpenMP threads per replica (default 1)")
+    r.add_argument("--upscale-delay-s", type=float, default=5.0,
+                   help="seconds queue/KV pressure must last before a replica is added (default 5)")
+    r.add_argument("--downscale-delay-s", type=float, default=20.0,
+                   help="seconds a replica must be spare before it is drained and removed (default 20)")
+    r.add_argument("--router-policy", default="kv", choices=("kv", "round_robin", "p2c", "affinity"),
+                   help="replica choice: kv = namazu's KV-aware cost (default); the others are baselines")
     EngineConfig.add_cli_args(p)
     return p
 
@@ -155,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.replicas is not None:
+        return _serve_replicas(args, config)
     import uvloop
 
     try:
@@ -164,6 +180,29 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         pass
+    return 0
+
+
+def _serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
+    """--replicas: the same server as a Ray Serve application (Ray is imported only here)."""
+    from server.ray_serve.launch import ServeOptions, parse_replicas, serve_forever
+
+    try:
+        lo, hi = parse_replicas(args.replicas)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        print("error: --replicas needs Ray Serve: pip install -r requirements-dev.txt (or 'ray[serve]')",
+              file=sys.stderr)
+        return 2
+    serve_forever(config, ServeOptions(lo, hi, host=args.host, port=args.port, ray_address=args.ray_address,
+                                       ray_num_cpus=args.ray_num_cpus, replica_threads=args.replica_threads,
+                                       policy=args.router_policy, served_model_name=args.served_model_name,
+                                       api_key=args.api_key, upscale_delay_s=args.upscale_delay_s,
+                                       downscale_delay_s=args.downscale_delay_s))
     return 0
 
 

@@ -25,6 +25,7 @@ from server.errors import ENGINE_ERRORS, APIError, as_api_error, http_error
 from server.json_body import parse_json_async
 from server.metrics import ServerMetrics
 from server.openapi import build_openapi
+from server.replica_routes import kv_events, load
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 from server.timeouts import WriteTimeoutMiddleware
@@ -51,6 +52,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/openapi.json", openapi_document, methods=["GET"]),
+        Route("/kv/events", kv_events, methods=["GET"]),   # the KV-aware router's feed (server/router/)
+        Route("/load", load, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/completions", _generation(create_completion), methods=["POST"]),

@@ -14,10 +14,14 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from namazu.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from namazu.scheduler.kv_events import KVEventLog
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +37,8 @@ def hash_block(parent: int, tokens: list[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventLog | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks}: the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -47,6 +52,8 @@ class BlockManager:
         # Prefix-cache statistics, in prompt tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Every change to the set of cached hashes is published here (the KV-aware router reads it).
+        self.events = events
 
     # -- state ------------------------------------------------------------------------------------------
     @property
@@ -86,6 +93,8 @@ class BlockManager:
         else:
             block, _ = self.evictable.popitem(last=False)
             del self.cached[self.block_hash[block]]
+            if self.events is not None:
+                self.events.removed((self.block_hash[block],))
             self.block_hash[block] = None
         self.ref_count[block] = 1
         return block
@@ -143,14 +152,18 @@ class BlockManager:
             return
         self.update_block_hashes(seq)
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        stored = []
         for i in range(seq.num_committed_blocks, full):
             block, h = seq.block_table[i], seq.block_hashes[i]
             if self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
+                stored.append(h)
             # Otherwise an identical block is already cached (two sequences computed the same prefix in
             # the same step): this copy stays unhashed and returns to the free list when released.
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
+        if stored and self.events is not None:
+            self.events.stored(stored)
 
     def _release(self, block: int) -> None:
         self.ref_count[block] -= 1
@@ -178,11 +191,15 @@ class BlockManager:
     def reset_prefix_cache(self) -> int:
         """Drops every evictable cached block; returns how many. Blocks in use keep their hashes."""
         n = len(self.evictable)
+        dropped = []
         for block in self.evictable:
             del self.cached[self.block_hash[block]]
+            dropped.append(self.block_hash[block])
             self.block_hash[block] = None
             self.free.append(block)
         self.evictable.clear()
+        if dropped and self.events is not None:
+            self.events.removed(dropped)
         return n
 
     def check_invariants(self, live: list[Sequence]) -> None:

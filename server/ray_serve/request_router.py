@@ -1,0 +1,87 @@
+"""namazu's KV-aware cost as a Ray Serve custom request router.
+
+Ray Serve calls `choose_replicas` in the process holding the deployment handle (the ingress) for every
+request. The ingress passes the prompt's block hashes as the request's third argument; each engine
+replica publishes, through `record_routing_stats`, a snapshot of its KV events log (replica id, last
+event id, every stored block hash) with its queue depth and active KV blocks. The snapshot feeds the
+same `EventIndex` the HTTP router uses, the router's own routing history covers what the snapshot
+cannot show yet, and the cost is `server.router.policy`'s, so both paths route alike.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+import server.ray_serve.decisions as decisions
+from server.router.index import EventIndex, RoutingHistory
+from server.router.policy import DEFAULT_PREFIX_WEIGHT, ReplicaView, make_policy
+
+
+class NamazuRequestRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, policy: str = "kv", prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
+                         queue_weight: float = 4.0, history_ttl: float = 120.0, recent_s: float = 5.0,
+                         **_: Any) -> None:
+        self.policy = make_policy(policy, prefix_weight, queue_weight)
+        self.history_ttl, self.recent_s = history_ttl, recent_s
+        self._index: dict[str, EventIndex] = {}
+        self._history: dict[str, RoutingHistory] = {}
+        self._open: dict[str, tuple[str, int]] = {}      # internal request id -> (replica, prompt blocks)
+
+    def _view(self, replica: RunningReplica, hashes: list[int], now: float) -> ReplicaView:
+        rid = replica.replica_id.unique_id
+        stats = replica.routing_stats or {}
+        index = self._index.setdefault(rid, EventIndex())
+        history = self._history.setdefault(rid, RoutingHistory(self.history_ttl))
+        if "replica_id" in stats and (stats["replica_id"], stats["last_id"]) != (index.replica_id, index.cursor):
+            index.apply({"replica_id": stats["replica_id"], "last_id": stats["last_id"],
+                         "snapshot": stats["hashes"], "events": []}, now)
+        cached = max(index.matched(hashes), history.matched(hashes, now, within=self.recent_s))
+        open_blocks = sum(b for r, b in self._open.values() if r == rid)
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return ReplicaView(rid, cached, max(float(stats.get("active_kv_blocks", 0)), float(open_blocks)),
+                           float(stats.get("num_waiting", 0)), int(queue_len))
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        info = _route_info(pending_request)
+        hashes, blocks = info.get("hashes", []), int(info.get("prompt_blocks", 0))
+        now = time.monotonic()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        views = [self._view(r, hashes, now) for r in candidate_replicas]
+        decision = self.policy.choose(views, blocks)
+        self._history[decision.replica].record(hashes, now)
+        decisions.record_costs(decision.costs)
+        if pending_request is not None:     # what it adds there: the blocks not cached yet
+            cached = next(v.cached_blocks for v in views if v.name == decision.replica)
+            self._open[pending_request.metadata.internal_request_id] = (decision.replica, max(1, blocks - cached))
+        # The chosen replica first; the rest by cost, so a full replica falls through to the next best.
+        rest = sorted((r for rid, r in by_id.items() if rid != decision.replica),
+                      key=lambda r: decision.costs.get(r.replica_id.unique_id, 0.0))
+        return [[by_id[decision.replica]]] + ([rest] if rest else [])
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        # choose_replicas may run several times for one request (a full replica, backoff); count here.
+        decisions.record(replica_id.unique_id)
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        self._open.pop(internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        rid = replica_id.unique_id
+        self._index.pop(rid, None)
+        self._history.pop(rid, None)
+        self._open = {k: v for k, v in self._open.items() if v[0] != rid}
+
+
+def _route_info(pending_request: PendingRequest | None) -> dict[str, Any]:
+    if pending_request is None:
+        return {}
+    for arg in pending_request.args:
+        if isinstance(arg, dict) and "hashes" in arg:
+            return arg
+    return {}

@@ -1,0 +1,99 @@
+"""`python -m server.router --replica URL [--replica URL ...] --port P`: the KV-aware router."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from server.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m server.router",
+                                description="OpenAI-compatible KV-aware router over namazu replicas.")
+    p.add_argument("--replica", action="append", required=True, metavar="URL",
+                   help="a namazu server (http://host:port); repeat for each replica")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to bind (default: 8080; 0 picks a free one)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer (or checkpoint) directory the replicas use; "
+                                                      "default: the embedded namazu-tiny model's")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="the replicas' --block-size (default: learned from their /load)")
+    p.add_argument("--policy", default="kv", choices=sorted(POLICIES),
+                   help="kv = cache- and load-aware cost (default); round_robin, p2c and affinity are "
+                        "baselines for benchmarks")
+    p.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT,
+                   help="w: cost of one prompt block the replica would have to compute, in held KV blocks "
+                        f"(default {DEFAULT_PREFIX_WEIGHT:g})")
+    p.add_argument("--queue-weight", type=float, default=4.0,
+                   help="cost of one request queued on the replica, in blocks (default 4.0)")
+    p.add_argument("--poll-interval", type=float, default=0.25, help="seconds between load/event polls")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    p.add_argument("--fail-threshold", type=int, default=2,
+                   help="failed health checks in a row that take a replica out (default 2)")
+    p.add_argument("--history-ttl", type=float, default=120.0,
+                   help="seconds the router remembers what it sent where, used when a replica's events "
+                        "are missing (default 120)")
+    p.add_argument("--replica-api-key", default=None, help="API key the replicas were started with")
+    p.add_argument("--seed", type=int, default=None, help="tie-breaking seed")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+async def serve(args: argparse.Namespace) -> None:
+    import httpx
+    import uvicorn
+
+    from namazu.assets import default_model_path
+    from namazu.tokenizer import Tokenizer
+    from server.router.policy import make_policy
+    from server.router.pool import ReplicaPool
+    from server.router.proxy import Router
+
+    headers = {"Authorization": f"Bearer {args.replica_api_key}"} if args.replica_api_key else {}
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+    async with httpx.AsyncClient(limits=limits) as client:
+        pool = ReplicaPool(args.replica, client, poll_interval=args.poll_interval,
+                           health_interval=args.health_interval, fail_threshold=args.fail_threshold,
+                           history_ttl=args.history_ttl, headers=headers)
+        tokenizer = Tokenizer.from_pretrained(args.tokenizer or default_model_path())
+        router = Router(pool, make_policy(args.policy, args.prefix_weight, args.queue_weight, args.seed),
+                        tokenizer, client, headers, args.block_size)
+        await pool.start()
+        try:
+            config = uvicorn.Config(router.app(), host=args.host, port=args.port, log_level=args.log_level,
+                                    loop="none", timeout_graceful_shutdown=5)
+            server = uvicorn.Server(config)
+            started = asyncio.ensure_future(server.serve())
+            while not server.started and not started.done():
+                await asyncio.sleep(0.05)
+            if server.started:
+                port = server.servers[0].sockets[0].getsockname()[1]
+                logging.getLogger("server.router").info(
+                    "routing (%s) over %d replicas on http://%s:%d", args.policy, len(args.replica), args.host, port)
+            await started
+        finally:
+            await pool.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.block_size is not None and (args.block_size < 1 or args.block_size & (args.block_size - 1)):
+        print(f"error: --block-size={args.block_size} must be a power of two", file=sys.stderr)
+        return 2
+    import uvloop
+
+    try:
+        uvloop.run(serve(args))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

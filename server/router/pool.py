@@ -1,0 +1,185 @@
+"""The router's replicas: health checks, load and KV-event polling, and the router's own estimates.
+
+Each replica is polled on its own task: `GET /health` (a replica failing `fail_threshold` checks in a
+row, or refusing a forwarded request, is taken out, its requests still waiting for a first byte are
+re-sent elsewhere, and everything the router knew about its cache is dropped), `GET /load` (queue
+depth, active KV blocks) and `GET /kv/events?after=N` (the index).
+Reports are up to a poll interval old, so the router corrects them with its own changes since: active
+blocks = reported - prompt blocks of its requests that finished since + uncached prompt blocks of its
+requests sent since (a cached prefix is shared, not added); queued = reported - its requests finished
+since. A burst arriving between two polls therefore spreads, and a replica that just finished a long
+prompt does not look busy until the next poll.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from server.router.index import EventIndex, RoutingHistory
+from server.router.policy import ReplicaView
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Replica:
+    url: str
+    history: RoutingHistory
+    index: EventIndex = field(default_factory=EventIndex)
+    healthy: bool = False
+    failures: int = 0
+    load: dict[str, Any] = field(default_factory=dict)   # the last /load answer
+    in_flight: int = 0                                    # requests this router has open there
+    # The router's own changes since the last /load report: blocks its new requests add (their uncached
+    # prompt), and the requests that finished with the prompt blocks they held.
+    opened_blocks: int = 0
+    closed_blocks: int = 0
+    closed_requests: int = 0
+    num_routed: int = 0
+    last_error: str = ""
+    # Set when the replica is taken out: requests waiting for its first byte stop waiting and move on.
+    out: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def view(self, hashes: list[int], events_max_age: float, now: float) -> ReplicaView:
+        fresh = self.index.fresh(events_max_age, now)
+        if fresh:   # the index, plus what was sent there too recently to show up in its events
+            cached = max(self.index.matched(hashes), self.history.matched(hashes, now, within=events_max_age))
+        else:
+            cached = self.history.matched(hashes, now)
+        return ReplicaView(
+            name=self.url, cached_blocks=cached,
+            active_blocks=max(0.0, self.load.get("active_kv_blocks", 0) - self.closed_blocks) + self.opened_blocks,
+            queued=max(0.0, self.load.get("num_waiting", 0) - self.closed_requests), in_flight=self.in_flight)
+
+    def opened(self, hashes: list[int], new_blocks: int) -> None:
+        self.in_flight += 1
+        self.num_routed += 1
+        self.opened_blocks += new_blocks
+        self.history.record(hashes)
+
+    def closed(self, prompt_blocks: int) -> None:
+        self.in_flight -= 1
+        self.closed_blocks += prompt_blocks
+        self.closed_requests += 1
+
+    def reported(self, load: dict[str, Any]) -> None:
+        self.load = load
+        self.opened_blocks = self.closed_blocks = self.closed_requests = 0
+
+    def forget(self) -> None:
+        """Out of rotation: nothing believed about its cache or load survives."""
+        self.healthy = False
+        self.out.set()
+        self.index.clear()
+        self.history.clear()
+        self.reported({})
+
+
+class ReplicaPool:
+    def __init__(self, urls: list[str], client: httpx.AsyncClient, *, poll_interval: float = 0.25,
+                 health_interval: float = 1.0, fail_threshold: int = 2, events_max_age: float = 2.0,
+                 history_ttl: float = 120.0, headers: dict[str, str] | None = None):
+        if not urls:
+            raise ValueError("the router needs at least one --replica URL")
+        urls = [u.rstrip("/") for u in urls]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"a replica is listed twice: {urls}")
+        self.replicas = {u: Replica(u, RoutingHistory(history_ttl)) for u in urls}
+        self.client = client
+        self.poll_interval, self.health_interval = poll_interval, health_interval
+        self.fail_threshold, self.events_max_age = fail_threshold, events_max_age
+        self.headers = headers or {}
+        self.block_size: int | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- views --------------------------------------------------------------------------------------------
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy]
+
+    def views(self, hashes: list[int], exclude: set[str]) -> list[ReplicaView]:
+        now = time.monotonic()
+        return [r.view(hashes, self.events_max_age, now) for r in self.healthy() if r.url not in exclude]
+
+    def mark_failed(self, replica: Replica, why: str) -> None:
+        if replica.healthy:
+            logger.warning("replica %s taken out: %s", replica.url, why)
+        replica.last_error = why
+        replica.failures = max(replica.failures, self.fail_threshold)
+        replica.forget()
+
+    # -- polling ------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.gather(*(self.check(r) for r in self.replicas.values()))
+        self._tasks = [asyncio.create_task(self._loop(r)) for r in self.replicas.values()]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+
+    async def _loop(self, replica: Replica) -> None:
+        last_health = time.monotonic()
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            if time.monotonic() - last_health >= self.health_interval or not replica.healthy:
+                last_health = time.monotonic()
+                await self.check(replica)
+            elif replica.healthy:
+                await self.poll(replica)
+
+    async def check(self, replica: Replica) -> None:
+        """One health check; a healthy replica is then polled for load and events at once."""
+        try:
+            r = await self.client.get(replica.url + "/health", timeout=max(1.0, self.health_interval))
+            ok, why = r.status_code == 200, f"/health answered {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, why = False, f"/health failed: {type(e).__name__}: {e}"
+        if not ok:
+            replica.failures += 1
+            replica.last_error = why
+            if replica.failures >= self.fail_threshold:
+                self.mark_failed(replica, why)
+            return
+        if not replica.healthy:
+            logger.info("replica %s is healthy", replica.url)
+            replica.out = asyncio.Event()
+        replica.failures = 0
+        replica.healthy = True
+        await self.poll(replica)
+
+    async def poll(self, replica: Replica) -> None:
+        try:
+            r = await self.client.get(replica.url + "/load", headers=self.headers, timeout=2.0)
+            r.raise_for_status()
+            replica.reported(r.json())
+            self._check_block_size(replica, replica.load.get("block_size"))
+            more = True
+            while more:
+                r = await self.client.get(replica.url + "/kv/events", headers=self.headers, timeout=2.0,
+                                          params={"after": replica.index.cursor,
+                                                  **({"replica_id": replica.index.replica_id}
+                                                     if replica.index.replica_id else {})})
+                r.raise_for_status()
+                more = replica.index.apply(r.json())
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            # Load or events missing: routing falls back to the router's own history for this replica.
+            replica.last_error = f"poll failed: {type(e).__name__}: {e}"
+            logger.debug("replica %s: %s", replica.url, replica.last_error)
+
+    def _check_block_size(self, replica: Replica, block_size: Any) -> None:
+        if block_size is None:
+            return
+        if self.block_size is None:
+            self.block_size = int(block_size)
+        elif int(block_size) != self.block_size:
+            raise ValueError(f"replica {replica.url} uses --block-size {block_size}, the others "
+                             f"{self.block_size}: their block hashes cannot be compared")
