@@ -48,6 +48,10 @@ def alive(pid: int) -> bool:
         return False
 
 
+def running(srv: LiveServer) -> float:
+    return srv.metrics()["namazu_num_requests_running"]
+
+
 def health(srv: LiveServer) -> int:
     try:
         return httpx.get(srv.url + "/health", timeout=2).status_code
@@ -121,7 +125,7 @@ def test_worker_killed_while_busy_fails_requests_in_flight_then_serves_again(mod
                                      json={"prompt": "waiting", "max_tokens": 230, "ignore_eos": True})
         t = threading.Thread(target=blocking, daemon=True)
         t.start()
-        time.sleep(0.3)
+        wait_for(lambda: running(srv) >= 2, 30, 0.02)       # both in the engine when the worker dies
         os.kill(worker_pid(srv.proc.pid), signal.SIGKILL)
         assert wait_for(lambda: health(srv) != 200, 10, 0.05) < 10
         chunks, done = stream.result()
@@ -159,17 +163,17 @@ def test_hung_worker_is_killed_after_the_step_timeout(model):
 
 def test_sigterm_finishes_short_requests_and_ends_long_ones_cleanly(model):
     with LiveServer(model, *ARGS, *slow_steps(), "--shutdown-timeout", "2") as srv:
-        long = Stream(srv, max_tokens=230)          # 230 steps x 50 ms: far past the 2 s allowed
+        long = Stream(srv, max_tokens=230)          # 230 steps x 50 ms: far past the 2 s allowed; 20: within
         assert long.started.wait(30)
         result: dict = {}
 
         def blocking(name: str, max_tokens: int) -> None:
             result[name] = httpx.post(srv.url + "/v1/completions", timeout=60,
                                       json={"prompt": name, "max_tokens": max_tokens, "ignore_eos": True})
-        threads = [threading.Thread(target=blocking, args=a, daemon=True) for a in (("short", 5), ("long", 230))]
+        threads = [threading.Thread(target=blocking, args=a, daemon=True) for a in (("short", 20), ("long", 230))]
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        wait_for(lambda: running(srv) >= 3, 30, 0.02)       # all three in flight at the signal
         wpid = worker_pid(srv.proc.pid)
         srv.proc.send_signal(signal.SIGTERM)
         assert wait_for(lambda: health(srv) != 200, 5, 0.05) < 5
@@ -178,7 +182,7 @@ def test_sigterm_finishes_short_requests_and_ends_long_ones_cleanly(model):
         chunks, done = long.result()
         assert done and chunks[-1]["error"]["code"] == "engine_unavailable", chunks[-1:]
         assert result["short"].status_code == 200, result["short"].text
-        assert result["short"].json()["usage"]["completion_tokens"] == 5
+        assert result["short"].json()["usage"]["completion_tokens"] == 20
         assert result["long"].status_code == 503 and result["long"].json()["error"]["message"]
         assert srv.proc.wait(timeout=30) == 0, srv.output()
         assert wait_for(lambda: not alive(wpid), 10) < 10        # the engine shut its worker down
