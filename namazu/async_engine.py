@@ -138,6 +138,7 @@ class AsyncEngine:
         self._in_engine: dict[str, int] = {}         # request id -> sequences, for requests in the engine
         self._thread = threading.Thread(target=self._run, name="namazu-engine", daemon=True)
         self._thread.start()
+        self._stop_watch = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="namazu-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -463,7 +464,8 @@ class AsyncEngine:
         fails as if the worker had died, and the engine restarts."""
         timeout = self.config.step_timeout
         while not self._stopped and not self.failed.is_set():
-            time.sleep(min(1.0, timeout / 4))
+            if self._stop_watch.wait(min(1.0, timeout / 4)):
+                return
             started = self._step_started
             if started is not None and time.monotonic() - started > timeout:
                 logger.error("a step has run for more than %g s (--step-timeout); killing its worker", timeout)
@@ -475,8 +477,10 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=30)
+        self._stop_watch.set()
+        for thread in (self._thread, self._watchdog):
+            if thread.is_alive() and threading.current_thread() is not thread:
+                thread.join(timeout=30)
         self.engine.close()
 
     close = shutdown

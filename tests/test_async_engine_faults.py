@@ -145,7 +145,9 @@ def test_a_large_request_does_not_starve_a_small_one():
         asyncio.run(main())
     finally:
         engine.shutdown()
-    assert order.index("small") <= 2, order
+    # FIFO would finish it last (index 6). Round-robin admits it at the first free slot: it finishes with
+    # the first big requests that ran after the first two (which free their slots together).
+    assert order.index("small") <= 3, order
 
 
 def test_request_deadline_aborts_and_frees():

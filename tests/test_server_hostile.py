@@ -19,7 +19,9 @@ KEY = "hostile-key"
 def srv(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
     with LiveServer(model, "--max-model-len", "256", "--max-num-seqs", "4", "--max-waiting-seqs", "4",
-                    "--max-seqs-per-request", "8", "--kv-cache-memory", "16MiB", api_key=KEY) as s:
+                    "--max-seqs-per-request", "8", "--kv-cache-memory", "16MiB",
+                    # >= 10 ms a step: the queue-filling request of the 429 test outlives the check on any machine
+                    "--debug-step-delay", "0.01", api_key=KEY) as s:
         yield s
 
 
