@@ -84,6 +84,11 @@ class AsyncEngine:
             await asyncio.to_thread(self.engine.compile_grammar, params)
 
     @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine (a worker rank died or hung, a step failed); None while it runs."""
+        return self._error
+
+    @property
     def is_running(self) -> bool:
         return not self._stopped and self._error is None
 
@@ -142,11 +147,12 @@ class AsyncEngine:
                 else:
                     for out in engine.abort_request(payload):
                         self._deliver(out, out.request_id)
-            if not engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    engine.check_health()       # a dead worker makes /health fail even when idle
+                    continue
                 outputs = engine.step()
             except BaseException as err:
                 logger.exception("engine step failed; failing every running request")

@@ -60,9 +60,25 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
             port = server.servers[0].sockets[0].getsockname()[1]
             logger.info("serving %s on http://%s:%d (auth %s)", app.state.server.served_model_name,
                         args.host, port, "on" if args.api_key else "off")
+        watch = asyncio.ensure_future(_stop_when_engine_fails(engine, server))
         await started
+        watch.cancel()
+        if engine.error is not None:
+            raise EngineFailed(str(engine.error))
     finally:
         engine.shutdown()
+
+
+class EngineFailed(RuntimeError):
+    """The engine stopped under the server (a worker rank died or hung): exit non-zero so a supervisor
+    restarts the server."""
+
+
+async def _stop_when_engine_fails(engine, server) -> None:
+    while engine.error is None:
+        await asyncio.sleep(0.25)
+    logger.error("engine failed, shutting the server down: %s", engine.error)
+    server.should_exit = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.run(serve(args, config))
     except (FileNotFoundError, ValueError) as e:     # bad checkpoint path, config or memory budget
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except EngineFailed as e:
+        print(f"error: the engine failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass

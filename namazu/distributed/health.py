@@ -11,7 +11,7 @@ import os
 import threading
 import time
 
-HANG_SECONDS = 5.0
+HANG_SECONDS = 8.0
 _BEAT_SECONDS = 0.25
 
 
