@@ -282,6 +282,16 @@ class MultiprocExecutor(Executor):
                         f"{stale_seconds(beat):.0f} s")
         return None
 
+    def _blame(self, rank: int, traceback_text: str) -> str:
+        """The message for an error reported by `rank`. When a peer dies, the survivors' collectives fail
+        too ("connection closed by peer"), often before the engine sees the death; the dead rank is the
+        one to name, so wait briefly for a sentinel before blaming the reporter."""
+        mp_connection.wait([p.sentinel for p in self.procs], timeout=1.0)
+        problem = self._problem()
+        if problem is not None:
+            return f"{problem} (rank {rank} then failed: {traceback_text.strip().splitlines()[-1]})"
+        return f"tensor-parallel rank {rank} failed:\n{traceback_text}"
+
     def _fail(self, message: str) -> WorkerError:
         """Records the failure and ends every rank (a step cannot continue without one of them)."""
         if self.failure is None:
@@ -317,7 +327,7 @@ class MultiprocExecutor(Executor):
                 except (EOFError, OSError):
                     continue        # the process is gone; its sentinel tells how
                 if status == "error":
-                    raise self._fail(f"tensor-parallel rank {rank} failed:\n{payload}")
+                    raise self._fail(self._blame(rank, payload))
                 answers[rank] = payload
                 del pending[rank]
             if pending:
