@@ -31,7 +31,7 @@ from typing import Any
 
 from namazu.distributed.control import share
 from namazu.distributed.env import NodeLayout, RankEnv
-from namazu.distributed.group import init_tensor_parallel
+from namazu.distributed.group import init_tensor_parallel, min_over_ranks
 from namazu.distributed.group import shutdown as shutdown_group
 from namazu.distributed.health import HANG_SECONDS, stale_seconds, start_heartbeat, start_parent_watchdog
 from namazu.engine_config import EngineConfig
@@ -158,7 +158,10 @@ def _worker_main(conn: Connection | None, config: EngineConfig, model_path: str,
         worker = Worker(config, model_path, rank, world_size, proposer)
         if setup is not None:
             setup(worker)
-        reply(("ok", worker.info()))
+        info = worker.info()
+        if world_size > 1:
+            info.num_kv_blocks = min_over_ranks(info.num_kv_blocks)    # ranks the engine did not start too
+        reply(("ok", info))
     except BaseException:
         reply(("error", traceback.format_exc()))
         return

@@ -77,3 +77,11 @@ def broadcast(x: torch.Tensor, size: int, src: int = 0) -> torch.Tensor:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def min_over_ranks(n: int) -> int:
+    """The smallest of every rank's `n` (host integers, over the control group): the KV blocks every
+    rank can hold, ranks on other nodes included."""
+    t = torch.tensor([n], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control_group())
+    return int(t.item())
