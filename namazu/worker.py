@@ -73,6 +73,17 @@ class Worker:
         result = self.runner.execute(batch)
         return result if self.rank == 0 else None
 
+    def resident_memory(self) -> dict[str, int]:
+        """This rank's weight bytes (parameters and buffers, each tensor once), KV-cache bytes and resident
+        set size (Linux; 0 elsewhere): `executor.collective_rpc(Worker.resident_memory)`."""
+        model, cache = self.runner.model, self.runner.cache
+        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        rss = 0
+        with contextlib.suppress(OSError), open(f"/proc/{os.getpid()}/status") as f:
+            rss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+        return {"rank": self.rank, "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                "kv_cache_bytes": cache.nbytes if cache is not None else 0, "rss_bytes": rss}
+
 
 class WorkerError(RuntimeError):
     """A worker failed; the message names the rank and carries its traceback."""

@@ -141,8 +141,8 @@ def test_ranks_commit_rank0s_decision_even_when_their_logits_differ(tp4, tp1):
 
 
 def test_each_rank_holds_a_quarter_of_the_sharded_weights(tp4, tp1):
-    full = tp1.engine.executor.collective_rpc(tp_helpers.resident_weights)[0]["weight_bytes"]
-    ranks = tp4.engine.executor.collective_rpc(tp_helpers.resident_weights)
+    full = tp1.engine.executor.collective_rpc(worker_module.Worker.resident_memory)[0]["weight_bytes"]
+    ranks = tp4.engine.executor.collective_rpc(worker_module.Worker.resident_memory)
     model = tp1.engine.executor.worker.runner.model
     # Replicated by design: norms, the latent down-projections (q_a, kv_a), the router and its bias.
     replicated = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]

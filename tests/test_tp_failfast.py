@@ -1,4 +1,5 @@
-"""Fail-fast under tensor parallelism: SIGKILL (dead) or SIGSTOP (hung: its peers wait in a collective
+"""`python -m namazu.server --tp 4` serves the default model (namazu-tiny) to the openai client; then
+fail-fast under tensor parallelism: SIGKILL (dead) or SIGSTOP (hung: its peers wait in a collective
 forever, only its missing heartbeat tells) one of four worker ranks of a live `--tp 4` server under
 load. Within 10 s /health fails and every in-flight stream ends with an error; the server then exits
 non-zero with a message naming the rank's pid, and no worker process is left behind."""
@@ -11,8 +12,11 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
-from server_harness import LiveServer, make_tiny_model
+from server_harness import LiveServer
+
+from namazu.assets import default_model_path
 
 
 def _children(pid: int) -> list[int]:
@@ -66,12 +70,18 @@ def _stream(url: str, outcome: dict, started: threading.Event) -> None:
 
 
 @pytest.mark.parametrize("sig, words", [(signal.SIGKILL, "died"), (signal.SIGSTOP, "is hung")])
-def test_a_dead_or_hung_rank_fails_fast_and_leaves_no_process(tmp_path, sig, words):
-    model = make_tiny_model(tmp_path / "model")
-    with LiveServer(model, "--tp", "4", "--max-model-len", "256", "--served-model-name", "tiny",
+def test_a_dead_or_hung_rank_fails_fast_and_leaves_no_process(sig, words):
+    with LiveServer(default_model_path(), "--tp", "4", "--max-model-len", "256", "--served-model-name", "tiny",
                     "--kv-cache-memory", "16MiB") as srv:
         workers = _children(srv.proc.pid)
         assert len(workers) == 4, workers
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "日本の首都は"}],
+                                              max_tokens=8, temperature=0)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "日本の首都は"}], max_tokens=8, temperature=0,
+            stream=True) if c.choices)
+        assert chat.choices[0].message.content and streamed == chat.choices[0].message.content
         outcomes = [{} for _ in range(4)]
         started = [threading.Event() for _ in outcomes]
         threads = [threading.Thread(target=_stream, args=(srv.url, o, s), daemon=True)

@@ -2,9 +2,6 @@
 worker processes): what each rank committed, and a rank-dependent perturbation of its logits."""
 from __future__ import annotations
 
-import os
-from typing import Any
-
 
 def install_probe(worker) -> None:
     """Records the tokens this rank commits per sampled sequence, and (when switched on) adds a large
@@ -38,16 +35,3 @@ def set_probe(worker, perturb: bool, share: bool) -> None:
 
 def probe_log(worker) -> list[tuple[int, list[int]]]:
     return list(worker.runner.probe_log)
-
-
-def resident_weights(worker) -> dict[str, Any]:
-    """Bytes of this rank's parameters and buffers, and its resident set size."""
-    model = worker.runner.model
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    weights = sum(t.numel() * t.element_size() for t in tensors.values())
-    rss = 0
-    with open(f"/proc/{os.getpid()}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) * 1024
-    return {"rank": worker.rank, "weight_bytes": weights, "rss_bytes": rss}
