@@ -49,7 +49,7 @@ def _tp_llm(path, **kw) -> LLM:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_module, "make_executor",
                    functools.partial(worker_module.make_executor, setup=tp_helpers.install_probe))
-        return LLM(str(path), tensor_parallel_size=TP, dtype="float32", max_num_seqs=64, **SPEC, **kw)
+        return LLM(str(path), tensor_parallel_size=TP, dtype="float32", max_num_seqs=64, **{**SPEC, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +182,18 @@ def test_nvfp4_greedy_tp4_equals_tp1_with_and_without_speculation(nvfp4_ckpt):
             assert got == want[spec], f"speculation {spec}: {sum(g != w for g, w in zip(got, want[spec]))} differ"
         logs = tp4.engine.executor.collective_rpc(tp_helpers.probe_log)
         assert all(log == logs[0] for log in logs)
+
+
+def test_device_drafts_are_rank0s_under_async_scheduling(bf16_ckpt, tp1):
+    """A device proposer whose drafts differ per rank: every rank must verify rank 0's drafts (else their
+    forwards would mix different inputs), so outputs equal TP=1's and every rank commits the same."""
+    prompts = _prompts(tp1.engine.model_config.vocab_size, seed=4)[:16]
+    want = _generate(tp1, prompts, _greedy(8, spec=False))
+    with _tp_llm(bf16_ckpt, speculative_method=None, drafter=tp_helpers.RankDependentProposer(),
+                 async_scheduling=True) as llm:
+        got = _generate(llm, prompts, _greedy(8, spec=True))
+        logs = llm.engine.executor.collective_rpc(tp_helpers.probe_log)
+        stats = llm.engine.get_stats()
+    assert got == want
+    assert all(log == logs[0] for log in logs)
+    assert stats.num_draft_tokens > 0

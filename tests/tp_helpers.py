@@ -35,3 +35,25 @@ def set_probe(worker, perturb: bool, share: bool) -> None:
 
 def probe_log(worker) -> list[tuple[int, list[int]]]:
     return list(worker.runner.probe_log)
+
+
+class RankDependentProposer:
+    """A device proposer whose drafts differ by rank (rank 0's are the plain guess from this forward's
+    final hidden state, rank r's are shifted by r): only the broadcast of rank 0's drafts keeps the
+    ranks verifying the same tokens."""
+
+    on_device = True
+    hidden_layers = (0,)
+
+    def propose(self, inp, k):
+        import torch
+        import torch.distributed as dist
+
+        from namazu.spec.proposer import Proposal
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        vocab = 264
+        last = inp.rows.gather(1, inp.accepted.unsqueeze(-1)).squeeze(-1)
+        guess = (inp.final_hidden[last].abs().argmax(-1) + inp.tokens[:, 0] + rank) % vocab
+        ids = torch.stack([(guess + j * (1 + rank)) % vocab for j in range(k)], dim=1)
+        return Proposal(ids, counts=torch.full_like(guess, k))
