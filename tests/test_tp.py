@@ -194,6 +194,8 @@ def test_device_drafts_are_rank0s_under_async_scheduling(bf16_ckpt, tp1):
         got = _generate(llm, prompts, _greedy(8, spec=True))
         logs = llm.engine.executor.collective_rpc(tp_helpers.probe_log)
         stats = llm.engine.get_stats()
+        procs = llm.engine.executor.procs
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]     # a clean shutdown
     assert got == want
     assert all(log == logs[0] for log in logs)
     assert stats.num_draft_tokens > 0

@@ -3,7 +3,8 @@ quantization and calibration treat them as any linear).
 
 - `ReplicatedLinear`: the whole weight on every rank (MLA's down-projections q_a / kv_a).
 - `ColumnParallelLinear`: a slice of the output rows, `out_features / tp.size` of them; its output is
-  this rank's slice of the full output (q_b / q, kv_b: whole heads; gate/up; lm_head: vocabulary).
+  this rank's slice of the full output (q_b / q, kv_b: whole heads; gate/up). The vocabulary-parallel
+  embedding and lm_head are in `vocab_parallel.py`.
 - `RowParallelLinear`: a slice of the input columns; its output is this rank's partial sum, which its
   forward completes with the tensor-parallel all-reduce (o_proj, down_proj) unless built with
   `reduce_results=False` (the MoE block reduces its shared and routed experts' partial sums at once).
