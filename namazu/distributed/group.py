@@ -28,6 +28,10 @@ def init_tensor_parallel(env: RankEnv, device: torch.device) -> str:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(env.local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # CPU ranks share the machine's cores: without a say from the user, each takes its share, so
+        # that four ranks on two cores run one thread each instead of fighting over eight.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=_IDLE_TIMEOUT)
     _control_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT) if backend != "gloo" else dist.group.WORLD
     return backend
