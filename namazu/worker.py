@@ -29,11 +29,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from namazu.config import ModelConfig
 from namazu.distributed.control import share
 from namazu.distributed.env import NodeLayout, RankEnv
 from namazu.distributed.group import init_tensor_parallel, min_over_ranks
 from namazu.distributed.group import shutdown as shutdown_group
 from namazu.distributed.health import HANG_SECONDS, stale_seconds, start_heartbeat, start_parent_watchdog
+from namazu.distributed.sharding import check_shardable
 from namazu.engine_config import EngineConfig
 from namazu.spec.proposer import Proposer
 from namazu.step_batch import StepBatch, StepResult
@@ -257,6 +259,7 @@ class MultiprocExecutor(Executor):
                  proposer: Proposer | None = None, setup: WorkerSetup | None = None,
                  layout: NodeLayout | None = None):
         self.world_size = world_size
+        check_shardable(ModelConfig.from_pretrained(model_path), world_size)
         layout = layout or (NodeLayout.from_environ(world_size) if world_size > 1 else NodeLayout(1))
         if layout.node_rank != 0:
             raise ValueError(f"NODE_RANK={layout.node_rank}: the engine runs on node 0; other nodes start their "
@@ -288,9 +291,12 @@ class MultiprocExecutor(Executor):
     # -- health ---------------------------------------------------------------------------------------
     def _problem(self) -> str | None:
         """A dead or hung local rank, in words (None: all alive and beating)."""
+        dead = [(rank, p) for rank, p in enumerate(self.procs) if not p.is_alive()]
+        if dead:
+            # A rank killed by a signal is the cause; peers that then exited on a failed collective are not.
+            rank, p = min(dead, key=lambda rp: (rp[1].exitcode is None or rp[1].exitcode >= 0, rp[0]))
+            return f"tensor-parallel rank {rank} (pid {p.pid}) died, exit code {p.exitcode}"
         for rank, (p, beat) in enumerate(zip(self.procs, self.beats)):
-            if not p.is_alive():
-                return f"tensor-parallel rank {rank} (pid {p.pid}) died, exit code {p.exitcode}"
             if beat.value and stale_seconds(beat) > HANG_SECONDS:
                 return (f"tensor-parallel rank {rank} (pid {p.pid}) is hung: no heartbeat for "
                         f"{stale_seconds(beat):.0f} s")
@@ -302,7 +308,8 @@ class MultiprocExecutor(Executor):
         one to name, so wait briefly for a sentinel before blaming the reporter."""
         mp_connection.wait([p.sentinel for p in self.procs], timeout=1.0)
         problem = self._problem()
-        if problem is not None:
+        # A rank that reported its error and returned exits with 0: that is not a death to blame.
+        if problem is not None and not any(p.exitcode == 0 for p in self.procs):
             return f"{problem} (rank {rank} then failed: {traceback_text.strip().splitlines()[-1]})"
         return f"tensor-parallel rank {rank} failed:\n{traceback_text}"
 

@@ -151,6 +151,12 @@ def test_each_rank_holds_a_quarter_of_the_sharded_weights(tp4, tp1):
         assert r["weight_bytes"] == replicated + (full - replicated) // TP, r
 
 
+def test_a_model_that_does_not_divide_is_refused_before_any_rank_starts(bf16_ckpt):
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 3: num_attention_heads \(4\), "
+                                         r"moe_intermediate_size \(32\) not divisible by 3"):
+        LLM(str(bf16_ckpt), tensor_parallel_size=3)
+
+
 @pytest.fixture(scope="module")
 def nvfp4_ckpt(tmp_path_factory):
     from namazu.quant.calibrate import calibrate, finalize
