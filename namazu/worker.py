@@ -32,7 +32,7 @@ from typing import Any
 from namazu.config import ModelConfig
 from namazu.distributed.control import share
 from namazu.distributed.env import NodeLayout, RankEnv
-from namazu.distributed.group import init_tensor_parallel, min_over_ranks
+from namazu.distributed.group import check_devices, init_tensor_parallel, min_over_ranks
 from namazu.distributed.group import shutdown as shutdown_group
 from namazu.distributed.health import HANG_SECONDS, stale_seconds, start_heartbeat, start_parent_watchdog
 from namazu.distributed.sharding import check_shardable
@@ -261,6 +261,7 @@ class MultiprocExecutor(Executor):
         self.world_size = world_size
         check_shardable(ModelConfig.from_pretrained(model_path), world_size)
         layout = layout or (NodeLayout.from_environ(world_size) if world_size > 1 else NodeLayout(1))
+        check_devices(config.device, len(layout.local_ranks))
         if layout.node_rank != 0:
             raise ValueError(f"NODE_RANK={layout.node_rank}: the engine runs on node 0; other nodes start their "
                              "ranks with `python -m namazu.distributed.node`")

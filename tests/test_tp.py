@@ -12,6 +12,7 @@ import functools
 import random
 
 import pytest
+import torch
 import tp_helpers
 from quant_fixtures import random_windows, write_model_dir
 
@@ -155,6 +156,17 @@ def test_a_model_that_does_not_divide_is_refused_before_any_rank_starts(bf16_ckp
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 3: num_attention_heads \(4\), "
                                          r"moe_intermediate_size \(32\) not divisible by 3"):
         LLM(str(bf16_ckpt), tensor_parallel_size=3)
+
+
+def test_each_rank_needs_its_own_gpu(monkeypatch):
+    from namazu.distributed.group import check_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_devices("cuda", 2)
+    check_devices("cpu", 4)
+    with pytest.raises(ValueError, match="needs 4 GPUs on this node .* found 2"):
+        check_devices("auto", 4)
 
 
 @pytest.fixture(scope="module")

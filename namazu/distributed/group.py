@@ -37,6 +37,16 @@ def init_tensor_parallel(env: RankEnv, device: torch.device) -> str:
     return backend
 
 
+def check_devices(device: str, local_ranks: int) -> None:
+    """A node's ranks each need their own GPU (NCCL refuses two ranks on one device): refuse before any
+    rank starts when this node has fewer."""
+    if local_ranks > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
+        found = torch.cuda.device_count()
+        if found < local_ranks:
+            raise ValueError(f"--tensor-parallel-size needs {local_ranks} GPUs on this node (one per rank), found "
+                             f"{found}; use fewer ranks, or --device cpu")
+
+
 def control_group() -> dist.ProcessGroup:
     if _control_group is None:
         raise RuntimeError("this process has not joined a tensor-parallel group (init_tensor_parallel)")
