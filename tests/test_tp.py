@@ -79,6 +79,9 @@ def test_bf16_greedy_tp4_equals_tp1_with_and_without_speculation(tp4, tp1):
         assert got == want, f"speculation {spec}: {sum(g != w for g, w in zip(got, want))} prompts differ"
     stats = tp4.engine.get_stats()
     assert stats.num_accepted_draft_tokens > 0, "the drafter never proposed an accepted token: speculation untested"
+    # Seeded sampling draws the same tokens too (the noise depends on seed and position, not on the rank).
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=8, ignore_eos=True) for i in range(20)]
+    assert _generate(tp4, prompts[:20], seeded) == _generate(tp1, prompts[:20], seeded)
 
 
 def test_grammar_masks_apply_identically_on_every_rank(tp4, tp1):
