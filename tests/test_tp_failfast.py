@@ -117,3 +117,31 @@ def test_a_dead_or_hung_rank_fails_fast_and_leaves_no_process(sig, words):
         while any(_alive(p) for p in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [p for p in workers if _alive(p)]
+
+
+def test_ranks_end_when_the_engine_process_is_killed(tmp_path):
+    """SIGKILL of the engine's own process (no cleanup runs there): every rank notices its parent is
+    gone and exits, so no worker is orphaned."""
+    import subprocess
+    import sys
+
+    from namazu.assets.random_model import write_random_checkpoint
+
+    ckpt = write_random_checkpoint(tmp_path / "m", "tiny", seed=1)
+    script = ("import time\nfrom namazu import LLM\n"
+              f"llm = LLM({str(ckpt)!r}, tensor_parallel_size=2)\n"
+              "print(*llm.engine.executor.pids, flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2 and all(_alive(p) for p in workers)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in workers if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
