@@ -206,6 +206,11 @@ class AsyncEngine:
         self.engine.compile_grammar(params)
 
     @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine (a worker rank died or hung, a step failed); None while it runs."""
+        return self._error
+
+    @property
     def is_running(self) -> bool:
         """True while requests are accepted: not stopped, draining, restarting or failed."""
         return (not self._stopped and not self._draining and self._error is None
@@ -341,6 +346,11 @@ class AsyncEngine:
                 self._take_inbox()              # aborts that arrived meanwhile apply before the step
             self._step_started = time.monotonic()
             try:
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    engine.check_health()       # a dead worker makes /health fail even when idle
+                    continue
                 outputs = engine.step()
             finally:
                 self._step_started = None
@@ -440,9 +450,12 @@ class AsyncEngine:
             old.close()
         except Exception:                        # noqa: BLE001 -- its workers are gone anyway
             logger.warning("closing the failed engine raised", exc_info=True)
-        if self._restarts >= self.config.max_worker_restarts:
-            logger.error("giving up after %d restart(s) (--max-worker-restarts); the server exits",
-                         self._restarts)
+        # A lost tensor-parallel rank leaves its process group broken (on other nodes too): the whole
+        # server restarts under its supervisor rather than rebuilding in place.
+        tp = self.config.tensor_parallel_size > 1
+        if tp or self._restarts >= self.config.max_worker_restarts:
+            logger.error("%s; the server exits", "tensor-parallel rank lost" if tp else
+                         f"giving up after {self._restarts} restart(s) (--max-worker-restarts)")
             self._error = RuntimeError(cause)
             self.failed.set()
             return False

@@ -338,6 +338,10 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()
 
+    def check_health(self) -> None:
+        """Raises WorkerError when a worker rank is dead or hung."""
+        self.executor.check_health()
+
     def close(self) -> None:
         executor = getattr(self, "executor", None)
         if executor is not None:

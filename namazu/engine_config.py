@@ -83,7 +83,9 @@ class EngineConfig:
     ngram_max: int = _f(4, "longest n-gram the ngram drafter matches")
     ngram_min: int = _f(1, "shortest n-gram the ngram drafter matches")
     # -- processes -------------------------------------------------------------------------------------
-    tensor_parallel_size: int = _f(1, "model-runner ranks (only 1 in this version)", aliases=("--tp",))
+    tensor_parallel_size: int = _f(1, "model-runner ranks, one process each (nccl on GPUs, gloo on CPU); the "
+                                      "attention heads, MLP / expert intermediate sizes and vocabulary must "
+                                      "divide by it", aliases=("--tp",))
     executor: str = _f("mp", "mp = model runner in its own worker process; inline = in the engine's "
                              "process (debugging)", choices=("mp", "inline"))
     debug_no_host_sync: bool = _f(False, "raise if a step's forward/sampling/acceptance syncs with the "
@@ -149,8 +151,10 @@ class EngineConfig:
             bad("debug_step_delay", "must be in [0, 10] seconds")
         if not self.step_timeout > 0:
             bad("step_timeout", "must be a positive number of seconds")
-        if self.tensor_parallel_size != 1:
-            bad("tensor_parallel_size", "only 1 is implemented in this version")
+        if self.tensor_parallel_size < 1:
+            bad("tensor_parallel_size", "must be at least 1")
+        if self.tensor_parallel_size > 1 and self.executor == "inline":
+            bad("tensor_parallel_size", "needs --executor mp (one process per rank)")
 
     # -- CLI --------------------------------------------------------------------------------------------
     @classmethod

@@ -18,10 +18,12 @@ import numpy as np
 import torch
 
 from namazu.context import forward_context
+from namazu.distributed.decisions import share_decision, share_device_proposal
 from namazu.engine_config import EngineConfig
 from namazu.kernels.backends import resolve_moe_runtime
 from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache, kv_bytes_per_block
 from namazu.layers.sampler import SamplingTensors, gather_logprobs, process_logits, sample_from_processed
+from namazu.layers.weight_loading import TPShard
 from namazu.models.loader import load_model
 from namazu.nosync import no_host_sync
 from namazu.spec.proposer import DraftBuffer, Proposer, ProposerInput
@@ -53,7 +55,12 @@ class ModelRunner:
         if dtype == "auto" and self.device.type == "cpu":
             # Half-precision matmuls on CPU are slow and less exact; serve bf16/fp16 checkpoints in fp32.
             dtype = "float32"
-        self.model = load_model(model_path, dtype=dtype, device=self.device, progress=rank == 0, runtime=moe_runtime)
+        self.model = load_model(model_path, dtype=dtype, device=self.device, progress=rank == 0, runtime=moe_runtime,
+                                tp=TPShard(rank, world_size))
+        # Under tensor parallelism the sampled tokens, the acceptance counts and a device proposer's
+        # drafts are rank 0's, broadcast: every rank commits the same tokens even if its logits differ
+        # in the last bit (tests switch this off to show what it prevents).
+        self.share_decisions = world_size > 1
         self.model_config = self.model.config
         self.dtype = self.model.dtype
         self.block_size = config.block_size
@@ -202,6 +209,8 @@ class ModelRunner:
                         tokens, accepted = verify_stochastic(
                             processed[row_layout], target, draft_ids, q, num_drafts,
                             st.temperature[first] == 0, st.seeds[first], st.counters[row_layout])
+                if self.share_decisions:
+                    tokens, accepted = share_decision(tokens, accepted, self.world_size)
                 values.update(tokens=tokens, accepted=accepted, num_drafts=num_drafts)
                 if self.proposer is not None and self.proposer.on_device:
                     values.update(self._propose_on_device(b, prep, hidden, captured, logit_rows[row_layout],
@@ -249,6 +258,8 @@ class ModelRunner:
         inp = self._proposer_input(b, hidden, captured, rows, tokens, accepted)
         inp.histories = []          # not updated yet: a device proposer works from tensors
         proposal = self.proposer.propose(inp, self.num_speculative_tokens)
+        if self.share_decisions:
+            proposal = share_device_proposal(proposal, self.world_size)
         ids = proposal.ids
         counts = proposal.counts if proposal.counts is not None else torch.full(
             (ids.shape[0],), ids.shape[1], dtype=torch.long, device=self.device)

@@ -149,9 +149,16 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                 server.should_exit = True
             await asyncio.wait({started}, timeout=0.2)
         await started
+        if engine.error is not None:
+            raise EngineFailed(str(engine.error))
     finally:
         engine.shutdown()
     return exit_code
+
+
+class EngineFailed(RuntimeError):
+    """The engine stopped under the server (a worker rank died or hung): exit non-zero so a supervisor
+    restarts the server."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         return uvloop.run(serve(args, config))
     except (FileNotFoundError, ValueError) as e:     # bad checkpoint path, config or memory budget
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except EngineFailed as e:
+        print(f"error: the engine failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass

@@ -7,23 +7,35 @@ returns at once; `collect()` waits for rank 0's StepResult. Between the two the 
 scheduling); `execute(batch)` is both at once. `MultiprocExecutor` runs each rank in its own spawned
 process (the default: the engine's Python work never competes with the forward for the GIL, and a
 crash in the model surfaces as an error instead of taking the engine down); `InlineExecutor` runs
-rank 0 in-process for debugging. Tensor parallelism adds ranks here; the engine does not change.
+rank 0 in-process for debugging. Tensor parallelism adds ranks here (`namazu/distributed/`: the process
+group, the control channel, heartbeats); the engine does not change. A dead or hung rank fails the
+executor's next wait (or `check_health`) within seconds, with a message naming the rank.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
+import pickle
 import sys
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from namazu.config import ModelConfig
+from namazu.distributed.control import share
+from namazu.distributed.env import NodeLayout, RankEnv
+from namazu.distributed.group import check_devices, init_tensor_parallel, min_over_ranks
+from namazu.distributed.group import shutdown as shutdown_group
+from namazu.distributed.health import HANG_SECONDS, stale_seconds, start_heartbeat, start_parent_watchdog
+from namazu.distributed.sharding import check_shardable
 from namazu.engine_config import EngineConfig
 from namazu.spec.proposer import Proposer
 from namazu.step_batch import StepBatch, StepResult
@@ -63,9 +75,25 @@ class Worker:
         result = self.runner.execute(batch)
         return result if self.rank == 0 else None
 
+    def resident_memory(self) -> dict[str, int]:
+        """This rank's weight bytes (parameters and buffers, each tensor once), KV-cache bytes and resident
+        set size (Linux; 0 elsewhere): `executor.collective_rpc(Worker.resident_memory)`."""
+        model, cache = self.runner.model, self.runner.cache
+        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        rss = 0
+        with contextlib.suppress(OSError), open(f"/proc/{os.getpid()}/status") as f:
+            rss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+        return {"rank": self.rank, "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                "kv_cache_bytes": cache.nbytes if cache is not None else 0, "rss_bytes": rss}
+
 
 class WorkerError(RuntimeError):
-    """A worker failed; the message carries its traceback."""
+    """A worker failed; the message names the rank and carries its traceback."""
+
+
+# Called with each rank's Worker once its model is loaded, in the worker process (a module-level function,
+# so that it pickles): tests use it to reach inside a rank.
+WorkerSetup = Callable[[Worker], None]
 
 
 class Executor:
@@ -88,6 +116,13 @@ class Executor:
     def execute(self, batch: StepBatch) -> StepResult:
         self.submit(batch)
         return self.collect()
+
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`fn(worker, *args)` on every rank; the answers in rank order."""
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raises WorkerError when a rank is dead or hung."""
 
     def close(self) -> None:
         pass
@@ -124,28 +159,62 @@ class InlineExecutor(Executor):
     def collect(self) -> StepResult:
         return self.worker.execute(self._queued.pop(0))
 
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return [fn(self.worker, *args)]
 
-def _worker_main(conn: Connection, config: EngineConfig, model_path: str, rank: int, world_size: int,
-                 log_level: int, proposer: Proposer | None) -> None:
+
+def _worker_main(conn: Connection | None, config: EngineConfig, model_path: str, env: RankEnv, log_level: int,
+                 proposer: Proposer | None, setup: WorkerSetup | None, beat: Any, parent_pid: int) -> None:
+    """One rank's process. Rank 0 reads each command's bytes from the engine's pipe and shares them with
+    the other ranks over the control channel; every rank runs the command and, when the engine started it
+    (a local rank), answers on its own pipe, so an error on any rank reaches the engine."""
+    rank, world_size = env.rank, env.world_size
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    start_parent_watchdog(parent_pid)
+    if beat is not None:
+        start_heartbeat(beat)
+    reply = conn.send if conn is not None else (lambda _msg: None)
     try:
+        if world_size > 1:
+            from namazu.model_runner import resolve_device
+
+            init_tensor_parallel(env, resolve_device(config.device))
         worker = Worker(config, model_path, rank, world_size, proposer)
-        conn.send(("ok", worker.info()))
+        if setup is not None:
+            setup(worker)
+        info = worker.info()
+        if world_size > 1:
+            info.num_kv_blocks = min_over_ranks(info.num_kv_blocks)    # ranks the engine did not start too
+        reply(("ok", info))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        reply(("error", traceback.format_exc()))
         return
+    stop = pickle.dumps(None)
     while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            break   # the engine is gone
+        raw = None
+        if rank == 0:
+            try:
+                raw = conn.recv_bytes()
+            except (EOFError, OSError):
+                raw = stop   # the engine is gone: tell the other ranks
+        if world_size > 1:
+            try:
+                raw = share(raw, rank)
+            except BaseException:
+                reply(("error", f"rank {rank}: the control channel failed (a peer rank is gone)\n"
+                                + traceback.format_exc()))
+                os._exit(1)
+        msg = pickle.loads(raw)
         if msg is None:
             break
         method, args = msg
         try:
-            conn.send(("ok", getattr(worker, method)(*args)))
+            out = args[0](worker, *args[1:]) if method == "rpc" else getattr(worker, method)(*args)
+            reply(("ok", out))
         except BaseException:
-            conn.send(("error", traceback.format_exc()))
+            reply(("error", traceback.format_exc()))
+    if world_size > 1:
+        shutdown_group()
 
 
 @contextlib.contextmanager
@@ -167,69 +236,165 @@ def _main_module_hidden():
 
 
 def _shutdown(procs: list[Any], conns: list[Connection]) -> None:
+    try:
+        conns[0].send_bytes(pickle.dumps(None))     # rank 0 passes it on to every rank
+    except (OSError, ValueError, IndexError):
+        pass
     for conn in conns:
-        try:
-            conn.send(None)
+        with contextlib.suppress(OSError, ValueError):
             conn.close()
-        except (OSError, ValueError):
-            pass
+    _stop(procs, grace=10.0)
+
+
+def _stop(procs: list[Any], grace: float) -> None:
+    deadline = time.monotonic() + grace
     for p in procs:
-        p.join(timeout=10)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
         if p.is_alive():
             p.terminate()
-            p.join(timeout=5)
+    for p in procs:
+        p.join(timeout=2)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=2)
 
 
 class MultiprocExecutor(Executor):
+    """Each local rank in a spawned process. A batch is pickled once and sent to rank 0, which shares the
+    bytes with the others (`distributed/control.py`). Every wait for the workers also watches their
+    processes and heartbeats: a rank that dies or hangs fails the wait within seconds with an error
+    naming it, and every rank is then ended (`failure` keeps the message)."""
+
     def __init__(self, config: EngineConfig, model_path: str | Path, world_size: int = 1,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, setup: WorkerSetup | None = None,
+                 layout: NodeLayout | None = None):
         self.world_size = world_size
+        check_shardable(ModelConfig.from_pretrained(model_path), world_size)
+        layout = layout or (NodeLayout.from_environ(world_size) if world_size > 1 else NodeLayout(1))
+        check_devices(config.device, len(layout.local_ranks))
+        if layout.node_rank != 0:
+            raise ValueError(f"NODE_RANK={layout.node_rank}: the engine runs on node 0; other nodes start their "
+                             "ranks with `python -m namazu.distributed.node`")
+        self.layout = layout
+        self._failure: str | None = None
         ctx = mp.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs = []
-        for rank in range(world_size):
+        self.beats = []
+        for rank in layout.local_ranks:
             parent, child = ctx.Pipe()
+            beat = ctx.Value("d", 0.0, lock=False)
             proc = ctx.Process(target=_worker_main, name=f"namazu-worker-{rank}", daemon=True,
-                               args=(child, config, str(model_path), rank, world_size,
-                                     logging.getLogger("namazu").getEffectiveLevel(), proposer))
+                               args=(child, config, str(model_path), layout.rank_env(rank),
+                                     logging.getLogger("namazu").getEffectiveLevel(), proposer, setup, beat,
+                                     os.getpid()))
             with _main_module_hidden():
                 proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
+            self.beats.append(beat)
         # Ends the workers on close(), when the executor is collected, and at interpreter exit.
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
-        self._infos = [self._recv(rank) for rank in range(world_size)]
-        logger.info("started %d worker process(es), pid %s", world_size, [p.pid for p in self.procs])
+        self._infos = self._wait_all()
+        logger.info("started %d worker process(es), pid %s", len(self.procs), self.pids)
 
-    def _recv(self, rank: int) -> Any:
+    # -- health ---------------------------------------------------------------------------------------
+    def _problem(self) -> str | None:
+        """A dead or hung local rank, in words (None: all alive and beating)."""
+        dead = [(rank, p) for rank, p in enumerate(self.procs) if not p.is_alive()]
+        if dead:
+            # A rank killed by a signal is the cause; peers that then exited on a failed collective are not.
+            rank, p = min(dead, key=lambda rp: (rp[1].exitcode is None or rp[1].exitcode >= 0, rp[0]))
+            return f"tensor-parallel rank {rank} (pid {p.pid}) died, exit code {p.exitcode}"
+        for rank, (p, beat) in enumerate(zip(self.procs, self.beats)):
+            if beat.value and stale_seconds(beat) > HANG_SECONDS:
+                return (f"tensor-parallel rank {rank} (pid {p.pid}) is hung: no heartbeat for "
+                        f"{stale_seconds(beat):.0f} s")
+        return None
+
+    def _blame(self, rank: int, traceback_text: str) -> str:
+        """The message for an error reported by `rank`. When a peer dies, the survivors' collectives fail
+        too ("connection closed by peer"), often before the engine sees the death; the dead rank is the
+        one to name, so wait briefly for a sentinel before blaming the reporter."""
+        mp_connection.wait([p.sentinel for p in self.procs], timeout=1.0)
+        problem = self._problem()
+        # A rank that reported its error and returned exits with 0: that is not a death to blame.
+        if problem is not None and not any(p.exitcode == 0 for p in self.procs):
+            return f"{problem} (rank {rank} then failed: {traceback_text.strip().splitlines()[-1]})"
+        return f"tensor-parallel rank {rank} failed:\n{traceback_text}"
+
+    def _fail(self, message: str) -> WorkerError:
+        """Records the failure and ends every rank (a step cannot continue without one of them)."""
+        if self._failure is None:
+            self._failure = message
+            logger.error("%s; stopping every worker", message)
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+            _stop(self.procs, grace=0.0)
+        return WorkerError(self._failure)
+
+    def check_health(self) -> None:
+        """Raises WorkerError if a rank died or hung (or did before)."""
+        if self._failure is not None:
+            raise WorkerError(self._failure)
+        problem = self._problem()
+        if problem is not None:
+            raise self._fail(problem)
+
+    def _wait_all(self) -> list[Any]:
+        """Every local rank's answer to the last command, in rank order; the first error (or death, or
+        hang) of any rank raises WorkerError naming it."""
+        self.check_health()
+        answers: dict[int, Any] = {}
+        pending = dict(enumerate(self.conns))
+        while pending:
+            ready = mp_connection.wait(list(pending.values()) + [p.sentinel for p in self.procs], timeout=0.5)
+            for rank, conn in list(pending.items()):
+                if conn not in ready:
+                    continue
+                try:
+                    status, payload = conn.recv()
+                except (EOFError, OSError):
+                    continue        # the process is gone; its sentinel tells how
+                if status == "error":
+                    raise self._fail(self._blame(rank, payload))
+                answers[rank] = payload
+                del pending[rank]
+            if pending:
+                self.check_health()
+        return [answers[r] for r in range(len(self.conns))]
+
+    def _send(self, method: str, *args: Any) -> None:
+        self.check_health()
         try:
-            status, payload = self.conns[rank].recv()
-        except (EOFError, OSError) as err:
-            code = self.procs[rank].exitcode
-            raise WorkerError(f"worker {rank} (pid {self.procs[rank].pid}) died, exit code {code}") from err
-        if status == "error":
-            raise WorkerError(f"worker {rank} failed:\n{payload}")
-        return payload
+            self.conns[0].send_bytes(pickle.dumps((method, args)))     # pickled once, whatever the ranks
+        except (OSError, ValueError) as err:
+            raise self._fail(f"tensor-parallel rank 0 (pid {self.procs[0].pid}) is gone: {err}") from err
 
+    # -- the executor interface ------------------------------------------------------------------------
     def infos(self) -> list[WorkerInfo]:
         return list(self._infos)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        for conn in self.conns:
-            conn.send(("allocate_kv_cache", (num_blocks,)))
-        for rank in range(self.world_size):
-            self._recv(rank)
+        self._send("allocate_kv_cache", num_blocks)
+        self._wait_all()
         for info in self._infos:
             info.num_kv_blocks = num_blocks
 
     def submit(self, batch: StepBatch) -> None:
-        for conn in self.conns:
-            conn.send(("execute", (batch,)))
+        self._send("execute", batch)
 
     def collect(self) -> StepResult:
-        results = [self._recv(rank) for rank in range(self.world_size)]
-        return results[0]
+        return self._wait_all()[0]
+
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`fn(worker, *args)` on every rank (fn picklable: a module-level function); the local ranks'
+        answers in rank order."""
+        self._send("rpc", fn, *args)
+        return self._wait_all()
 
     @property
     def pids(self) -> list[int]:
@@ -239,12 +404,8 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
     def failure(self) -> str | None:
-        for rank, p in enumerate(self.procs):
-            if not p.is_alive():
-                code = p.exitcode
-                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-                return f"worker {rank} (pid {p.pid}) died, {how}"
-        return None
+        """A dead or hung rank (or one that failed before), in words; None while all serve."""
+        return self._failure or self._problem()
 
     def kill(self) -> None:
         for p in self.procs:
@@ -252,18 +413,25 @@ class MultiprocExecutor(Executor):
                 p.kill()
 
     def ping(self, timeout: float) -> bool:
-        for conn in self.conns:
-            conn.send(("info", ()))
+        """Every local rank answers a no-op within `timeout` (between steps only: the answer shares the
+        pipe with step results). False leaves the pipe out of step: the caller kills the workers."""
+        try:
+            self._send("info")
+        except WorkerError:
+            return False
         deadline = time.monotonic() + timeout
-        for rank, conn in enumerate(self.conns):
+        for conn in self.conns:
             if not conn.poll(max(0.0, deadline - time.monotonic())):
                 return False
-            self._recv(rank)
+            status, _ = conn.recv()
+            if status != "ok":
+                return False
         return True
 
 
-def make_executor(config: EngineConfig, model_path: str | Path, proposer: Proposer | None = None) -> Executor:
+def make_executor(config: EngineConfig, model_path: str | Path, proposer: Proposer | None = None,
+                  setup: WorkerSetup | None = None) -> Executor:
     if config.executor == "inline":
         return InlineExecutor(config, model_path, proposer)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return MultiprocExecutor(config, model_path, config.tensor_parallel_size, proposer)
+    return MultiprocExecutor(config, model_path, config.tensor_parallel_size, proposer, setup)

@@ -253,10 +253,12 @@ def test_engine_config_flags_are_generated():
 
     moe = next(f for f in dataclasses.fields(EngineConfig) if f.name == "moe_backend")
     assert set(moe.metadata["choices"]) == {"auto", *BACKENDS}
-    # `--tp` is the short name the server documents; values above 1 get the clear refusal for now.
-    assert EngineConfig.from_cli_args(parser.parse_args(["--tp", "1"])).tensor_parallel_size == 1
-    with pytest.raises(ValueError, match="tensor-parallel-size=4"):
-        EngineConfig.from_cli_args(parser.parse_args(["--tp", "4"]))
+    # `--tp` is the short name the server documents; a rank per process, so not with the inline executor.
+    assert EngineConfig.from_cli_args(parser.parse_args(["--tp", "4"])).tensor_parallel_size == 4
+    with pytest.raises(ValueError, match="tensor-parallel-size=4.*--executor mp"):
+        EngineConfig.from_cli_args(parser.parse_args(["--tp", "4", "--executor", "inline"]))
+    with pytest.raises(ValueError, match="tensor-parallel-size=0"):
+        EngineConfig.from_cli_args(parser.parse_args(["--tp", "0"]))
 
 
 def test_worker_process_ends_at_interpreter_exit(tmp_path):

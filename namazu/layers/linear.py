@@ -3,10 +3,12 @@ quantization and calibration treat them as any linear).
 
 - `ReplicatedLinear`: the whole weight on every rank (MLA's down-projections q_a / kv_a).
 - `ColumnParallelLinear`: a slice of the output rows, `out_features / tp.size` of them; its output is
-  this rank's slice of the full output (q_b / q, kv_b: whole heads; gate/up; lm_head: vocabulary).
-- `RowParallelLinear`: a slice of the input columns; its output is this rank's partial sum, which the
-  tensor-parallel all-reduce (not built yet: one rank's shard cannot run a forward) completes (o_proj,
-  down_proj). Its bias is held whole.
+  this rank's slice of the full output (q_b / q, kv_b: whole heads; gate/up). The vocabulary-parallel
+  embedding and lm_head are in `vocab_parallel.py`.
+- `RowParallelLinear`: a slice of the input columns; its output is this rank's partial sum, which its
+  forward completes with the tensor-parallel all-reduce (o_proj, down_proj) unless built with
+  `reduce_results=False` (the MoE block reduces its shared and routed experts' partial sums at once).
+  Its bias is held whole and added once, after the sum.
 
 Each weight (and bias) carries a `weight_loader` that checks the checkpoint tensor's full shape and
 copies only this rank's slice, reading only that slice from a lazy checkpoint tensor. At tp.size == 1
@@ -15,8 +17,10 @@ all three are nn.Linear with that loader.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from namazu.distributed.group import all_reduce
 from namazu.layers.weight_loading import Loaded, TPShard, load_shard
 
 SINGLE = TPShard()
@@ -61,3 +65,16 @@ class ColumnParallelLinear(_ShardedLinear):
 
 class RowParallelLinear(_ShardedLinear):
     weight_shard_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, tp: TPShard = SINGLE, reduce_results: bool = True):
+        super().__init__(in_features, out_features, bias, dtype, device, tp)
+        self.reduce_results = reduce_results
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        out = F.linear(x, self.weight)
+        if self.reduce_results:
+            out = all_reduce(out, self.tp.size)
+        return out if self.bias is None else out + self.bias

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from namazu.config import ModelConfig
+from namazu.distributed.group import all_reduce
 from namazu.kernels.moe_types import MoERuntime
 from namazu.layers.experts import RoutedExperts, TorchExperts
 from namazu.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -29,15 +30,16 @@ def make_experts(fmt: str, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype 
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: the dense layers' FFN and the shared experts (a rank holds a slice of the intermediate)."""
+    """SwiGLU MLP: the dense layers' FFN and the shared experts (a rank holds a slice of the intermediate;
+    `reduce_results=False` leaves the output a partial sum for the caller to reduce)."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype | None = None, device=None,
-                 tp: TPShard = TPShard()):
+                 tp: TPShard = TPShard(), reduce_results: bool = True):
         super().__init__()
         kw = {"bias": False, "dtype": dtype, "device": device, "tp": tp}
         self.gate_proj = ColumnParallelLinear(hidden, inter, **kw)
         self.up_proj = ColumnParallelLinear(hidden, inter, **kw)
-        self.down_proj = RowParallelLinear(inter, hidden, **kw)
+        self.down_proj = RowParallelLinear(inter, hidden, reduce_results=reduce_results, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -115,14 +117,19 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    """Router (replicated), routed experts and shared experts; under tensor parallelism both kinds of
+    experts hold a slice of their intermediate dimension, so each gives a partial sum and one all-reduce
+    of their total completes the block."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, experts_format: str = "bf16",
                  dtype: torch.dtype | None = None, device=None, runtime: MoERuntime | None = None,
                  tp: TPShard = TPShard()):
         super().__init__()
+        self.tp = tp
         self.gate = Router(cfg, dtype=dtype, device=device)
         self.experts: RoutedExperts = make_experts(experts_format, cfg, layer_idx, dtype, device, runtime, tp)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device,
-                                   tp) if cfg.n_shared_experts else None)
+                                   tp, reduce_results=False) if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -131,4 +138,4 @@ class MoE(nn.Module):
         out = self.experts(flat, topk_ids, topk_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        return out.view(shape)
+        return all_reduce(out, self.tp.size).view(shape)

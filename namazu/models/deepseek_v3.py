@@ -12,10 +12,10 @@ from torch import nn
 
 from namazu.config import ModelConfig
 from namazu.kernels.moe_types import MoERuntime
-from namazu.layers.linear import ColumnParallelLinear
 from namazu.layers.mla import MLAAttention
 from namazu.layers.moe import MLP, MoE
 from namazu.layers.norm import RMSNorm
+from namazu.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from namazu.layers.weight_loading import TPShard
 
 
@@ -40,7 +40,7 @@ class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, experts_format: str, dtype, device, runtime: MoERuntime | None,
                  tp: TPShard):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device, tp=tp)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, experts_format, dtype, device, runtime, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -48,8 +48,9 @@ class DeepseekV3Model(nn.Module):
 
 class DeepseekV3ForCausalLM(nn.Module):
     """`runtime`: how the routed experts run (kernels.backends.resolve_moe_runtime; None: the torch
-    reference). `tp`: the tensor-parallel shard this copy holds; the embedding is replicated, lm_head holds
-    a slice of the vocabulary (unless tied to the embedding)."""
+    reference). `tp`: the tensor-parallel shard this copy holds (the layers own their collectives: the
+    embedding and lm_head hold a range of the vocabulary, attention whole heads, the MLPs and experts a
+    slice of their intermediate dimension; the norms and the router are replicated)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  experts_format: str = "bf16", runtime: MoERuntime | None = None, tp: TPShard = TPShard()):
@@ -58,8 +59,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.experts_format = experts_format
         self.tp = tp
         self.model = DeepseekV3Model(config, experts_format, dtype, device, runtime, tp)
-        self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
-                                            device=device, tp=TPShard() if config.tie_word_embeddings else tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, dtype=dtype, device=device, tp=tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -80,10 +80,6 @@ class DeepseekV3ForCausalLM(nn.Module):
 
         Returns the final-normed hidden states and {layer index: that layer's output hidden state}.
         """
-        if self.tp.size > 1:
-            raise RuntimeError(f"this model holds rank {self.tp.rank}'s shard of a tensor-parallel model of size "
-                               f"{self.tp.size}; its forward needs the all-reduce of tensor-parallel serving, "
-                               f"which namazu does not run yet (load with tp_size 1)")
         if positions is None:
             t = input_ids.shape[-1]
             positions = torch.arange(t, device=input_ids.device).expand_as(input_ids)
@@ -96,7 +92,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.norm(x), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        head = self.lm_head
+        # A quantized copy of the model may have replaced lm_head with another linear (one rank only).
+        logits = head.gather_logits(hidden) if isinstance(head, ParallelLMHead) else head(hidden)
+        return logits.float()
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
