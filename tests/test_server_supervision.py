@@ -229,15 +229,15 @@ def test_defaults_bind_loopback_and_no_cors():
 
 
 def test_a_client_that_stops_reading_is_cut_and_its_request_aborted(model):
-    # 64 sequences x 230 tokens with top-20 logprobs make ~12 MB of events, several times what the socket
+    # 64 sequences x 1000 tokens with top-20 logprobs make ~50 MB of events, many times what the socket
     # buffers hold (the client's receive buffer is pinned at 4 KiB; the server's send buffer grows to at
-    # most tcp_wmem's 4 MiB); each step takes >= 50 ms, so the request cannot end by itself in under 11.5 s,
-    # and on a slower machine the cut comes at the same fraction of the output. The server must cut the
+    # most tcp_wmem's 4 MiB); each step takes >= 50 ms, so the request cannot end by itself in under 50 s,
+    # long after a server, however slow at writing events, has filled the buffers. The server must cut the
     # client (write timeout 1 s once the buffers are full) and abort all 64 sequences before they finish.
-    with LiveServer(model, "--max-model-len", "256", "--kv-cache-memory", "32MiB", "--max-num-seqs", "64",
+    with LiveServer(model, "--max-model-len", "1024", "--kv-cache-memory", "128MiB", "--max-num-seqs", "64",
                     *slow_steps(), "--write-timeout", "1") as srv:
-        body = json.dumps({"prompt": "never read", "n": 64, "max_tokens": 230, "ignore_eos": True, "stream": True,
-                           "logprobs": 20}).encode()
+        body = json.dumps({"prompt": "never read", "n": 64, "max_tokens": 1000, "ignore_eos": True,
+                           "stream": True, "logprobs": 20}).encode()
         before = srv.metrics()
         aborted = 'namazu_request_success_total{finish_reason="abort"}'
         length = 'namazu_request_success_total{finish_reason="length"}'
