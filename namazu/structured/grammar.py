@@ -44,6 +44,35 @@ class Grammar(Protocol):
         ...
 
 
+class StepwiseGrammar:
+    """`accept_tokens` and `validate_tokens` for grammars that take one token at a time and can roll
+    back (an xgrammar matcher, the tool-call state machine): subclasses give `_accept_one` and `rollback`."""
+
+    def _accept_one(self, token: int) -> bool:
+        raise NotImplementedError
+
+    def rollback(self, num_tokens: int) -> None:
+        raise NotImplementedError
+
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        n = 0
+        for t in tokens:
+            if not self._accept_one(int(t)):
+                self.rollback(n)
+                return False
+            n += 1
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        n = 0
+        for t in tokens:
+            if not self._accept_one(int(t)):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
+
 def token_mask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 

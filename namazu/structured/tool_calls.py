@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from namazu.structured.grammar import ids_to_words, pack_allowed, token_mask_words
+from namazu.structured.grammar import StepwiseGrammar, ids_to_words, pack_allowed, token_mask_words
 from namazu.structured.xgrammar_backend import GrammarSpec, MatcherGrammar, XGrammarBackend
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
@@ -56,7 +56,7 @@ class ToolMarkers:
         self.all = set(ids.values())
 
 
-class ToolCallGrammar:
+class ToolCallGrammar(StepwiseGrammar):
     depends_on_values = True
 
     def __init__(self, spec: ToolCallSpec, backend: XGrammarBackend, markers: ToolMarkers, token_bytes: list[bytes],
@@ -99,7 +99,7 @@ class ToolCallGrammar:
             return [mk.call_end]
         return []
 
-    def _accept(self, t: int) -> bool:
+    def _accept_one(self, t: int) -> bool:
         mk, st = self.mk, self.state
         snapshot = ("state", st, self.calls, self.sub, list(self.header))
         if t in mk.all:
@@ -138,24 +138,6 @@ class ToolCallGrammar:
             self.undo.append(("sub",))
             return True
         return False
-
-    def accept_tokens(self, tokens: list[int]) -> bool:
-        n = 0
-        for t in tokens:
-            if not self._accept(int(t)):
-                self.rollback(n)
-                return False
-            n += 1
-        return True
-
-    def validate_tokens(self, tokens: list[int]) -> int:
-        n = 0
-        for t in tokens:
-            if not self._accept(int(t)):
-                break
-            n += 1
-        self.rollback(n)
-        return n
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > len(self.undo):

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from namazu.structured.grammar import token_mask_words
+from namazu.structured.grammar import StepwiseGrammar, token_mask_words
 from namazu.structured.json_schema import check_json_schema, lower_formats
 
 MAX_GRAMMAR_BYTES = 256 * 1024   # a bound on compile work per request
@@ -116,7 +116,7 @@ def json_schema_spec(schema: Any, strict: bool = True) -> GrammarSpec:
     return GrammarSpec("json_schema", json.dumps(lower_formats(schema), ensure_ascii=False))  # order matters
 
 
-class MatcherGrammar:
+class MatcherGrammar(StepwiseGrammar):
     """The `Grammar` protocol over one xgrammar matcher (one per sequence)."""
 
     depends_on_values = True
@@ -126,25 +126,8 @@ class MatcherGrammar:
         self.extra_words = extra_words
         self._row: np.ndarray | None = None
 
-    def accept_tokens(self, tokens: list[int]) -> bool:
-        n = 0
-        for t in tokens:
-            if not self.m.accept_token(int(t)):
-                if n:
-                    self.m.rollback(n)
-                return False
-            n += 1
-        return True
-
-    def validate_tokens(self, tokens: list[int]) -> int:
-        n = 0
-        for t in tokens:
-            if not self.m.accept_token(int(t)):
-                break
-            n += 1
-        if n:
-            self.m.rollback(n)
-        return n
+    def _accept_one(self, token: int) -> bool:
+        return self.m.accept_token(token)
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
