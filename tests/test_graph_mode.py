@@ -1,0 +1,48 @@
+"""Graph-mode steps (namazu/step_graphs.py): decode and verify steps run over persistent static-shape
+buffers through a traced forward, with outputs token-identical to eager mode, and without host syncs.
+
+The traced path here uses torch.compile's aot_eager backend (NAMAZU_GRAPH_BACKEND): the same dynamo
+trace through the custom ops' shape functions, functionalization and static buffers as inductor,
+without inductor's code generation (minutes per entry on a small CPU). bench/step_profile.py checks
+inductor's outputs against eager and measures the speed. CUDA-graph capture needs a device; on CPU it
+is covered up to the capture call (test_cuda_graph_path_needs_a_device).
+"""
+from __future__ import annotations
+
+import pytest
+from engine_helpers import prompts, tiny_checkpoint
+
+from namazu import LLM, SamplingParams
+from namazu.spec.drafters import ScriptedDrafter
+
+
+@pytest.fixture(autouse=True)
+def _traced_backend(monkeypatch):
+    monkeypatch.setenv("NAMAZU_GRAPH_BACKEND", "aot_eager")
+
+
+def _generate(batch: list[list[int]], enforce_eager: bool, drafter_mode: str | None = None, **kw):
+    drafter = ScriptedDrafter(drafter_mode, 264, seed=3) if drafter_mode else None
+    with LLM(tiny_checkpoint(), executor="inline", enforce_eager=enforce_eager, max_num_seqs=max(4, len(batch)),
+             drafter=drafter, num_speculative_tokens=2 if drafter else 0, **kw) as llm:
+        graphs = llm.engine.executor.worker.runner.graphs
+        launched = []
+        if graphs is not None:
+            real = graphs.launch
+            graphs.launch = lambda e, w: launched.append((e.bp, e.tq, w)) or real(e, w)
+        outs = llm.generate(prompt_token_ids=batch, use_tqdm=False,
+                            sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs], launched
+
+
+@pytest.mark.parametrize("n, drafter_mode", [(1, None), (3, None), (1, "random"), (3, "random")])
+def test_graph_mode_is_token_identical_to_eager(n, drafter_mode):
+    batch = prompts(n, lo=5, hi=30, seed=5)
+    eager, none = _generate(batch, True, drafter_mode)
+    graph, launched = _generate(batch, False, drafter_mode)
+    assert none == []
+    assert graph == eager
+    assert launched, "no step ran as a graph"
+    tqs = {tq for _, tq, _ in launched}
+    assert (3 in tqs) == bool(drafter_mode) and (drafter_mode or tqs == {1})
+    assert {bp for bp, _, _ in launched} == ({1, 2, 4} if n == 3 else {1})   # 3, 2, 1 running: padded up
