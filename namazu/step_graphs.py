@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from namazu.context import forward_context
 from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache
@@ -150,7 +151,10 @@ class StepGraphs:
     def _run_compiled(self, e: _Entry, width: int):
         ctx = e.context(width)
         torch._dynamo.mark_dynamic(ctx.meta.block_tables, 1, min=2, max=max(3, self.max_width))
-        with forward_context(ctx):
+        # torch.compile does not run under a dispatch mode, which is how --debug-no-host-sync watches
+        # eager ops; the compiled forward needs no watching: it was traced with fullgraph=True, which
+        # refuses every host read (item, data-dependent shapes) inside it instead of breaking the graph.
+        with _disable_current_modes(), forward_context(ctx):
             return e.compiled(e.input_ids, e.positions)
 
     def _capture(self, e: _Entry, width: int) -> None:

@@ -62,6 +62,13 @@ class Worker:
         result = self.runner.execute(batch)
         return result if self.rank == 0 else None
 
+    def start_profile(self) -> None:
+        self.runner.profile = []
+
+    def stop_profile(self) -> list:
+        steps, self.runner.profile = self.runner.profile or [], None
+        return steps
+
 
 class WorkerError(RuntimeError):
     """A worker failed; the message carries its traceback."""
@@ -88,6 +95,13 @@ class Executor:
         self.submit(batch)
         return self.collect()
 
+    def start_profile(self) -> None:
+        """Rank 0 records every step's timestamps (model_runner.StepTiming) until `stop_profile`."""
+        raise NotImplementedError
+
+    def stop_profile(self) -> list:
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -111,6 +125,12 @@ class InlineExecutor(Executor):
 
     def collect(self) -> StepResult:
         return self.worker.execute(self._queued.pop(0))
+
+    def start_profile(self) -> None:
+        self.worker.start_profile()
+
+    def stop_profile(self) -> list:
+        return self.worker.stop_profile()
 
 
 def _worker_main(conn: Connection, config: EngineConfig, model_path: str, rank: int, world_size: int,
@@ -218,6 +238,14 @@ class MultiprocExecutor(Executor):
     def collect(self) -> StepResult:
         results = [self._recv(rank) for rank in range(self.world_size)]
         return results[0]
+
+    def start_profile(self) -> None:
+        self.conns[0].send(("start_profile", ()))
+        self._recv(0)
+
+    def stop_profile(self) -> list:
+        self.conns[0].send(("stop_profile", ()))
+        return self._recv(0)
 
     @property
     def pids(self) -> list[int]:

@@ -10,6 +10,7 @@ is covered up to the capture call (test_cuda_graph_path_needs_a_device).
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import prompts, tiny_checkpoint
 
 from namazu import LLM, SamplingParams
@@ -23,7 +24,8 @@ def _traced_backend(monkeypatch):
 
 def _generate(batch: list[list[int]], enforce_eager: bool, drafter_mode: str | None = None, **kw):
     drafter = ScriptedDrafter(drafter_mode, 264, seed=3) if drafter_mode else None
-    with LLM(tiny_checkpoint(), executor="inline", enforce_eager=enforce_eager, max_num_seqs=max(4, len(batch)),
+    with LLM(tiny_checkpoint(), executor="inline", enforce_eager=enforce_eager,
+             max_num_seqs=1 if len(batch) == 1 else 4,
              drafter=drafter, num_speculative_tokens=2 if drafter else 0, **kw) as llm:
         graphs = llm.engine.executor.worker.runner.graphs
         launched = []
@@ -31,7 +33,8 @@ def _generate(batch: list[list[int]], enforce_eager: bool, drafter_mode: str | N
             real = graphs.launch
             graphs.launch = lambda e, w: launched.append((e.bp, e.tq, w)) or real(e, w)
         outs = llm.generate(prompt_token_ids=batch, use_tqdm=False,
-                            sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+                            sampling_params=[SamplingParams(temperature=0, max_tokens=12 - 4 * i, ignore_eos=True)
+                                             for i in range(len(batch))])
     return [o.outputs[0].token_ids for o in outs], launched
 
 
@@ -45,4 +48,40 @@ def test_graph_mode_is_token_identical_to_eager(n, drafter_mode):
     assert launched, "no step ran as a graph"
     tqs = {tq for _, tq, _ in launched}
     assert (3 in tqs) == bool(drafter_mode) and (drafter_mode or tqs == {1})
-    assert {bp for bp, _, _ in launched} == ({1, 2, 4} if n == 3 else {1})   # 3, 2, 1 running: padded up
+    # 3, then 2, then 1 sequences running: 3 is padded to the ladder's 4.
+    assert {bp for bp, _, _ in launched} == ({1, 2, 4} if n == 3 else {1})
+
+
+def test_graph_steps_do_not_sync():
+    """The no-host-sync guard over graph-mode decode and verify steps, with every sampling feature."""
+    from test_engine_nosync import features
+
+    batch = prompts(3, lo=5, hi=20, seed=7)
+    with LLM(tiny_checkpoint(), executor="inline", enforce_eager=False, debug_no_host_sync=True, max_num_seqs=4,
+             drafter=ScriptedDrafter("random", 264, seed=1), num_speculative_tokens=2) as llm:
+        graphs = llm.engine.executor.worker.runner.graphs
+        launched = []
+        real = graphs.launch
+        graphs.launch = lambda e, w: launched.append(e.tq) or real(e, w)
+        outs = llm.generate(prompt_token_ids=batch, sampling_params=[features(i) for i in (0, 1, 3)],
+                            use_tqdm=False)
+    assert all(o.finished for o in outs)
+    assert 3 in launched   # verify steps (the drafter always proposes, so no plain decode follows a prefill)
+
+
+def test_a_host_read_in_the_forward_fails_graph_mode_at_start_up(monkeypatch):
+    """Graph mode traces with fullgraph=True: a host read inside the forward stops start-up instead of
+    silently splitting the graph (and syncing every step)."""
+    from namazu.layers.norm import RMSNorm
+
+    real = RMSNorm.forward
+
+    def syncing(self, x):
+        if x.sum().item() == float("inf"):   # a host read of a device value
+            return x
+        return real(self, x)
+
+    monkeypatch.setattr(RMSNorm, "forward", syncing)
+    torch._dynamo.reset()   # the forwards compiled by earlier tests would be reused otherwise
+    with pytest.raises(Exception, match="item|graph break|Unsupported|data-dependent"):
+        LLM(tiny_checkpoint(), executor="inline", enforce_eager=False, max_num_seqs=1)
