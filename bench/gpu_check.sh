@@ -4,7 +4,7 @@
 #   1 env     GPU, driver, python / torch / triton / nvcc versions; fails when torch sees no GPU
 #   2 build   the C++ extensions in place (CPU kernel + the CUDA NVFP4 grouped GEMM); fails unless the
 #             CUDA extension was built and imports (setup.py skips it silently without CUDA_HOME)
-#   3 tests   the CUDA-extension tests first, then the Triton and CPU kernel tests (no -x: one failure
+#   3 tests   the CUDA-extension and cubin (cuda-python launch, CUDA-graph capture) tests first, then the Triton and CPU kernel tests (no -x: one failure
 #             does not hide the rest); a skipped test is a failure here
 #   4 bench   bench/kernels.py on the GPU: namazu-tiny and Kimi-K2 shapes, rows saved as they are measured
 #   5 tune    (if time is left) bench/tune_triton.py: candidate Triton tiles at decode and mid sizes
@@ -66,6 +66,8 @@ env_check() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || return 1
   $PY -c 'import sys, torch; assert torch.cuda.is_available(), f"torch {torch.__version__} sees no GPU"; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())' || return 1
   $PY -c 'import triton; print("triton", triton.__version__)' || return 1
+  $PY -c 'import cuda.bindings; print("cuda-python (cuda.bindings)", cuda.bindings.__version__)' \
+    || echo "cuda-python missing: the cubin path (tests/test_cubin_gpu.py) will fail"
   CUDA_HOME=$(find_cuda_home) || { echo "no CUDA toolkit found (nvcc on PATH: $(command -v nvcc))"; return 1; }
   echo "CUDA_HOME=$CUDA_HOME"; "$CUDA_HOME/bin/nvcc" --version | tail -1
 }
@@ -77,13 +79,17 @@ build() {
     || return 1
   $PY setup.py build_ext --inplace || return 1
   # setup.py skips the CUDA extension without saying so when it finds no toolkit: it must import here.
-  $PY -c 'import namazu._nvfp4_cuda, namazu._nvfp4_cpu; print("built and imported: namazu._nvfp4_cuda, namazu._nvfp4_cpu")'
+  $PY -c 'import namazu._nvfp4_cuda, namazu._nvfp4_cpu; print("built and imported: namazu._nvfp4_cuda, namazu._nvfp4_cpu")' \
+    || return 1
+  # The cubin of the same kernel, for the cuda-python launch path (kernels/cubin_loader.py).
+  $PY -c 'from namazu.kernels.cubin_loader import compile_cubin; print("cubin:", compile_cubin())'
 }
 
 gpu_tests() {
   local xml
   xml=$(mktemp --suffix=.xml)
-  $PY -m pytest -q -p no:cacheprovider -rs tests/test_kernels_cuda_build.py tests/test_kernels_gpu.py \
+  $PY -m pytest -q -p no:cacheprovider -rs tests/test_kernels_cuda_build.py tests/test_cubin_loader.py \
+    tests/test_cubin_gpu.py tests/test_kernels_gpu.py \
     tests/test_kernels_dispatch.py tests/test_kernels_cpu.py --junitxml="$xml"
   local rc=$?
   # Under the check a skipped test is a failure (a GPU test that skips never ran).
