@@ -34,40 +34,82 @@ def _median_ms(xs: list[float]) -> float:
     return 1e3 * statistics.median(xs) if xs else float("nan")
 
 
-def profile_run(model: str, mode: str, executor: str, batches: list[int], prompts: list[list[int]],
-                output_len: int, threads: int, spec: str | None) -> tuple[float, list[dict], dict]:
-    from namazu import LLM, SamplingParams
+def _make_llm(model: str, mode: str, executor: str, batches: list[int], threads: int, spec: str | None):
+    from namazu import LLM
 
     kw = {"speculative_method": spec, "num_speculative_tokens": 3} if spec else {}
+    return LLM(model, dtype="float32", executor=executor, enforce_eager=mode == "eager", threads=threads,
+               max_num_seqs=max(batches), max_num_batched_tokens=4096, kv_cache_memory="512MiB", **kw)
+
+
+def _one(llm, b: int, prompts: list[list[int]], output_len: int) -> tuple[dict, list]:
+    from namazu import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.engine.executor.start_profile()
+    t = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts[:b], sampling_params=params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    steps = llm.engine.executor.stop_profile()
+    # Decode / verify steps only (every sequence computes its last token and drafts).
+    dec = [i for i, s in enumerate(steps) if s.num_tokens % b == 0 and s.num_tokens <= b * 4 and i > 0]
+    cyc = [steps[i + 1].arrive - steps[i].arrive for i in dec if i + 1 < len(steps)]
+    row = {
+        "batch": b, "steps": len(dec), "graph_steps": sum(steps[i].graph for i in dec),
+        "prep": _median_ms([steps[i].prepared - steps[i].arrive for i in dec]),
+        "compute": _median_ms([steps[i].computed - steps[i].prepared for i in dec]),
+        "device": _median_ms([steps[i].device_s for i in dec if steps[i].device_s is not None]),
+        "post": _median_ms([steps[i].end - steps[i].computed for i in dec]),
+        "gap": _median_ms([steps[i + 1].arrive - steps[i].end for i in dec if i + 1 < len(steps)]),
+        "step": _median_ms(cyc), "tok_s": b * output_len / wall,
+    }
+    return row, [o.outputs[0].token_ids for o in outs]
+
+
+def profile_run(model: str, mode: str, executor: str, batches: list[int], prompts: list[list[int]],
+                output_len: int, threads: int, spec: str | None) -> tuple[float, list[dict], dict]:
+    from namazu import SamplingParams
+
     t0 = time.perf_counter()
-    llm = LLM(model, dtype="float32", executor=executor, enforce_eager=mode == "eager", threads=threads,
-              max_num_seqs=max(batches), max_num_batched_tokens=4096, kv_cache_memory="512MiB", **kw)
+    llm = _make_llm(model, mode, executor, batches, threads, spec)
     startup = time.perf_counter() - t0
     rows, tokens = [], {}
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     with llm:
         llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)
         for b in batches:
-            llm.engine.executor.start_profile()
-            t = time.perf_counter()
-            outs = llm.generate(prompt_token_ids=prompts[:b], sampling_params=params, use_tqdm=False)
-            wall = time.perf_counter() - t
-            steps = llm.engine.executor.stop_profile()
-            tokens[b] = [o.outputs[0].token_ids for o in outs]
-            # Decode / verify steps only (every sequence computes its last token and drafts).
-            dec = [i for i, s in enumerate(steps) if s.num_tokens % b == 0 and s.num_tokens <= b * 4
-                   and i > 0]
-            cyc = [steps[i + 1].arrive - steps[i].arrive for i in dec if i + 1 < len(steps)]
-            rows.append({
-                "batch": b, "steps": len(dec), "graph_steps": sum(steps[i].graph for i in dec),
-                "prep": _median_ms([steps[i].prepared - steps[i].arrive for i in dec]),
-                "compute": _median_ms([steps[i].computed - steps[i].prepared for i in dec]),
-                "device": _median_ms([steps[i].device_s for i in dec if steps[i].device_s is not None]),
-                "post": _median_ms([steps[i].end - steps[i].computed for i in dec]),
-                "gap": _median_ms([steps[i + 1].arrive - steps[i].end for i in dec if i + 1 < len(steps)]),
-                "step": _median_ms(cyc), "tok_s": b * output_len / wall,
-            })
+            row, tokens[b] = _one(llm, b, prompts, output_len)
+            rows.append(row)
     return startup, rows, tokens
+
+
+def interleaved_run(model: str, batches: list[int], prompts: list[list[int]], output_len: int, threads: int,
+                    spec: str | None, rounds: int) -> list[tuple]:
+    """One graph-mode engine in this process; each round runs every batch eagerly (graphs switched off in
+    the runner) and as graphs, back to back, so both modes see the same machine load. Medians over rounds."""
+    from namazu import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = _make_llm(model, "graph", "inline", batches, threads, spec)
+    startup = time.perf_counter() - t0
+    runner = llm.engine.executor.worker.runner
+    graphs = runner.graphs
+    got: dict[tuple[str, int], list[dict]] = {}
+    tokens: dict[tuple[str, int], list] = {}
+    with llm:
+        llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)
+        for _ in range(rounds):
+            for b in batches:
+                for mode in ("eager", "graph"):
+                    runner.graphs = graphs if mode == "graph" else None
+                    row, tokens[mode, b] = _one(llm, b, prompts, output_len)
+                    got.setdefault((mode, b), []).append(row)
+        runner.graphs = graphs
+    out = []
+    for mode in ("eager", "graph"):
+        rows = [{k: statistics.median(r[k] for r in got[mode, b]) for k in got[mode, b][0]} for b in batches]
+        same = all(tokens[mode, b] == tokens["eager", b] for b in batches)
+        out.append((mode, f"inline, interleaved x{rounds}", startup if mode == "graph" else 0.0, rows, same))
+    return out
 
 
 def main() -> None:
@@ -80,13 +122,21 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"])
     p.add_argument("--executor", nargs="+", default=["inline"], choices=["inline", "mp"])
     p.add_argument("--spec", choices=["ngram"], help="speculative decoding (verify steps are profiled)")
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="instead: one graph-mode engine, eager and graph steps alternated ROUNDS times "
+                        "(fair under a changing machine load)")
     args = p.parse_args()
     model, desc = pick_model(args.model)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(20, 256, args.prompt_len).tolist() for _ in range(max(args.batch))]
     load0 = os.getloadavg()
     results, ref = [], None
-    for executor in args.executor:
+    if args.interleave:
+        results = interleaved_run(model, args.batch, prompts, args.output_len, args.threads, args.spec,
+                                  args.interleave)
+        for mode, ex, startup, _, same in results:
+            print(f"{mode}/{ex}: start-up {startup:.1f} s, tokens equal to eager: {same}", flush=True)
+    for executor in args.executor if not args.interleave else []:
         for mode in args.modes:
             startup, rows, tokens = profile_run(model, mode, executor, args.batch, prompts, args.output_len,
                                                 args.threads, args.spec)
