@@ -118,7 +118,6 @@ class ModelRunner:
         mem = f", graph memory {self.graphs.graph_bytes / 2**20:.1f} MiB" if self.graphs.use_cuda_graphs else ""
         logger.info("rank %d: graph mode: %s for batch sizes %s x query tokens %s in %.1f s%s", self.rank, what,
                     self.graphs.batches, self.graphs.tqs, seconds, mem)
-        self.startup_compile_s = seconds
 
     def _graph_layout(self, b: StepBatch, prep: PreparedStep):
         """(entry, padded row of each flat token) when this step runs as a graph, else None: every
