@@ -85,3 +85,39 @@ def test_a_host_read_in_the_forward_fails_graph_mode_at_start_up(monkeypatch):
     torch._dynamo.reset()   # the forwards compiled by earlier tests would be reused otherwise
     with pytest.raises(Exception, match="item|graph break|Unsupported|data-dependent"):
         LLM(tiny_checkpoint(), executor="inline", enforce_eager=False, max_num_seqs=1)
+
+
+def test_ladder_buffers_hold_a_step_padded():
+    """What a CUDA graph replays is these buffers: the step's tokens in their sequences' rows, padding that
+    sees nothing and writes only the scratch slot, the block table zero-padded to a ladder width."""
+    import numpy as np
+
+    from namazu.config import ModelConfig
+    from namazu.kv_cache_paged import PagedLatentCache
+    from namazu.step_graphs import StepGraphs, batch_ladder, width_for
+
+    assert batch_ladder(32) == [1, 2, 4, 8, 16, 32] and batch_ladder(6) == [1, 2, 4, 6]
+    assert [width_for(n, 64) for n in (1, 2, 3, 9, 64, 70)] == [2, 2, 4, 16, 64, 64]
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint())
+    cache = PagedLatentCache(cfg, num_blocks=10, block_size=4, dtype=torch.float32, device="cpu")
+    assert cache.kv.shape[1] == 11 and cache.scratch_slot == 40       # one block past the engine's
+    g = StepGraphs(None, cache, torch.device("cpu"), max_num_seqs=4, num_speculative_tokens=2,
+                   max_blocks_per_seq=8)
+    assert g.entry_for(5, 1) is None                                     # outside the ladder: eager
+    e = g.entry_for(3, 3)
+    assert (e.bp, e.tq) == (4, 3)
+    # Three sequences verifying 2, 0 and 1 drafts: 3 + 1 + 2 flat tokens.
+    ids = np.array([11, 12, 13, 21, 31, 32])
+    pos = np.array([5, 6, 7, 2, 9, 10])
+    slots = np.array([1, 2, 3, 17, 25, 26])
+    pad_index = np.array([0, 1, 2, 3, 6, 7])
+    tables = np.array([[0, 1, 0], [4, 0, 0], [6, 7, 8]])
+    width = g.load(e, pad_index, ids, pos, slots, tables)
+    assert width == 4
+    assert e.input_ids.tolist() == [11, 12, 13, 21, 0, 0, 31, 32, 0, 0, 0, 0]
+    assert e.slot_mapping.tolist() == [1, 2, 3, 17, 40, 40, 25, 26, 40, 40, 40, 40]
+    assert e.q_pos.tolist() == [[5, 6, 7], [2, -1, -1], [9, 10, -1], [-1, -1, -1]]
+    assert e.block_tables[:, :4].tolist() == [[0, 1, 0, 0], [4, 0, 0, 0], [6, 7, 8, 0], [0, 0, 0, 0]]
+    assert e.q_index.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    with pytest.raises(AssertionError, match="ladder holds 8"):
+        g.load(e, pad_index, ids, pos, slots, np.zeros((3, 9), dtype=np.int64))
