@@ -6,8 +6,9 @@
 #             CUDA extension was built and imports (setup.py skips it silently without CUDA_HOME)
 #   3 tests   the CUDA-extension and cubin (cuda-python launch, CUDA-graph capture) tests first, then the Triton and CPU kernel tests (no -x: one failure
 #             does not hide the rest); a skipped test is a failure here
-#   4 bench   bench/kernels.py on the GPU: namazu-tiny and Kimi-K2 shapes, rows saved as they are measured
-#   5 tune    (if time is left) bench/tune_triton.py: candidate Triton tiles at decode and mid sizes
+#   4 graphs  bench/step_profile.py: CUDA-graph decode steps vs eager, device idle share per step
+#   5 bench   bench/kernels.py on the GPU: namazu-tiny and Kimi-K2 shapes, rows saved as they are measured
+#   6 tune    (if time is left) bench/tune_triton.py: candidate Triton tiles at decode and mid sizes
 # One budget (BUDGET_S, 450 s: under 8 minutes by construction, well under the 600 s of one command):
 # each stage gets min(its own cap, what is left of the budget), so the limits can never add up past it.
 # Results go to $OUT (set by the device tool) or ./gpu-check-out, at most 8 files (the device tool returns
@@ -113,6 +114,9 @@ if [ "${STATUS[env]}" != ok ]; then
 else
   stage build 200 build.txt build
   stage tests 150 tests.txt gpu_tests
+  # Graph mode on the GPU: CUDA graphs captured at start-up, decode steps eager vs replayed (alternated in
+  # one engine), device idle share per step from CUDA events; its table goes to summary.txt.
+  stage graphs 90 - $PY bench/step_profile.py --batch 1 32 --output-len 32 --interleave 2
   stage bench 180 bench.txt $PY bench/kernels.py --device cuda --shapes tiny k2 --write \
     --jsonl "$OUT_DIR/bench.jsonl"
   # --write updated this copy's bench/RESULTS.md (kernels-cuda section): bring it back to commit.
@@ -129,7 +133,7 @@ fi
   echo
   echo "| stage | result |"
   echo "|---|---|"
-  for s in env build tests bench tune; do echo "| $s | ${STATUS[$s]:-not run} |"; done
+  for s in env build tests graphs bench tune; do echo "| $s | ${STATUS[$s]:-not run} |"; done
   echo "total $(( $(date +%s) - T0 ))s of a ${BUDGET_S}s budget; files in $OUT_DIR"
   grep -E "NVFP4 .*best BF16" "$OUT_DIR/bench.txt" 2>/dev/null | head -12
   grep -E "^(nvfp4|bf16) (decode|mid|prefill): best" "$OUT_DIR/tune.txt" 2>/dev/null

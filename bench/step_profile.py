@@ -11,6 +11,7 @@ prompts, with the runner recording each step (ModelRunner.profile). Per decode s
   gap         from the end of one step on the worker to the arrival of the next (the engine's planning,
               output processing and the hand-off between processes)
   step        arrival to next arrival; per token = step / batch (batch-1: the decode latency)
+  device idle 1 - device time / step (GPU: the share of a decode step the GPU waits for the host)
 Also: start-up seconds (graph mode: compile / capture time included), and whether the greedy tokens of
 every mode equal eager's. The machine may be shared: the load average is printed before and after, and
 the ratio graph/eager within one run is the number to compare. With --executor mp the worker is another
@@ -148,15 +149,17 @@ def main() -> None:
     load1 = os.getloadavg()
     print(f"\nmodel: {desc}; float32; {args.threads} thread(s); spec: {args.spec or 'off'}; "
           f"load average before {load0[0]:.2f}, after {load1[0]:.2f} (1 min)\n")
-    print("| mode | executor | batch | steps (graph) | host prep ms | compute ms | device ms | host post ms "
-          "| gap ms | step ms | ms/token | tok/s | x eager |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| mode | executor | batch | steps (graph) | host prep ms | compute ms | device ms | device idle % "
+          "| host post ms | gap ms | step ms | ms/token | tok/s | x eager |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {(ex, r["batch"]): r["step"] for m, ex, _, rows, _ in results if m == "eager" for r in rows}
     for mode, executor, _, rows, _ in results:
         for r in rows:
             speed = base.get((executor, r["batch"]), float("nan")) / r["step"]
+            idle = 100 * (1 - r["device"] / r["step"])    # NaN on CPU (no device timer)
             print(f"| {mode} | {executor} | {r['batch']} | {r['steps']} ({r['graph_steps']}) | {r['prep']:.2f} | "
-                  f"{r['compute']:.2f} | {r['device']:.2f} | {r['post']:.2f} | {r['gap']:.2f} | {r['step']:.2f} | "
+                  f"{r['compute']:.2f} | {r['device']:.2f} | {idle:.1f} | {r['post']:.2f} | {r['gap']:.2f} | "
+                  f"{r['step']:.2f} | "
                   f"{r['step'] / r['batch']:.3f} | {r['tok_s']:.1f} | {speed:.2f} |")
 
 

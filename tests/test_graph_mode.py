@@ -1,10 +1,11 @@
 """Graph-mode steps (namazu/step_graphs.py): decode and verify steps run over persistent static-shape
 buffers through a traced forward, with outputs token-identical to eager mode, and without host syncs.
 
-The traced path here uses torch.compile's aot_eager backend (NAMAZU_GRAPH_BACKEND): the same dynamo
-trace through the custom ops' shape functions, functionalization and static buffers as inductor,
-without inductor's code generation (minutes per entry on a small CPU). bench/step_profile.py checks
-inductor's outputs against eager and measures the speed. CUDA-graph capture needs a device; on CPU it
+The traced path here uses torch.compile's "eager" backend (NAMAZU_GRAPH_BACKEND): the same dynamo
+trace (fullgraph) over the same static buffers as inductor, without inductor's code generation (minutes
+per entry on a small CPU). The custom ops' shape functions, which inductor and aot_eager trace through,
+are checked by torch.library.opcheck and one aot_eager run. bench/step_profile.py checks inductor's
+outputs against eager and measures the speed. CUDA-graph capture needs a device; on CPU it
 is covered up to the capture call (test_cuda_graph_path_needs_a_device).
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from namazu.spec.drafters import ScriptedDrafter
 
 @pytest.fixture(autouse=True)
 def _traced_backend(monkeypatch):
-    monkeypatch.setenv("NAMAZU_GRAPH_BACKEND", "aot_eager")
+    monkeypatch.setenv("NAMAZU_GRAPH_BACKEND", "eager")
 
 
 def _generate(batch: list[list[int]], enforce_eager: bool, drafter_mode: str | None = None, **kw):
@@ -121,3 +122,36 @@ def test_ladder_buffers_hold_a_step_padded():
     assert e.q_index.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
     with pytest.raises(AssertionError, match="ladder holds 8"):
         g.load(e, pad_index, ids, pos, slots, np.zeros((3, 9), dtype=np.int64))
+
+
+def test_custom_ops_pass_opcheck():
+    """Schema, fake (shape) implementation and dispatch of every graph op, by torch's own checker."""
+    from namazu.kernels import graph_ops  # noqa: F401
+
+    g = torch.Generator().manual_seed(0)
+    n, h, r, dr, bs = 5, 2, 8, 4, 4
+    kv = torch.randn(6, bs, r + dr, generator=g)
+    args = (torch.randn(n, h, r, generator=g), torch.randn(n, h, dr, generator=g), kv,
+            torch.tensor([[0, 1], [2, 3]]), torch.tensor([[0, 1, 2], [3, 4, 0]]),
+            torch.tensor([[4, 5, 6], [1, 2, -1]]), torch.tensor([0, 1, 2, 3, 4]), r, 0.3)
+    torch.library.opcheck(torch.ops.namazu.paged_mla.default, args)
+    torch.library.opcheck(torch.ops.namazu.write_latents.default,
+                          (kv.clone(), torch.tensor([0, 5, 9]), torch.randn(3, r, generator=g),
+                           torch.randn(3, dr, generator=g)))
+    x = torch.randn(4, 16, generator=g)
+    torch.library.opcheck(torch.ops.namazu.moe_grouped_mm.default,
+                          (x, torch.tensor([[0, 2], [1, 2], [0, 1], [2, 0]]), torch.rand(4, 2, generator=g),
+                           torch.randn(3, 16, 16, generator=g), torch.randn(3, 16, 8, generator=g)))
+
+
+def test_aot_traced_graph_matches_eager(monkeypatch):
+    """aot_eager traces through the custom ops' shape functions, as inductor does."""
+    monkeypatch.setenv("NAMAZU_GRAPH_BACKEND", "aot_eager")
+    batch = prompts(1, lo=5, hi=12, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = []
+    for eager in (True, False):
+        with LLM(tiny_checkpoint(), executor="inline", enforce_eager=eager, max_num_seqs=1) as llm:
+            outs.append(llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)[0]
+                        .outputs[0].token_ids)
+    assert outs[0] == outs[1]
