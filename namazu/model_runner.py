@@ -108,8 +108,8 @@ class ModelRunner:
         cfg = self.model_config
         longest = cfg.max_position_embeddings + self.num_speculative_tokens
         want_hidden = self.proposer.hidden_layers if self.proposer is not None and self.proposer.on_device else ()
-        # NAMAZU_GRAPH_BACKEND: torch.compile backend on CPU (tests use aot_eager: the same tracing through
-        # the custom ops' shape functions, without inductor's minutes of code generation).
+        # NAMAZU_GRAPH_BACKEND: torch.compile backend on CPU (tests use "eager": the same fullgraph trace over
+        # the same buffers, without inductor's minutes of code generation).
         self.graphs = StepGraphs(self.model, self.cache, self.device, self.config.max_num_seqs,
                                  self.num_speculative_tokens, min(self.num_blocks, -(-longest // self.block_size)),
                                  want_hidden, backend=os.environ.get("NAMAZU_GRAPH_BACKEND", "inductor"))

@@ -26,7 +26,7 @@ def _traced_backend(monkeypatch):
 def _generate(batch: list[list[int]], enforce_eager: bool, drafter_mode: str | None = None, **kw):
     drafter = ScriptedDrafter(drafter_mode, 264, seed=3) if drafter_mode else None
     with LLM(tiny_checkpoint(), executor="inline", enforce_eager=enforce_eager,
-             max_num_seqs=1 if len(batch) == 1 else 4,
+             max_num_seqs=1 if len(batch) == 1 else max(4, len(batch)),
              drafter=drafter, num_speculative_tokens=2 if drafter else 0, **kw) as llm:
         graphs = llm.engine.executor.worker.runner.graphs
         launched = []
@@ -34,12 +34,13 @@ def _generate(batch: list[list[int]], enforce_eager: bool, drafter_mode: str | N
             real = graphs.launch
             graphs.launch = lambda e, w: launched.append((e.bp, e.tq, w)) or real(e, w)
         outs = llm.generate(prompt_token_ids=batch, use_tqdm=False,
-                            sampling_params=[SamplingParams(temperature=0, max_tokens=12 - 4 * i, ignore_eos=True)
+                            sampling_params=[SamplingParams(temperature=0, max_tokens=12 - 4 * (i % 3), ignore_eos=True)
                                              for i in range(len(batch))])
     return [o.outputs[0].token_ids for o in outs], launched
 
 
-@pytest.mark.parametrize("n, drafter_mode", [(1, None), (3, None), (1, "random"), (3, "random")])
+@pytest.mark.parametrize("n, drafter_mode", [(1, None), (3, None), (32, None), (1, "random"), (3, "random"),
+                                             (32, "random")])
 def test_graph_mode_is_token_identical_to_eager(n, drafter_mode):
     batch = prompts(n, lo=5, hi=30, seed=5)
     eager, none = _generate(batch, True, drafter_mode)
@@ -50,7 +51,7 @@ def test_graph_mode_is_token_identical_to_eager(n, drafter_mode):
     tqs = {tq for _, tq, _ in launched}
     assert (3 in tqs) == bool(drafter_mode) and (drafter_mode or tqs == {1})
     # 3, then 2, then 1 sequences running: 3 is padded to the ladder's 4.
-    assert {bp for bp, _, _ in launched} == ({1, 2, 4} if n == 3 else {1})
+    assert {bp for bp, _, _ in launched} == {1: {1}, 3: {1, 2, 4}, 32: {16, 32}}[n]
 
 
 def test_graph_steps_do_not_sync():
