@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # make gpu-check: the one prepared script for a lent GPU machine (an H200 with its own python3, torch+cu130,
 # triton and nvcc; no network, so nothing is installed). Stages, each printed and saved as it ends:
-#   1 env     GPU, driver, python / torch / triton / nvcc versions
-#   2 build   the C++ extensions in place (CPU kernel + the CUDA NVFP4 grouped GEMM)
-#   3 tests   the GPU kernel tests (and the CPU kernel tests) with pytest
-#   4 bench   bench/kernels.py on the GPU: namazu-tiny and Kimi-K2 shapes, rows saved as they are measured
-#   5 tune    (if time is left) bench/tune_triton.py: candidate Triton tiles at decode and mid sizes
-# Whole run under 8 minutes; each stage has its own time limit so a hang cannot eat the rest.
-# Results go to $OUT (set by the device tool) or ./gpu-check-out; the last lines are a short table.
+#   1 env     GPU, driver, python / torch / triton / nvcc versions; fails when torch sees no GPU
+#   2 build   the C++ extensions in place (CPU kernel + the CUDA NVFP4 grouped GEMM); fails unless the
+#             CUDA extension was built and imports (setup.py skips it silently without CUDA_HOME)
+#   3 tests   the CUDA-extension and cubin (cuda-python launch, CUDA-graph capture) tests first, then the Triton and CPU kernel tests (no -x: one failure
+#             does not hide the rest); a skipped test is a failure here
+#   4 graphs  bench/step_profile.py: CUDA-graph decode steps vs eager, device idle share per step
+#   5 bench   bench/kernels.py on the GPU: namazu-tiny and Kimi-K2 shapes, rows saved as they are measured
+#   6 tune    (if time is left) bench/tune_triton.py: candidate Triton tiles at decode and mid sizes
+# One budget (BUDGET_S, 450 s: under 8 minutes by construction, well under the 600 s of one command):
+# each stage gets min(its own cap, what is left of the budget), so the limits can never add up past it.
+# Results go to $OUT (set by the device tool) or ./gpu-check-out, at most 8 files (the device tool returns
+# no more): summary.txt (env + stage lines + final table), build.txt, tests.txt, bench.txt, bench.jsonl,
+# RESULTS.md, tune.txt, tune.json. Every file is written as its stage runs, not at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-gpu-check-out}
@@ -15,46 +21,121 @@ mkdir -p "$OUT_DIR"
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
+BUDGET_S=${BUDGET_S:-450}
+SUMMARY="$OUT_DIR/summary.txt"
+: > "$SUMMARY"
 declare -A STATUS
 T0=$(date +%s)
 
-stage() {  # stage NAME LIMIT_S LOGFILE COMMAND...
-  local name=$1 limit=$2 log=$3
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+
+stage() {  # stage NAME CAP_S LOGFILE COMMAND...  (LOGFILE "-" appends to summary.txt)
+  local name=$1 cap=$2 log=$3 limit
   shift 3
-  echo "=== stage $name (limit ${limit}s) at +$(( $(date +%s) - T0 ))s"
-  timeout "$limit" "$@" > >(tee "$OUT_DIR/$log") 2>&1
+  limit=$(left)
+  [ "$cap" -lt "$limit" ] && limit=$cap
+  if [ "$limit" -lt 10 ]; then
+    STATUS[$name]="not run (budget spent)"
+    echo "=== stage $name: ${STATUS[$name]}" | tee -a "$SUMMARY"
+    return
+  fi
+  local dest="$OUT_DIR/$log"
+  [ "$log" = "-" ] && dest="$SUMMARY"
+  echo "=== stage $name (limit ${limit}s) at +$(( $(date +%s) - T0 ))s" | tee -a "$SUMMARY"
+  timeout "$limit" bash -c '"$@"' _ "$@" > >(tee -a "$dest") 2>&1
   local rc=$?
   STATUS[$name]=$([ $rc -eq 0 ] && echo ok || echo "failed (rc $rc)")
-  echo "=== stage $name: ${STATUS[$name]} at +$(( $(date +%s) - T0 ))s" | tee -a "$OUT_DIR/summary.txt"
+  echo "=== stage $name: ${STATUS[$name]} at +$(( $(date +%s) - T0 ))s" | tee -a "$SUMMARY"
 }
 
-stage env 30 env.txt bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; \
-  $PY -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
-  $PY -c 'import triton; print(\"triton\", triton.__version__)'; nvcc --version | tail -1"
+# CUDA_HOME: torch's build needs the toolkit root; `nvcc` on PATH may be a wrapper script, so resolve it
+# and accept the directory only if it holds the CUDA headers.
+find_cuda_home() {
+  local cand nv
+  nv=$(command -v nvcc 2>/dev/null) && nv=$(readlink -f "$nv")
+  for cand in "${CUDA_HOME:-}" "${CUDA_PATH:-}" "${nv:+$(dirname "$(dirname "$nv")")}" /usr/local/cuda \
+              /usr/local/cuda-*; do
+    [ -n "$cand" ] && [ -f "$cand/include/cuda_runtime.h" ] && [ -x "$cand/bin/nvcc" ] && { echo "$cand"; return 0; }
+  done
+  # A wrapper: ask nvcc itself where its toolkit is (`nvcc -v` prints TOP=... for a dry compile).
+  [ -n "$nv" ] && cand=$(nvcc -v -E -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)
+  [ -n "${cand:-}" ] && [ -f "$cand/include/cuda_runtime.h" ] && { echo "$cand"; return 0; }
+  return 1
+}
 
-stage build 240 build.txt $PY setup.py build_ext --inplace
+env_check() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || return 1
+  $PY -c 'import sys, torch; assert torch.cuda.is_available(), f"torch {torch.__version__} sees no GPU"; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())' || return 1
+  $PY -c 'import triton; print("triton", triton.__version__)' || return 1
+  $PY -c 'import cuda.bindings; print("cuda-python (cuda.bindings)", cuda.bindings.__version__)' \
+    || echo "cuda-python missing: the cubin path (tests/test_cubin_gpu.py) will fail"
+  CUDA_HOME=$(find_cuda_home) || { echo "no CUDA toolkit found (nvcc on PATH: $(command -v nvcc))"; return 1; }
+  echo "CUDA_HOME=$CUDA_HOME"; "$CUDA_HOME/bin/nvcc" --version | tail -1
+}
 
-stage tests 150 tests.txt $PY -m pytest -q -p no:cacheprovider -x tests/test_kernels_gpu.py \
-  tests/test_kernels_cpu.py tests/test_kernels_dispatch.py --junitxml="$OUT_DIR/tests.xml"
+build() {
+  CUDA_HOME=$(find_cuda_home) || { echo "no CUDA toolkit found: the CUDA extension cannot be built"; return 1; }
+  export CUDA_HOME
+  $PY -c 'import torch; assert torch.version.cuda, f"torch {torch.__version__} is a CPU build: no CUDA extension"' \
+    || return 1
+  $PY setup.py build_ext --inplace || return 1
+  # setup.py skips the CUDA extension without saying so when it finds no toolkit: it must import here.
+  $PY -c 'import namazu._nvfp4_cuda, namazu._nvfp4_cpu; print("built and imported: namazu._nvfp4_cuda, namazu._nvfp4_cpu")' \
+    || return 1
+  # The cubin of the same kernel, for the cuda-python launch path (kernels/cubin_loader.py).
+  $PY -c 'from namazu.kernels.cubin_loader import compile_cubin; print("cubin:", compile_cubin())'
+}
 
-stage bench 300 bench.txt $PY bench/kernels.py --device cuda --shapes tiny k2 --write \
-  --jsonl "$OUT_DIR/bench.jsonl" --plot "$OUT_DIR/kernels.png"
-# --write updated this copy's bench/RESULTS.md (kernels-cuda section): bring it back to commit.
-cp bench/RESULTS.md "$OUT_DIR/RESULTS.md" 2>/dev/null
+gpu_tests() {
+  local xml
+  xml=$(mktemp --suffix=.xml)
+  $PY -m pytest -q -p no:cacheprovider -rs tests/test_kernels_cuda_build.py tests/test_cubin_loader.py \
+    tests/test_cubin_gpu.py tests/test_kernels_gpu.py \
+    tests/test_kernels_dispatch.py tests/test_kernels_cpu.py --junitxml="$xml"
+  local rc=$?
+  # Under the check a skipped test is a failure (a GPU test that skips never ran).
+  $PY - "$xml" <<'EOF' || rc=1
+import sys, xml.etree.ElementTree as ET
+suites = ET.parse(sys.argv[1]).getroot()
+skipped = sum(int(s.get("skipped", 0)) for s in suites.iter("testsuite"))
+print(f"skipped tests: {skipped}")
+sys.exit(1 if skipped else 0)
+EOF
+  rm -f "$xml"
+  return $rc
+}
 
-# Whatever time is left (of 8 minutes) goes to an offline Triton tile search; its JSON is what a later
-# commit of TILE_CONFIGS would be based on.
-LEFT=$(( 450 - ($(date +%s) - T0) ))
-if [ "$LEFT" -gt 90 ]; then
-  stage tune "$LEFT" tune.txt $PY bench/tune_triton.py --buckets decode mid --budget $(( LEFT - 60 )) \
-    --out "$OUT_DIR/tune.json"
+export PY BUDGET_S
+export -f find_cuda_home env_check build gpu_tests
+stage env 30 - env_check
+if [ "${STATUS[env]}" != ok ]; then
+  # No GPU (or no toolkit): everything after would fail slowly or, worse, skip; stop loudly now.
+  echo "env failed: no GPU stage can run" | tee -a "$SUMMARY"
+else
+  stage build 200 build.txt build
+  stage tests 150 tests.txt gpu_tests
+  # Graph mode on the GPU: CUDA graphs captured at start-up, decode steps eager vs replayed (alternated in
+  # one engine), device idle share per step from CUDA events; its table goes to summary.txt.
+  stage graphs 90 - $PY bench/step_profile.py --batch 1 32 --output-len 32 --interleave 2
+  stage bench 180 bench.txt $PY bench/kernels.py --device cuda --shapes tiny k2 --write \
+    --jsonl "$OUT_DIR/bench.jsonl"
+  # --write updated this copy's bench/RESULTS.md (kernels-cuda section): bring it back to commit.
+  cp bench/RESULTS.md "$OUT_DIR/RESULTS.md" 2>/dev/null
+  # What is left of the budget goes to an offline Triton tile search; its JSON is what a later commit of
+  # TILE_CONFIGS would be based on.
+  if [ "$(left)" -gt 90 ]; then
+    stage tune "$(left)" tune.txt $PY bench/tune_triton.py --buckets decode mid --budget $(( $(left) - 60 )) \
+      --out "$OUT_DIR/tune.json"
+  fi
 fi
 
-echo
-echo "| stage | result |"
-echo "|---|---|"
-for s in env build tests bench tune; do echo "| $s | ${STATUS[$s]:-not run} |"; done
-echo "total $(( $(date +%s) - T0 ))s; files in $OUT_DIR"
-grep -E "NVFP4 .*best BF16" "$OUT_DIR/bench.txt" 2>/dev/null | head -12
-grep -E "^(nvfp4|bf16) (decode|mid|prefill): best" "$OUT_DIR/tune.txt" 2>/dev/null
-[ "${STATUS[build]}" = ok ] && [ "${STATUS[tests]}" = ok ] && [ "${STATUS[bench]}" = ok ]
+{
+  echo
+  echo "| stage | result |"
+  echo "|---|---|"
+  for s in env build tests graphs bench tune; do echo "| $s | ${STATUS[$s]:-not run} |"; done
+  echo "total $(( $(date +%s) - T0 ))s of a ${BUDGET_S}s budget; files in $OUT_DIR"
+  grep -E "NVFP4 .*best BF16" "$OUT_DIR/bench.txt" 2>/dev/null | head -12
+  grep -E "^(nvfp4|bf16) (decode|mid|prefill): best" "$OUT_DIR/tune.txt" 2>/dev/null
+} | tee -a "$SUMMARY"
+[ "${STATUS[env]}" = ok ] && [ "${STATUS[build]:-}" = ok ] && [ "${STATUS[tests]:-}" = ok ] && [ "${STATUS[bench]:-}" = ok ]

@@ -88,6 +88,17 @@ class EngineConfig:
                                       "divide by it", aliases=("--tp",))
     executor: str = _f("mp", "mp = model runner in its own worker process; inline = in the engine's "
                              "process (debugging)", choices=("mp", "inline"))
+    threads: int | None = _f(None, "CPU threads of each model runner (torch intra-op threads); default: the "
+                                   "cores this process may use, less one for the engine process when the "
+                                   "runner has its own (--executor mp), less the cores other processes keep "
+                                   "busy at start-up (1-minute load average), at least 1; "
+                                   "$OMP_NUM_THREADS when set. Spinning threads on busy cores cost far more "
+                                   "than the parallelism gains")
+    enforce_eager: bool | None = _f(None, "run every step op by op; off: decode and verify steps run as "
+                                          "compiled (CPU, torch.compile) or captured (GPU, CUDA graphs) "
+                                          "static-shape forwards per batch-size ladder entry. Default: "
+                                          "graphs on GPU; eager on CPU, where compiling the ladder costs "
+                                          "about a minute per entry at start-up (bench/step_profile.py)")
     debug_no_host_sync: bool = _f(False, "raise if a step's forward/sampling/acceptance syncs with the "
                                          "host (slow; for tests and debugging)")
     # -- admission and supervision (the async front, namazu.async_engine) ------------------------------
@@ -155,6 +166,8 @@ class EngineConfig:
             bad("tensor_parallel_size", "must be at least 1")
         if self.tensor_parallel_size > 1 and self.executor == "inline":
             bad("tensor_parallel_size", "needs --executor mp (one process per rank)")
+        if self.threads is not None and self.threads < 1:
+            bad("threads", "must be at least 1")
 
     # -- CLI --------------------------------------------------------------------------------------------
     @classmethod
@@ -175,7 +188,7 @@ class EngineConfig:
                 if "metavar" in f.metadata:
                     kw["metavar"] = f.metadata["metavar"]
             if base is bool:
-                kw["help"] += f" (default: {'on' if f.default else 'off'})"
+                kw["help"] += f" (default: {'auto' if f.default is None else 'on' if f.default else 'off'})"
             elif f.default is not None:
                 kw["help"] += f" (default: {f.default})"
             group.add_argument(flag, *f.metadata.get("aliases", ()), **kw)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from namazu.config import ModelConfig
-from namazu.layers.paged_mla import paged_latent_attention, write_latents
+from namazu.kernels import graph_ops  # noqa: F401  (registers torch.ops.namazu.paged_mla / write_latents)
 
 
 def kv_entry_dim(cfg: ModelConfig) -> int:
@@ -27,8 +27,11 @@ class PagedLatentCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.kv = torch.zeros(cfg.num_hidden_layers, num_blocks, block_size, kv_entry_dim(cfg),
+        # One block past the engine's: graph-mode padding tokens write their latents there, so a
+        # static-shape step never touches a block the engine handed out.
+        self.kv = torch.zeros(cfg.num_hidden_layers, num_blocks + 1, block_size, kv_entry_dim(cfg),
                               dtype=dtype, device=device)
+        self.scratch_slot = num_blocks * block_size
 
     @property
     def nbytes(self) -> int:
@@ -54,8 +57,8 @@ class PagedAttentionContext:
     def attend(self, layer, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
                k_pe: torch.Tensor) -> torch.Tensor:
         kv = self.cache.kv[layer.layer_idx]
-        write_latents(kv, self.meta.slot_mapping, c_kv, k_pe)
+        torch.ops.namazu.write_latents(kv, self.meta.slot_mapping, c_kv, k_pe)
         m = self.meta
-        o_lat = paged_latent_attention(layer.absorb_q(q_nope), q_pe, kv, m.block_tables, m.q_index, m.q_pos,
-                                       m.out_index, layer.kv_lora_rank, layer.softmax_scale)
+        o_lat = torch.ops.namazu.paged_mla(layer.absorb_q(q_nope), q_pe, kv, m.block_tables, m.q_index, m.q_pos,
+                                           m.out_index, layer.kv_lora_rank, layer.softmax_scale)
         return layer.absorb_out(o_lat)

@@ -11,13 +11,16 @@ nothing syncs: `--debug-no-host-sync` wraps that span in the guard that turns an
 from __future__ import annotations
 
 import logging
+import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from namazu.context import forward_context
+from namazu.cpu_threads import apply_threads
 from namazu.distributed.decisions import share_decision, share_device_proposal
 from namazu.engine_config import EngineConfig
 from namazu.kernels.backends import resolve_moe_runtime
@@ -29,6 +32,7 @@ from namazu.nosync import no_host_sync
 from namazu.spec.proposer import DraftBuffer, Proposer, ProposerInput
 from namazu.spec.verify import verify_deterministic, verify_stochastic
 from namazu.step_batch import StepBatch, StepResult, pack, unpack
+from namazu.step_graphs import StepGraphs
 from namazu.worker_seqs import PreparedStep, WorkerSeqTable
 
 logger = logging.getLogger(__name__)
@@ -42,12 +46,29 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@dataclass
+class StepTiming:
+    """One step on the worker (perf_counter seconds): arrival, host preparation done, the one host read
+    done, end; `device_s` is the device time of the compute span (CUDA events; None on CPU)."""
+
+    arrive: float
+    prepared: float
+    computed: float
+    end: float
+    num_tokens: int
+    graph: bool
+    device_s: float | None = None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str | Path, rank: int = 0, world_size: int = 1,
                  proposer: Proposer | None = None):
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(config.device)
+        self.threads = apply_threads(config.threads, separate_engine_process=config.executor == "mp")
+        logger.info("rank %d: %d CPU thread(s)%s", rank, self.threads,
+                    "" if config.threads is not None else " (default: cores not busy elsewhere; --threads sets it)")
         # Resolved once, handed to the model's expert modules; "auto" leaves NAMAZU_MOE_BACKEND and
         # NAMAZU_NVFP4_MODE in charge.
         moe_runtime = resolve_moe_runtime(self.device, config.moe_backend, config.nvfp4_mode)
@@ -70,6 +91,10 @@ class ModelRunner:
         self.num_speculative_tokens = config.num_speculative_tokens if proposer is not None else 0
         self.drafts = DraftBuffer(self.num_speculative_tokens, self.model_config.vocab_size, self.device)
         self.seqs = WorkerSeqTable()
+        # Per-step timestamps for bench/step_profile.py: a list turns recording on (None: off, free).
+        self.profile: list[StepTiming] | None = None
+        self.graphs: StepGraphs | None = None
+        self.graph_mode = not config.enforce_eager if config.enforce_eager is not None else self.device.type == "cuda"
 
     def plan_kv_blocks(self) -> int:
         """How many KV blocks this rank could hold; the engine allocates the minimum over ranks."""
@@ -80,6 +105,43 @@ class ModelRunner:
         self.cache = PagedLatentCache(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
         logger.info("rank %d: KV cache %d blocks x %d tokens (%.1f MiB) on %s", self.rank, num_blocks,
                     self.block_size, self.cache.nbytes / 2**20, self.device)
+        if self.graph_mode:
+            self._build_graphs()
+        else:
+            logger.info("rank %d: eager mode (%s)", self.rank, "--enforce-eager" if self.config.enforce_eager
+                        else "the default on CPU; --no-enforce-eager compiles decode and verify steps")
+
+    def _build_graphs(self) -> None:
+        cfg = self.model_config
+        longest = cfg.max_position_embeddings + self.num_speculative_tokens
+        want_hidden = self.proposer.hidden_layers if self.proposer is not None and self.proposer.on_device else ()
+        # NAMAZU_GRAPH_BACKEND: torch.compile backend on CPU (tests use "eager": the same fullgraph trace over
+        # the same buffers, without inductor's minutes of code generation).
+        self.graphs = StepGraphs(self.model, self.cache, self.device, self.config.max_num_seqs,
+                                 self.num_speculative_tokens, min(self.num_blocks, -(-longest // self.block_size)),
+                                 want_hidden, backend=os.environ.get("NAMAZU_GRAPH_BACKEND", "inductor"))
+        seconds = self.graphs.warm_up(progress=self.rank == 0)
+        what = "CUDA graphs captured" if self.graphs.use_cuda_graphs else f"forwards compiled ({self.graphs.backend})"
+        mem = f", graph memory {self.graphs.graph_bytes / 2**20:.1f} MiB" if self.graphs.use_cuda_graphs else ""
+        logger.info("rank %d: graph mode: %s for batch sizes %s x query tokens %s in %.1f s%s", self.rank, what,
+                    self.graphs.batches, self.graphs.tqs, seconds, mem)
+
+    def _graph_layout(self, b: StepBatch, prep: PreparedStep):
+        """(entry, padded row of each flat token) when this step runs as a graph, else None: every
+        sequence decodes or verifies (one known token, at most K drafts), no prompt logprobs."""
+        g, sq = self.graphs, b.seqs
+        if g is None or len(sq.seq_ids) == 0 or (b.prompt_lp.num >= 0 and len(b.prompt_lp.rows)):
+            return None
+        if not (np.all(sq.num_new == 1) and np.all(sq.samples)) or int(sq.num_drafts.max()) > g.k:
+            return None
+        n_per = sq.num_new + sq.num_drafts
+        e = g.entry_for(len(sq.seq_ids), int(n_per.max()))
+        if e is None or b.attn.block_tables.shape[1] > g.max_width:
+            return None
+        starts = np.cumsum(n_per) - n_per
+        seq_of = np.repeat(np.arange(len(n_per)), n_per)
+        pad_index = seq_of * e.tq + (np.arange(len(seq_of)) - starts[seq_of])
+        return e, pad_index
 
     def _plan_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -166,6 +228,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, b: StepBatch) -> StepResult:
+        t_arrive = time.perf_counter()
         freed = [self.seqs.seqs[sid].slot for sid in b.finished_seq_ids if sid in self.seqs.seqs]
         for slot in freed:
             self.drafts.forget(slot)
@@ -180,19 +243,37 @@ class ModelRunner:
         plp_rows, plp_targets = T(b.prompt_lp.rows), T(b.prompt_lp.targets)
         draft_flat, draft_src = T(prep.draft_flat), T(prep.draft_src)
         want_hidden = self.proposer.hidden_layers if self.proposer is not None and self.proposer.on_device else ()
+        layout = self._graph_layout(b, prep)
+        if layout is not None:
+            entry, pad_index = layout
+            width = self.graphs.load(entry, pad_index, a.input_ids, a.positions, prep.slot_mapping, a.block_tables)
+            pad = T(pad_index)
         t0 = time.perf_counter()
+        events = None
+        if self.profile is not None and self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         values: dict[str, torch.Tensor] = {}
         with no_host_sync(self.config.debug_no_host_sync):
             st = self._sampling_tensors(b, prep)
             k = b.spec.max_drafts
-            if len(prep.draft_flat):
-                # Verify inputs: the drafts proposed last step, read from the device buffer.
-                input_ids = input_ids.index_put((draft_flat,), self.drafts.ids.view(-1)[draft_src])
-            with forward_context(PagedAttentionContext(self.cache, meta)):
-                hidden, captured = self.model(input_ids, positions, capture_layers=want_hidden)
+            drafts_in = self.drafts.ids.view(-1)[draft_src] if len(prep.draft_flat) else None
+            if layout is not None:
+                # Graph mode: the entry's buffers hold the step (padded rows); drafts go in place.
+                if drafts_in is not None:
+                    entry.input_ids.index_put_((pad[draft_flat],), drafts_in)
+                all_logits, hidden, captured = self.graphs.launch(entry, width)
+                input_ids, logit_rows = entry.input_ids, pad[logit_rows]
+            else:
+                if drafts_in is not None:
+                    # Verify inputs: the drafts proposed last step, read from the device buffer.
+                    input_ids = input_ids.index_put((draft_flat,), drafts_in)
+                with forward_context(PagedAttentionContext(self.cache, meta)):
+                    hidden, captured = self.model(input_ids, positions, capture_layers=want_hidden)
             tokens = accepted = None
             if len(a.logit_rows):
-                logits = self.model.compute_logits(hidden[logit_rows])           # [R, V] fp32
+                logits = all_logits[logit_rows] if layout is not None else \
+                    self.model.compute_logits(hidden[logit_rows])                 # [R, V] fp32
                 processed = process_logits(logits, st)
                 target = sample_from_processed(processed, st)[row_layout]         # [S, K+1]
                 if k == 0:
@@ -232,13 +313,20 @@ class ModelRunner:
             flat_i, flat_f = pack(b, values, torch.cat, torch.zeros(0, dtype=torch.long, device=self.device),
                                   torch.zeros(0, device=self.device))
             flat_f = flat_f.float()
+        if events is not None:
+            events[1].record()
         # The step's one host read.
         result = unpack(b, flat_i.cpu().numpy(), flat_f.cpu().numpy())
+        t_computed = time.perf_counter()
         if result.tokens is not None:
             self.seqs.record(b, prep, result.tokens, result.accepted)
             self._propose(b, prep, result, hidden, captured, row_layout, tokens, accepted)
+        t_end = time.perf_counter()
+        if self.profile is not None:
+            self.profile.append(StepTiming(t_arrive, t0, t_computed, t_end, b.num_tokens, layout is not None,
+                                           events[0].elapsed_time(events[1]) / 1e3 if events else None))
         logger.debug("step: %d tokens, %d sampled rows, %.1f ms", b.num_tokens, len(a.logit_rows),
-                     1e3 * (time.perf_counter() - t0))
+                     1e3 * (t_end - t0))
         return result
 
     def _proposer_input(self, b: StepBatch, hidden: torch.Tensor | None, captured: dict[int, torch.Tensor],

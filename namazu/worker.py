@@ -86,6 +86,13 @@ class Worker:
         return {"rank": self.rank, "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
                 "kv_cache_bytes": cache.nbytes if cache is not None else 0, "rss_bytes": rss}
 
+    def start_profile(self) -> None:
+        self.runner.profile = []
+
+    def stop_profile(self) -> list:
+        steps, self.runner.profile = self.runner.profile or [], None
+        return steps
+
 
 class WorkerError(RuntimeError):
     """A worker failed; the message names the rank and carries its traceback."""
@@ -124,6 +131,13 @@ class Executor:
     def check_health(self) -> None:
         """Raises WorkerError when a rank is dead or hung."""
 
+    def start_profile(self) -> None:
+        """Rank 0 records every step's timestamps (model_runner.StepTiming) until `stop_profile`."""
+        raise NotImplementedError
+
+    def stop_profile(self) -> list:
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -161,6 +175,12 @@ class InlineExecutor(Executor):
 
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         return [fn(self.worker, *args)]
+
+    def start_profile(self) -> None:
+        self.worker.start_profile()
+
+    def stop_profile(self) -> list:
+        return self.worker.stop_profile()
 
 
 def _worker_main(conn: Connection | None, config: EngineConfig, model_path: str, env: RankEnv, log_level: int,
@@ -395,6 +415,14 @@ class MultiprocExecutor(Executor):
         answers in rank order."""
         self._send("rpc", fn, *args)
         return self._wait_all()
+
+    def start_profile(self) -> None:
+        self._send("start_profile")
+        self._wait_all()
+
+    def stop_profile(self) -> list:
+        self._send("stop_profile")
+        return self._wait_all()[0]
 
     @property
     def pids(self) -> list[int]:

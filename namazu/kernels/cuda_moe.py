@@ -5,6 +5,8 @@ the epilogue, then down scaled by the router weights; torch sums each token's k 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from namazu.kernels.moe_dispatch import block_dispatch
@@ -25,25 +27,27 @@ def load_extension() -> None:
 
 
 def cuda_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   w: NVFP4MoEWeights) -> torch.Tensor:
+                   w: NVFP4MoEWeights, gemm: Callable | None = None) -> torch.Tensor:
+    """`gemm(a, sorted_pairs, block_expert, total_rows, w_packed, w_scale, w_gs, topk_weights, out, num_pairs,
+    top_k, gate_up)` launches one grouped GEMM: the torch extension's op by default, or the cubin loaded
+    through cuda-python (kernels/cubin_loader.py, `cubin_moe_nvfp4`)."""
     if w.a13_scale is not None:
         raise ValueError("the CUDA NVFP4 kernel is weight-only (W4A16); W4A4 emulation runs on torch or cpp")
     if w.hidden_size % K_ALIGN or w.intermediate_size % K_ALIGN:
         raise ValueError(f"the CUDA NVFP4 kernel needs hidden ({w.hidden_size}) and intermediate "
                          f"({w.intermediate_size}) sizes divisible by {K_ALIGN}")
-    load_extension()
+    if gemm is None:
+        load_extension()
+        gemm = torch.ops.namazu.nvfp4_grouped_gemm_cuda
     n, hidden = x.shape
     top_k = topk_ids.shape[1]
     xb = x.to(torch.bfloat16).contiguous()
     bd = block_dispatch(topk_ids, w.num_experts, BLOCK_M)
     inter = _empty((bd.max_rows, w.intermediate_size), torch.bfloat16, x.device)
-    ops = torch.ops.namazu
-    ops.nvfp4_grouped_gemm_cuda(xb, bd.sorted_pairs, bd.block_expert, bd.total_rows, w.w13_packed.contiguous(),
-                                w.w13_scale.contiguous(), w.w13_gs.float().contiguous(), None, inter,
-                                bd.num_pairs, top_k, True)
+    gemm(xb, bd.sorted_pairs, bd.block_expert, bd.total_rows, w.w13_packed.contiguous(), w.w13_scale.contiguous(),
+         w.w13_gs.float().contiguous(), None, inter, bd.num_pairs, top_k, True)
     pair_out = _empty((n * top_k, hidden), torch.float32, x.device)
     tw = topk_weights.reshape(-1).float().contiguous()
-    ops.nvfp4_grouped_gemm_cuda(inter, bd.sorted_pairs, bd.block_expert, bd.total_rows, w.w2_packed.contiguous(),
-                                w.w2_scale.contiguous(), w.w2_gs.float().contiguous(), tw, pair_out,
-                                bd.num_pairs, top_k, False)
+    gemm(inter, bd.sorted_pairs, bd.block_expert, bd.total_rows, w.w2_packed.contiguous(), w.w2_scale.contiguous(),
+         w.w2_gs.float().contiguous(), tw, pair_out, bd.num_pairs, top_k, False)
     return pair_out.view(n, top_k, hidden).sum(1).to(x.dtype)

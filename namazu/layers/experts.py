@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from namazu.kernels import graph_ops  # noqa: F401  (registers torch.ops.namazu.moe_grouped_mm)
 from namazu.kernels.moe_types import PROJS, MoERuntime, sort_by_expert
 from namazu.layers.weight_loading import Loaded, TPShard, load_shard
 
@@ -145,18 +146,9 @@ class TorchExperts(RoutedExperts):
     @torch.no_grad()
     def _forward_grouped_mm(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Inference: pairs sorted by expert, one grouped GEMM per projection driven by device-side offsets
-        (each expert's weights read once, static shapes, no host sync)."""
-        n, k = topk_ids.shape
-        order, _, offsets = sort_by_expert(topk_ids, self.num_experts)
-        offs = offsets[1:].to(torch.int32)
-        xs = x[order // k]
-        gate, up = F.grouped_mm(xs, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        out_sorted = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
-        # Un-permute by scatter (deterministic, unlike index_add_ on GPU), then the weighted top-k sum.
-        out_pairs = torch.empty_like(out_sorted)
-        out_pairs[order] = out_sorted
-        w = topk_weights.to(torch.float32).unsqueeze(-1)
-        return (out_pairs.view(n, k, -1).float() * w).sum(1).to(x.dtype)
+        (each expert's weights read once, static shapes, no host sync). A custom op (kernels/graph_ops.py),
+        so graph mode traces through it."""
+        return torch.ops.namazu.moe_grouped_mm(x, topk_ids, topk_weights, self.w13, self.w2)
 
     @torch.no_grad()
     def _forward_gathered(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

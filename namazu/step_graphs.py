@@ -1,0 +1,211 @@
+"""Graph-mode steps: the decode / verify forward over persistent static-shape buffers, compiled with
+torch.compile (inductor) on CPU or captured as a CUDA graph on GPU, one per ladder entry.
+
+A step is graph-eligible when every scheduled sequence computes one known token plus at most K drafts
+(decode and verify steps; prefill chunks stay eager). Its tokens are laid out again, sequence b owning
+the flat rows [b * Tq, (b + 1) * Tq) of a ladder entry (Bp sequences, Tq = 1 or 1 + K query tokens
+each), so the attention layout (q_index, out_index) is a constant of the entry and only token ids,
+positions, cache slots, query positions and the block table change per step. These are written into
+the entry's buffers (never reallocated); the block table is a prefix of the entry's table of the
+largest width, cut at a ladder of widths (powers of two blocks).
+
+Padding: a padded token has query position -1 (it sees no key, so its attention is finite and
+unused), position 0, and writes its latent to a scratch slot outside the blocks the engine hands out
+(`PagedLatentCache.scratch_slot`), so it never touches a sequence's cache. Padded rows are computed and
+dropped; the rows the step samples are gathered from the real ones.
+
+On CPU each entry is one torch.compile of the forward (plus the logits of every row); the block-table
+width is a dynamic dimension there (it reaches only the paged-attention custom op, whose shape function
+does not depend on it), so an entry compiles once. On GPU an entry is captured per (Bp, width) with
+torch.cuda.graph over the same buffers and replayed with no host synchronisation; a step outside the
+ladder runs eagerly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from namazu.context import forward_context
+from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache
+
+logger = logging.getLogger(__name__)
+
+
+def batch_ladder(max_num_seqs: int) -> list[int]:
+    """Sequence counts with a graph: powers of two below max_num_seqs, and max_num_seqs itself."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return out + [max_num_seqs]
+
+
+def width_for(blocks: int, max_width: int) -> int:
+    """The ladder width (a power of two, at least 2, at most max_width) holding `blocks` blocks."""
+    w = 2
+    while w < blocks:
+        w *= 2
+    return min(w, max_width)
+
+
+class _Entry:
+    """Persistent buffers of one (Bp, Tq) ladder entry and its compiled or captured forward."""
+
+    def __init__(self, bp: int, tq: int, max_width: int, cache: PagedLatentCache, device: torch.device):
+        n = bp * tq
+        self.bp, self.tq = bp, tq
+        i64 = {"dtype": torch.long, "device": device}
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.slot_mapping = torch.full((n,), cache.scratch_slot, **i64)
+        self.block_tables = torch.zeros(bp, max_width, **i64)
+        self.q_pos = torch.full((bp, tq), -1, **i64)
+        self.q_index = torch.arange(n, **i64).view(bp, tq)
+        self.out_index = torch.arange(n, **i64)
+        self.cache = cache
+        self.compiled: Callable | None = None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}   # width -> (graph, outputs)
+
+    def context(self, width: int) -> PagedAttentionContext:
+        meta = PagedAttentionMetadata(slot_mapping=self.slot_mapping, block_tables=self.block_tables[:, :width],
+                                      q_index=self.q_index, q_pos=self.q_pos, out_index=self.out_index)
+        return PagedAttentionContext(self.cache, meta)
+
+
+class StepGraphs:
+    """The ladder of graph-mode forwards of one model runner."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedLatentCache, device: torch.device,
+                 max_num_seqs: int, num_speculative_tokens: int, max_blocks_per_seq: int,
+                 capture_layers: Sequence[int] = (), backend: str = "inductor"):
+        self.model, self.cache, self.device = model, cache, device
+        self.capture_layers = tuple(capture_layers)
+        self.k = num_speculative_tokens
+        self.max_width = max(2, max_blocks_per_seq)
+        self.batches = batch_ladder(max_num_seqs)
+        self.tqs = [1] + ([1 + self.k] if self.k else [])
+        self.backend = backend
+        self.use_cuda_graphs = device.type == "cuda"
+        self.entries = {(bp, tq): _Entry(bp, tq, self.max_width, cache, device)
+                        for tq in self.tqs for bp in self.batches}
+        self.graph_bytes = 0
+
+    # -- the forward an entry compiles or captures ---------------------------------------------------
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        hidden, captured = self.model(input_ids, positions, capture_layers=self.capture_layers)
+        return self.model.compute_logits(hidden), hidden, captured
+
+    def entry_for(self, num_seqs: int, tq: int) -> _Entry | None:
+        tq = 1 if tq == 1 else 1 + self.k
+        for bp in self.batches:
+            if bp >= num_seqs:
+                return self.entries.get((bp, tq))
+        return None
+
+    # -- start-up --------------------------------------------------------------------------------------
+    @torch.inference_mode()   # as the runner's steps: the compiled code is guarded on the grad mode
+    def warm_up(self, progress: bool = True) -> float:
+        """Compiles (CPU) or captures (GPU) every entry; returns the seconds it took."""
+        from tqdm.auto import tqdm
+
+        t0 = time.perf_counter()
+        if not self.use_cuda_graphs:
+            import torch._dynamo
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                        4 * len(self.entries))
+        todo = list(self.entries.values())
+        widths = self._widths() if self.use_cuda_graphs else [2]
+        bar = tqdm(total=len(todo) * len(widths), desc="graph mode: " + ("capturing CUDA graphs" if
+                   self.use_cuda_graphs else "compiling forwards"), disable=not progress)
+        free_before = torch.cuda.mem_get_info(self.device)[0] if self.use_cuda_graphs else 0
+        for e in todo:
+            for w in widths:
+                if self.use_cuda_graphs:
+                    self._capture(e, w)
+                else:
+                    self._compile(e)
+                bar.update(1)
+        bar.close()
+        if self.use_cuda_graphs:
+            torch.cuda.synchronize(self.device)
+            self.graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        return time.perf_counter() - t0
+
+    def _widths(self) -> list[int]:
+        out, w = [], 2
+        while w < self.max_width:
+            out.append(w)
+            w *= 2
+        return out + [self.max_width]
+
+    def _compile(self, e: _Entry) -> None:
+        e.compiled = torch.compile(self._forward, backend=self.backend, dynamic=False, fullgraph=True)
+        self._run_compiled(e, 2)   # the first call compiles; padding rows only, nothing is written
+
+    def _run_compiled(self, e: _Entry, width: int):
+        ctx = e.context(width)
+        torch._dynamo.mark_dynamic(ctx.meta.block_tables, 1, min=2, max=max(3, self.max_width))
+        # torch.compile does not run under a dispatch mode, which is how --debug-no-host-sync watches
+        # eager ops; the compiled forward needs no watching: it was traced with fullgraph=True, which
+        # refuses every host read (item, data-dependent shapes) inside it instead of breaking the graph.
+        with _disable_current_modes(), forward_context(ctx):
+            return e.compiled(e.input_ids, e.positions)
+
+    def _capture(self, e: _Entry, width: int) -> None:
+        # Warm-up on a side stream first (lazy initialisations must not happen inside the capture).
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), forward_context(e.context(width)):
+            for _ in range(2):
+                self._forward(e.input_ids, e.positions)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), forward_context(e.context(width)):
+            outputs = self._forward(e.input_ids, e.positions)
+        e.graphs[width] = (graph, outputs)
+
+    # -- a step ---------------------------------------------------------------------------------------
+    def load(self, e: _Entry, pad_index: np.ndarray, input_ids: np.ndarray, positions: np.ndarray,
+             slot_mapping: np.ndarray, block_tables: np.ndarray) -> int:
+        """Writes a step into the entry's buffers; returns the block-table width to launch with.
+        `pad_index[f]` is the padded row of flat token f; the other arrays are the batch's (flat
+        tokens, [B, M] block tables)."""
+        if block_tables.shape[1] > self.max_width:
+            raise AssertionError(f"block table of {block_tables.shape[1]} blocks; the graph ladder holds "
+                                 f"{self.max_width}")
+        n, b = e.bp * e.tq, block_tables.shape[0]
+        ids = np.zeros(n, dtype=np.int64)
+        ids[pad_index] = input_ids
+        pos = np.zeros(n, dtype=np.int64)
+        pos[pad_index] = positions
+        slots = np.full(n, self.cache.scratch_slot, dtype=np.int64)
+        slots[pad_index] = slot_mapping
+        q_pos = np.full(n, -1, dtype=np.int64)
+        q_pos[pad_index] = positions
+        width = width_for(block_tables.shape[1], self.max_width)
+        table = np.zeros((e.bp, width), dtype=np.int64)
+        table[:b, :block_tables.shape[1]] = block_tables
+        _write(e.input_ids, ids)
+        _write(e.positions, pos)
+        _write(e.slot_mapping, slots)
+        _write(e.q_pos.view(-1), q_pos)
+        _write(e.block_tables[:, :width], table)
+        return width
+
+    def launch(self, e: _Entry, width: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """Runs the entry's forward over its buffers: (logits [Bp * Tq, V] fp32, final hidden, captured)."""
+        if self.use_cuda_graphs:
+            graph, outputs = e.graphs[width]
+            graph.replay()
+            return outputs
+        return self._run_compiled(e, width)
+
+
+def _write(buf: torch.Tensor, host: np.ndarray) -> None:
+    buf.copy_(torch.from_numpy(host), non_blocking=True)
