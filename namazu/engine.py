@@ -28,6 +28,7 @@ from namazu.sampling_params import SamplingParams
 from namazu.scheduler.block_manager import BlockManager
 from namazu.scheduler.scheduler import ScheduledSeq, Scheduler
 from namazu.scheduler.sequence import Sequence, SequenceStatus
+from namazu.spec.dflash_proposer import make_dflash_proposer
 from namazu.spec.drafters import NgramProposer
 from namazu.spec.proposer import Proposer
 from namazu.step_batch import StepResult
@@ -76,6 +77,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
         if drafter is None and config.speculative_method == "ngram":
             drafter = NgramProposer(config.ngram_max, config.ngram_min)
+        if drafter is None and config.speculative_model is not None and config.num_speculative_tokens > 0:
+            drafter = make_dflash_proposer(config.speculative_model, self.model_config)
         self.drafter = drafter
         self.num_speculative_tokens = config.num_speculative_tokens if drafter is not None else 0
         if drafter is not None and self.num_speculative_tokens == 0:
