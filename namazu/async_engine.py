@@ -11,6 +11,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from namazu.config import ModelConfig
@@ -18,6 +19,7 @@ from namazu.engine import EngineStats, LLMEngine
 from namazu.engine_config import EngineConfig
 from namazu.outputs import RequestOutput
 from namazu.sampling_params import SamplingParams
+from namazu.spec.capture import CaptureWriter, record_from_output
 from namazu.spec.proposer import Proposer
 from namazu.tokenizer import Tokenizer
 
@@ -34,6 +36,8 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig | None = None, drafter: Proposer | None = None):
         self.engine = LLMEngine(config, drafter)
+        cfg = self.engine.config
+        self.capture = CaptureWriter(cfg.capture_dir, cfg.capture_shard_bytes) if cfg.capture_dir else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -92,12 +96,17 @@ class AsyncEngine:
         self._inbox.put(("add", (request_id, prompt, params, ids, priority)))
         self._wake.set()
         finished = False
+        arrival, first_token = time.time(), None
         try:
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if first_token is None and any(c.token_ids for c in item.outputs):
+                    first_token = time.time()
+                if finished and self.capture is not None:
+                    self.capture.write(record_from_output(item, params, arrival, first_token, self.model_name))
                 yield item
                 if finished:
                     return
@@ -154,5 +163,7 @@ class AsyncEngine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
         self.engine.close()
+        if self.capture is not None:
+            self.capture.close()
 
     close = shutdown

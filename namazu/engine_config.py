@@ -85,6 +85,10 @@ class EngineConfig:
     num_speculative_tokens: int = _f(0, "draft tokens scored per sequence per verify step (0: speculation off)")
     ngram_max: int = _f(4, "longest n-gram the ngram drafter matches")
     ngram_min: int = _f(1, "shortest n-gram the ngram drafter matches")
+    capture_dir: str | None = _f(None, "append every finished request's prompt and output token ids, "
+                                       "sampling settings and timings to sharded files in DIR (for "
+                                       "training the drafter; off by default)", metavar="DIR")
+    capture_shard_bytes: str = _f("64MiB", "size at which a capture shard rotates", metavar="SIZE")
     # -- processes -------------------------------------------------------------------------------------
     tensor_parallel_size: int = _f(1, "model-runner ranks (only 1 in this version)", aliases=("--tp",))
     executor: str = _f("mp", "mp = model runner in its own worker process; inline = in the engine's "
@@ -125,6 +129,11 @@ class EngineConfig:
             bad("num_speculative_tokens", "must be >= 0")
         if self.speculative_method is not None and self.num_speculative_tokens == 0:
             bad("num_speculative_tokens", f"must be > 0 with --speculative-method {self.speculative_method}")
+        try:
+            if parse_bytes(self.capture_shard_bytes) < 1024:
+                bad("capture_shard_bytes", "must be at least 1KiB")
+        except ValueError as e:
+            bad("capture_shard_bytes", str(e))
         if self.speculative_method is not None and self.speculative_model is not None:
             bad("speculative_model", f"and --speculative-method {self.speculative_method} both name a drafter")
         if not 1 <= self.ngram_min <= self.ngram_max:
