@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -63,6 +63,10 @@ class EngineStats:
     num_generated_tokens: int
     num_draft_tokens: int
     num_accepted_draft_tokens: int
+    # Speculation: verify steps per acceptance length (index i: i + 1 tokens emitted, drafts accepted + the
+    # bonus), and the worker's wall time in the drafter.
+    acceptance_length_histogram: list[int] = field(default_factory=list)
+    drafter_seconds: float = 0.0
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -104,6 +108,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._num_steps = self._prompt_tokens = self._drafted = self._accepted = 0
+        self._accept_hist = [0] * (self.num_speculative_tokens + 1)
+        self._drafter_seconds = 0.0
         info = self.worker_info
         logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s%s",
                     self.model_path, self.num_kv_blocks, config.block_size, self.max_model_len, info.device,
@@ -220,6 +226,7 @@ class LLMEngine:
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
         result = self.executor.collect()
+        self._drafter_seconds += result.drafter_seconds
         touched: dict[str, RequestState] = {}
         if launched.prompt_lp_items:
             self._take_prompt_logprobs(result, launched.num_prompt_logprobs, launched.prompt_lp_items)
@@ -260,6 +267,8 @@ class LLMEngine:
         accepted, k = int(result.accepted[s]), item.num_drafts
         self._drafted += int(result.num_drafts[s])
         self._accepted += accepted
+        if result.num_drafts[s]:
+            self._accept_hist[accepted] += 1
         seq.num_pending -= k + 1
         if running:
             seq.num_computed_tokens -= k - accepted
@@ -305,7 +314,8 @@ class LLMEngine:
             kv_cache_usage=bm.usage, prefix_cache_hit_rate=bm.prefix_hit_rate, num_kv_blocks=bm.num_blocks,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._num_steps,
             num_prompt_tokens=self._prompt_tokens, num_generated_tokens=self.outputs.num_generated_tokens,
-            num_draft_tokens=self._drafted, num_accepted_draft_tokens=self._accepted)
+            num_draft_tokens=self._drafted, num_accepted_draft_tokens=self._accepted,
+            acceptance_length_histogram=list(self._accept_hist), drafter_seconds=self._drafter_seconds)
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()

@@ -182,6 +182,7 @@ class ModelRunner:
         draft_flat, draft_src = T(prep.draft_flat), T(prep.draft_src)
         want_hidden = self.proposer.hidden_layers if self.proposer is not None and self.proposer.on_device else ()
         t0 = time.perf_counter()
+        drafter_t0 = getattr(self.proposer, "draft_seconds", 0.0)
         values: dict[str, torch.Tensor] = {}
         with no_host_sync(self.config.debug_no_host_sync):
             st = self._sampling_tensors(b, prep)
@@ -243,6 +244,7 @@ class ModelRunner:
         if result.tokens is not None:
             self.seqs.record(b, prep, result.tokens, result.accepted)
             self._propose(b, prep, result, hidden, captured, row_layout, tokens, accepted)
+        result.drafter_seconds = getattr(self.proposer, "draft_seconds", 0.0) - drafter_t0
         logger.debug("step: %d tokens, %d sampled rows, %.1f ms", b.num_tokens, len(a.logit_rows),
                      1e3 * (time.perf_counter() - t0))
         return result

@@ -131,6 +131,9 @@ def test_greedy_output_identical_to_no_speculation(engine_kw):
     got, stats = run(ps, params, make_proposer(), debug_no_host_sync=True, **engine_kw)
     assert got == base
     assert stats.num_draft_tokens > 0
+    hist = stats.acceptance_length_histogram      # index i: i drafts accepted in one verify step
+    assert len(hist) == K + 1 and sum(i * n for i, n in enumerate(hist)) == stats.num_accepted_draft_tokens
+    assert sum(hist) * K >= stats.num_draft_tokens > 0 and stats.drafter_seconds > 0
     if "num_kv_blocks" in engine_kw:
         assert stats.num_preemptions > 0
 
@@ -187,3 +190,17 @@ def test_sampling_distribution_equals_the_targets(sample_drafts):
     exp = np.append(expected[big], expected[~big].sum())
     chi2 = float(((obs - exp) ** 2 / exp).sum())
     assert chi2 < _chi2_critical(len(obs) - 1), f"chi2 {chi2:.1f} over {len(obs) - 1} dof"
+
+
+def test_metrics_export_speculation():
+    from server.metrics import ServerMetrics
+
+    stats = {"acceptance_length_histogram": [3, 1, 0, 2], "num_draft_tokens": 18, "num_accepted_draft_tokens": 7,
+             "num_steps": 4, "drafter_seconds": 0.2}
+    text = ServerMetrics(lambda: stats).render().decode()
+    assert 'namazu_spec_acceptance_length_bucket{le="1.0"} 3.0' in text
+    assert 'namazu_spec_acceptance_length_bucket{le="2.0"} 4.0' in text
+    assert 'namazu_spec_acceptance_length_bucket{le="+Inf"} 6.0' in text
+    assert "namazu_spec_acceptance_length_sum 13.0" in text       # 3*1 + 1*2 + 2*4
+    assert "namazu_spec_draft_acceptance_rate 0.3888" in text
+    assert "namazu_spec_drafter_seconds_per_step 0.05" in text
