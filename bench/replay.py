@@ -1,0 +1,173 @@
+"""Replay A/B: captured requests through two server setups, side by side.
+
+    python -m bench.replay --a "" --b "--speculative-model DIR --num-speculative-tokens 4" \
+        --requests build/drafter/capture-heldout [--limit 200] [--concurrency 1] [--temperature 0] \
+        [--plot bench/replay.png] [--write NAME]
+
+Each setup is a string of server flags (empty: the defaults). Every captured request is replayed with its
+own prompt token ids and sampling settings (`--temperature` overrides the temperature of all), through
+/v1/completions, streamed; per setup: mean acceptance length and its histogram (from the server's
+/metrics), draft acceptance rate, drafter time per step, output tokens/s over the replay's wall time,
+TTFT and end-to-end p50/p99. `--write NAME` adds the table to bench/RESULTS.md under that name.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from namazu.spec.capture import read_records
+from namazu.spec.traffic import ReplayResult, ServerProcess, _post_stream
+
+REPLAY_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "stop", "ignore_eos", "min_tokens")
+
+
+def captured_requests(sources: list[str], limit: int, temperature: float | None) -> list[dict]:
+    out = []
+    for rec in read_records(sources):
+        body = {k: v for k, v in rec.sampling.items() if k in REPLAY_KEYS and v is not None}
+        body["max_tokens"] = max(len(o) for o in rec.output_token_ids) or 1
+        if temperature is not None:
+            body["temperature"] = temperature
+        out.append({"prompt": rec.prompt_token_ids, **body})
+        if len(out) == limit:
+            break
+    return out
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} ([0-9.eE+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def acceptance_histogram(metrics: str) -> list[int]:
+    """Verify steps per acceptance length 1, 2, ... from the cumulative Prometheus buckets."""
+    cum = [(float(le), float(v)) for le, v in
+           re.findall(r'^namazu_spec_acceptance_length_bucket\{le="([0-9.]+)"\} ([0-9.eE+]+)$', metrics, re.M)]
+    cum.sort()
+    counts, prev = [], 0.0
+    for _, v in cum:
+        counts.append(int(v - prev))
+        prev = v
+    return counts
+
+
+def run_setup(name: str, flags: str, requests: list[dict], concurrency: int, log_dir: Path) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ServerProcess(flags.split(), log_dir / f"server-{name}.log") as server:
+        url = server.url + "/v1/completions"
+
+        def one(body: dict) -> ReplayResult:
+            return _post_stream(url, {**body, "stream": True, "stream_options": {"include_usage": True}}, 600)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(one, requests))
+        wall = time.perf_counter() - t0
+        metrics = server.metrics()
+    ok = [r for r in results if r.ok]
+    hist = acceptance_histogram(metrics)
+    steps = sum(hist)
+    tokens = sum(r.completion_tokens for r in ok)
+    out = {
+        "name": name, "flags": flags, "requests": len(results), "failed": len(results) - len(ok),
+        "completion_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,
+        "ttft_p50_ms": 1e3 * float(np.percentile([r.ttft for r in ok], 50)) if ok else 0.0,
+        "ttft_p99_ms": 1e3 * float(np.percentile([r.ttft for r in ok], 99)) if ok else 0.0,
+        "e2e_p50_ms": 1e3 * float(np.percentile([r.e2e for r in ok], 50)) if ok else 0.0,
+        "e2e_p99_ms": 1e3 * float(np.percentile([r.e2e for r in ok], 99)) if ok else 0.0,
+        "acceptance_histogram": hist,
+        "mean_acceptance_length": sum((i + 1) * n for i, n in enumerate(hist)) / steps if steps else None,
+        "draft_acceptance_rate": _metric(metrics, "namazu_spec_draft_acceptance_rate"),
+        "drafter_ms_per_step": 1e3 * _metric(metrics, "namazu_spec_drafter_seconds_per_step"),
+    }
+    if out["failed"]:
+        out["first_error"] = next(r.error for r in results if not r.ok)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    def f(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
+    lines = ["| setup | requests | mean acceptance length | acceptance histogram (1, 2, ...) | draft acceptance "
+             "| drafter ms/step | tok/s | TTFT p50 / p99 ms | e2e p50 / p99 ms |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['requests'] - r['failed']}/{r['requests']} | "
+                     f"{f(r['mean_acceptance_length'])} | {r['acceptance_histogram'] or '-'} | "
+                     f"{f(r['draft_acceptance_rate'], '{:.0%}')} | {f(r['drafter_ms_per_step'], '{:.1f}')} | "
+                     f"{r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+                     f"{r['e2e_p50_ms']:.0f} / {r['e2e_p99_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(rows)
+    for i, r in enumerate(rows):
+        h = np.asarray(r["acceptance_histogram"] or [0], dtype=float)
+        if h.sum():
+            ax1.bar(np.arange(1, len(h) + 1) + i * width, h / h.sum(), width, label=r["name"])
+    ax1.set_xlabel("acceptance length (tokens per verify step)")
+    ax1.set_ylabel("share of verify steps")
+    ax1.legend()
+    names = [r["name"] for r in rows]
+    ax2.bar(names, [r["tokens_per_s"] for r in rows], color=["C0", "C1", "C2", "C3"][:len(rows)])
+    ax2.set_ylabel("output tokens/s")
+    for i, r in enumerate(rows):
+        ax2.text(i, r["tokens_per_s"], f"e2e p50 {r['e2e_p50_ms']:.0f} ms", ha="center", va="bottom", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--a", required=True, help="server flags of setup A ('' = defaults)")
+    ap.add_argument("--b", required=True, help="server flags of setup B")
+    ap.add_argument("--a-name", default="A")
+    ap.add_argument("--b-name", default="B")
+    ap.add_argument("--requests", nargs="+", required=True, help="capture directories or shard files")
+    ap.add_argument("--limit", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight (1: batch-1 latency)")
+    ap.add_argument("--temperature", type=float, default=None, help="override every request's temperature")
+    ap.add_argument("--plot", default=None, help="PNG to write")
+    ap.add_argument("--json", default=None, help="write the raw numbers here")
+    args = ap.parse_args(argv)
+    reqs = captured_requests(args.requests, args.limit, args.temperature)
+    if not reqs:
+        print(f"no captured requests in {args.requests}", file=sys.stderr)
+        return 1
+    log_dir = Path(tempfile.mkdtemp(prefix="namazu-replay-"))
+    rows = [run_setup(args.a_name, args.a, reqs, args.concurrency, log_dir),
+            run_setup(args.b_name, args.b, reqs, args.concurrency, log_dir)]
+    temp = "own" if args.temperature is None else f"{args.temperature:g}"
+    print(f"{len(reqs)} captured requests, temperature {temp}, concurrency {args.concurrency} "
+          f"(server logs: {log_dir})")
+    print(table(rows))
+    a, b = rows
+    if a["tokens_per_s"] and b["tokens_per_s"]:
+        print(f"{args.b_name} / {args.a_name} tokens/s: {b['tokens_per_s'] / a['tokens_per_s']:.2f}x")
+    if args.plot:
+        plot(rows, args.plot)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"temperature": temp, "concurrency": args.concurrency,
+                                               "rows": rows}, indent=1) + "\n")
+    return 0 if not (a["failed"] or b["failed"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
