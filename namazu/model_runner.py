@@ -25,7 +25,7 @@ from namazu.layers.sampler import SamplingTensors, gather_logprobs, process_logi
 from namazu.models.loader import load_model
 from namazu.nosync import no_host_sync
 from namazu.spec.proposer import DraftBuffer, Proposer, ProposerInput
-from namazu.spec.verify import verify_deterministic, verify_stochastic
+from namazu.spec.verify import broadcast_decision, verify_deterministic, verify_stochastic
 from namazu.step_batch import StepBatch, StepResult, pack, unpack
 from namazu.worker_seqs import PreparedStep, WorkerSeqTable
 
@@ -215,6 +215,7 @@ class ModelRunner:
                         tokens, accepted = verify_stochastic(
                             processed[row_layout], target, draft_ids, q, num_drafts,
                             st.temperature[first] == 0, st.seeds[first], st.counters[row_layout])
+                tokens, accepted = broadcast_decision(tokens, accepted, self.world_size)
                 values.update(tokens=tokens, accepted=accepted, num_drafts=num_drafts)
                 if self.proposer is not None and self.proposer.on_device:
                     first = row_layout[:, 0]

@@ -65,3 +65,18 @@ def verify_stochastic(processed: torch.Tensor, target_tokens: torch.Tensor, draf
     first_k = torch.where(j < n.unsqueeze(-1), draft_ids, resampled)
     first_k = torch.where(j < num_drafts.unsqueeze(-1), first_k, target_tokens[:, :k])
     return torch.cat([first_k, target_tokens[:, k:]], dim=1), n
+
+
+def broadcast_decision(tokens: torch.Tensor, accepted: torch.Tensor, world_size: int, src: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One acceptance decision per step: rank `src` decides and every rank adopts its tokens and counts,
+    so ranks whose logits differ in the last bit (tensor-parallel reductions) never diverge, and the
+    drafter of every rank extends its context from the same verified tokens. With one rank it is the
+    identity; with more, a collective on the default process group (no host sync)."""
+    if world_size == 1:
+        return tokens, accepted
+    import torch.distributed as dist
+
+    dist.broadcast(tokens, src)
+    dist.broadcast(accepted, src)
+    return tokens, accepted
