@@ -67,7 +67,7 @@ drafter-model: $(STAMP)
 	rm -rf $(DRAFTER_BUILD)/capture-train $(DRAFTER_BUILD)/capture-heldout
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.spec.traffic --out $(DRAFTER_BUILD)/train_requests.jsonl -n 1500 --capture-dir $(DRAFTER_BUILD)/capture-train
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.spec.traffic --out $(DRAFTER_BUILD)/heldout_requests.jsonl -n 250 --split valid --seed 1 --capture-dir $(DRAFTER_BUILD)/capture-heldout
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.spec.train --data $(DRAFTER_BUILD)/capture-train --heldout $(DRAFTER_BUILD)/capture-heldout --out $(TINY_DIR)/drafter --steps 500 --time-budget 14
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.spec.train --data $(DRAFTER_BUILD)/capture-train --heldout $(DRAFTER_BUILD)/capture-heldout --out $(TINY_DIR)/drafter --steps 600 --time-budget 14 --snapshot-at 150 $(DRAFTER_BUILD)/raw-150
 
 # MoE kernel microbenchmark: every backend, BF16 and NVFP4, vs a roofline measured in the same run
 # (ARGS="--write" updates bench/RESULTS.md; on a GPU machine it runs the Kimi-K2 and namazu-tiny shapes).

@@ -86,7 +86,7 @@ class DFlashProposer:
         ctx = [(self.cache[li, 0][slots].transpose(1, 2), self.cache[li, 1][slots].transpose(1, 2))
                for li in range(self.cfg.num_layers)]
         h = self.model.forward_blocks(anchor, anchor_pos, ctx, visible, self.embed)[:, :k]
-        return anchor, anchor_pos, h, h @ self.lm_head.T
+        return anchor, anchor_pos, h, torch.nn.functional.linear(h, self.lm_head)
 
     def propose(self, inp: ProposerInput, k: int) -> Proposal:
         t0 = time.perf_counter()

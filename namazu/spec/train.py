@@ -187,8 +187,9 @@ def acceptance_length(drafter: DFlashDrafter, target: Target, examples: list[Exa
 
 # -- the run ---------------------------------------------------------------------------------------------
 def default_target_layers(num_layers: int, count: int = 3) -> list[int]:
-    """Spread evenly from layer 1 to L-3 (REFERENCE.md); small targets: 0 .. L-2."""
-    lo, hi = (1, num_layers - 3) if num_layers >= 8 else (0, num_layers - 2)
+    """Spread evenly from layer 1 to L-3 (REFERENCE.md); small targets (a few layers): 1 .. L-1, since
+    there the last layer carries most of what predicts the next tokens."""
+    lo, hi = (1, num_layers - 3) if num_layers >= 8 else (min(1, num_layers - 1), num_layers - 1)
     count = min(count, hi - lo + 1)
     return sorted({round(lo + i * (hi - lo) / max(1, count - 1)) for i in range(count)})
 
@@ -225,18 +226,20 @@ def train(args: argparse.Namespace) -> dict:
 
     stats: dict = {}
     if args.text_mode == "corpus":
-        n_train = len(load_examples(args.data, args.max_len))
+        n_train = min(len(load_examples(args.data, args.max_len)), args.max_sequences or 1 << 62)
         examples = corpus_examples(tok, n_train, args.max_len, args.seed)
     else:
         examples = load_examples(args.data, args.max_len, args.text_mode, tok, stats)
-    heldout = load_examples(args.heldout, args.max_len) if args.heldout else []
-    if not heldout:
+    if args.max_sequences:
+        examples = examples[:args.max_sequences]
+    heldout: list[Example] = []
+    if not args.heldout:
         random.Random(args.seed).shuffle(examples)
         cut = max(1, len(examples) // 20)
         heldout, examples = examples[:cut], examples[cut:]
     if not examples:
         raise SystemExit(f"no training sequences in {args.data}")
-    log.info("%d training sequences, %d held out", len(examples), len(heldout))
+    log.info("%d training sequences", len(examples))
 
     params = [p for p in drafter.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -281,10 +284,14 @@ def train(args: argparse.Namespace) -> dict:
         history.append({"step": step, "loss": tot_b, "selector_loss": tot_s, "lr": lr, "tokens": n_tok,
                         "elapsed_s": time.time() - t0})
         bar.update(1)
+        if args.snapshot_at and step == int(args.snapshot_at[0]):
+            drafter.save(args.snapshot_at[1])     # for comparisons at an equal step count
         bar.set_postfix(loss=f"{tot_b:.3f}", sel=f"{tot_s:.3f}", lr=f"{lr:.1e}")
     bar.close()
     train_s = time.time() - t0
     drafter.save(args.out)
+    if args.heldout:    # read only now: a held-out capture may still be in the making while training runs
+        heldout = load_examples(args.heldout, args.max_len)
     acc = acceptance_length(drafter, target, heldout, args.eval_k)
     result = {"steps": step, "train_seconds": train_s, "sequences": len(examples), "heldout": len(heldout),
               "parameters": n_params, "target_non_embedding_parameters": budget,
@@ -308,14 +315,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=100000)
     ap.add_argument("--time-budget", type=float, default=20.0, help="minutes of training at most")
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
-    ap.add_argument("--anchors", type=int, default=48, help="random anchors per sequence")
+    ap.add_argument("--anchors", type=int, default=32, help="random anchors per sequence")
     ap.add_argument("--max-len", type=int, default=512)
-    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--max-sequences", type=int, default=None,
+                    help="train on the first N sequences only (comparisons on an equal data set)")
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=float, default=0.04, help="share of the run")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-k", type=int, default=4, help="draft tokens per step of the held-out evaluation")
     ap.add_argument("--mask-token", default="<|mask|>")
+    ap.add_argument("--snapshot-at", nargs=2, default=None, metavar=("STEP", "DIR"),
+                    help="also save the drafter as it is after STEP steps")
     g = ap.add_argument_group("drafter shape")
     g.add_argument("--target-layers", type=int, nargs="*", default=None)
     g.add_argument("--block-size", type=int, default=8)
