@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
@@ -94,6 +95,29 @@ def run_setup(name: str, flags: str, requests: list[dict], concurrency: int, log
     return out
 
 
+def greedy_identity(flags_a: str, flags_b: str, requests: list[dict]) -> dict:
+    """The captured prompts at T=0 through LLM(...) offline with both setups (fp32): how many outputs are
+    token-identical (speculation must never change a greedy output)."""
+    import dataclasses
+
+    from namazu import LLM, SamplingParams
+    from namazu.engine_config import EngineConfig
+    from namazu.server import build_parser
+
+    outs = []
+    for flags in (flags_a, flags_b):
+        cfg = EngineConfig.from_cli_args(build_parser().parse_args(flags.split()))
+        kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        kw.update(dtype="float32", executor="inline")
+        with LLM(**kw) as llm:
+            params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"]) for r in requests]
+            res = llm.generate(prompt_token_ids=[r["prompt"] for r in requests], sampling_params=params,
+                               use_tqdm=False)
+            outs.append([o.outputs[0].token_ids for o in res])
+    same = sum(a == b for a, b in zip(*outs))
+    return {"prompts": len(requests), "identical": same, "tokens": sum(len(a) for a in outs[0])}
+
+
 def table(rows: list[dict]) -> str:
     def f(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
@@ -146,11 +170,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=None, help="override every request's temperature")
     ap.add_argument("--plot", default=None, help="PNG to write")
     ap.add_argument("--json", default=None, help="write the raw numbers here")
+    ap.add_argument("--write", default=None, metavar="NAME", help="add the table to bench/RESULTS.md as NAME")
+    ap.add_argument("--identity", action="store_true",
+                    help="instead: check greedy outputs of A and B are token-identical (offline, fp32)")
     args = ap.parse_args(argv)
     reqs = captured_requests(args.requests, args.limit, args.temperature)
     if not reqs:
         print(f"no captured requests in {args.requests}", file=sys.stderr)
         return 1
+    if args.identity:
+        res = greedy_identity(args.a, args.b, reqs)
+        print(f"greedy outputs identical: {res['identical']}/{res['prompts']} prompts ({res['tokens']} tokens)")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res) + "\n")
+        return 0 if res["identical"] == res["prompts"] else 1
     log_dir = Path(tempfile.mkdtemp(prefix="namazu-replay-"))
     rows = [run_setup(args.a_name, args.a, reqs, args.concurrency, log_dir),
             run_setup(args.b_name, args.b, reqs, args.concurrency, log_dir)]
@@ -163,6 +196,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.b_name} / {args.a_name} tokens/s: {b['tokens_per_s'] / a['tokens_per_s']:.2f}x")
     if args.plot:
         plot(rows, args.plot)
+    if args.write:
+        from bench.results_md import write_section
+
+        cmd = "python -m bench.replay " + " ".join(
+            a if not a or " " not in a else repr(a) for a in (argv if argv is not None else sys.argv[1:]))
+        speed = (f"\n\n{args.b_name} / {args.a_name} output tokens/s: "
+                 f"{b['tokens_per_s'] / a['tokens_per_s']:.2f}x" if a["tokens_per_s"] else "")
+        body = (f"### Replay: {args.write}\n\n`{cmd}`\n\n{len(reqs)} held-out captured requests, temperature "
+                f"{temp}, concurrency {args.concurrency}; load average {os.getloadavg()[0]:.1f} on a shared "
+                f"machine.\n\n{table(rows)}{speed}")
+        write_section(f"<!-- replay-{args.write}:begin -->", f"<!-- replay-{args.write}:end -->", body)
     if args.json:
         Path(args.json).write_text(json.dumps({"temperature": temp, "concurrency": args.concurrency,
                                                "rows": rows}, indent=1) + "\n")
