@@ -204,3 +204,16 @@ def test_metrics_export_speculation():
     assert "namazu_spec_acceptance_length_sum 13.0" in text       # 3*1 + 1*2 + 2*4
     assert "namazu_spec_draft_acceptance_rate 0.3888" in text
     assert "namazu_spec_drafter_seconds_per_step 0.05" in text
+
+
+def test_flags_and_their_errors():
+    from namazu.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match="--speculative-model"):
+        EngineConfig(speculative_model="x", speculative_method="ngram", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="--capture-shard-bytes"):
+        EngineConfig(capture_shard_bytes="12 parsecs")
+    # num_speculative_tokens=0 turns a configured drafter off: no proposer, no drafts.
+    _, stats = run(prompts(2, seed=1), SamplingParams(temperature=0, max_tokens=4), None,
+                   speculative_model=random_drafter(tiny_checkpoint()), num_speculative_tokens=0)
+    assert stats.num_draft_tokens == 0
