@@ -118,6 +118,60 @@ def greedy_identity(flags_a: str, flags_b: str, requests: list[dict]) -> dict:
     return {"prompts": len(requests), "identical": same, "tokens": sum(len(a) for a in outs[0])}
 
 
+def simulate(sources: list[str], drafters: list[str], k: int, limit: int) -> list[dict]:
+    """Acceptance length without a server: decoding replayed over each held-out captured output (draft k
+    from the context before the anchor, accept the prefix equal to the captured tokens, move on by
+    accepted + 1). For greedy (T=0) captures this is exactly what the engine's verify step counts; for
+    sampled captures it is greedy drafts matched against one sample (a proxy). `drafters`: NAME=DIR or
+    ngram."""
+    import torch
+
+    from namazu.assets import resolve_model_path
+    from namazu.spec.dflash import DFlashDrafter
+    from namazu.spec.drafters import NgramProposer
+    from namazu.spec.train import Target, acceptance_length, load_examples
+
+    examples = load_examples(sources, 4096)[:limit]
+    target_path = str(resolve_model_path(None))
+    rows = []
+    for spec in drafters:
+        name, _, path = spec.partition("=")
+        if name == "ngram":
+            ngram = NgramProposer()
+            taus: dict[str, list[int]] = {"greedy": [], "sampled": []}
+            for ex in examples:
+                a = ex.loss_from
+                while a < len(ex.ids) - 1:
+                    kk = min(k, len(ex.ids) - 1 - a)
+                    d = ngram.propose_tokens(ex.ids[:a + 1], kk)
+                    acc = 0
+                    while acc < len(d) and d[acc] == ex.ids[a + 1 + acc]:
+                        acc += 1
+                    taus["greedy" if ex.greedy else "sampled"].append(acc + 1)
+                    a += acc + 1
+            res = {kind: {"mean_acceptance_length": float(np.mean(v)), "verify_steps": len(v),
+                          "histogram": np.bincount(v, minlength=k + 2)[1:].tolist()} for kind, v in taus.items() if v}
+        else:
+            t = Target(target_path, [])
+            with torch.no_grad():
+                c = t.model.config
+                drafter = DFlashDrafter.load(path, c.vocab_size, c.hidden_size, c.num_hidden_layers)
+            t.layers = drafter.cfg.target_layers
+            res = acceptance_length(drafter, t, examples, k, max_examples=limit)
+        rows.append({"name": name, **res})
+    return rows
+
+
+def simulation_table(rows: list[dict]) -> str:
+    lines = ["| drafter | T=0 captures: mean acceptance length (exact) | verify steps | histogram (1, 2, ...) | "
+             "sampled captures: greedy-match proxy |", "|---|---:|---:|---|---:|"]
+    for r in rows:
+        g, s = r.get("greedy", {}), r.get("sampled", {})
+        lines.append(f"| {r['name']} | {g.get('mean_acceptance_length', 0):.2f} | {g.get('verify_steps', 0)} | "
+                     f"{g.get('histogram', '-')} | {s.get('mean_acceptance_length', 0):.2f} |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     def f(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
@@ -160,8 +214,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--a", required=True, help="server flags of setup A ('' = defaults)")
-    ap.add_argument("--b", required=True, help="server flags of setup B")
+    ap.add_argument("--a", default=None, help="server flags of setup A ('' = defaults)")
+    ap.add_argument("--b", default=None, help="server flags of setup B")
     ap.add_argument("--a-name", default="A")
     ap.add_argument("--b-name", default="B")
     ap.add_argument("--requests", nargs="+", required=True, help="capture directories or shard files")
@@ -173,7 +227,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", default=None, metavar="NAME", help="add the table to bench/RESULTS.md as NAME")
     ap.add_argument("--identity", action="store_true",
                     help="instead: check greedy outputs of A and B are token-identical (offline, fp32)")
+    ap.add_argument("--simulate", nargs="+", default=None, metavar="NAME=DIR|ngram",
+                    help="instead: acceptance length of these drafters replayed offline over the captures")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step in --simulate")
     args = ap.parse_args(argv)
+    if args.simulate:
+        rows = simulate(args.requests, args.simulate, args.k, args.limit)
+        print(simulation_table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        if args.write:
+            from bench.results_md import write_section
+
+            body = (f"### Acceptance length, offline replay of held-out captures: {args.write}\n\n"
+                    f"`python -m bench.replay --requests ... --simulate {' '.join(args.simulate)} --k {args.k} "
+                    f"--limit {args.limit}`\n\n{simulation_table(rows)}")
+            write_section(f"<!-- replay-{args.write}:begin -->", f"<!-- replay-{args.write}:end -->", body)
+        return 0
+    if args.a is None or args.b is None:
+        ap.error("--a and --b are required (or --simulate)")
     reqs = captured_requests(args.requests, args.limit, args.temperature)
     if not reqs:
         print(f"no captured requests in {args.requests}", file=sys.stderr)
