@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.results_md import write_section
 
         cmd = "python -m bench.replay " + " ".join(
-            a if not a or " " not in a else repr(a) for a in (argv if argv is not None else sys.argv[1:]))
+            a if a and " " not in a else repr(a) for a in (argv if argv is not None else sys.argv[1:]))
         speed = (f"\n\n{args.b_name} / {args.a_name} output tokens/s: "
                  f"{b['tokens_per_s'] / a['tokens_per_s']:.2f}x" if a["tokens_per_s"] else "")
         body = (f"### Replay: {args.write}\n\n`{cmd}`\n\n{len(reqs)} held-out captured requests, temperature "
