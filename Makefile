@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # C++/CUDA kernel sources: editing one rebuilds the extension (pip install -e . runs build_ext).
 CSRC := $(wildcard namazu/csrc/*.cu namazu/csrc/*.h namazu/csrc/*/*.cpp namazu/csrc/*/*.h)
 
-.PHONY: install test lint run bench bench-serve bench-structured bench-tools bench-nvfp4 bench-kernels gpu-check tiny-model clean
+.PHONY: install test lint run bench bench-serve bench-structured bench-tools bench-nvfp4 bench-kernels gpu-check tiny-model drafter-model clean
 
 $(STAMP): requirements.txt requirements-dev.txt setup.py $(CSRC)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -61,6 +61,17 @@ tiny-model: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.train --config namazu/tiny/configs/namazu-tiny-tools.json --init $(TINY_STAGE1) --out $(TINY_DIR)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.balance --model $(TINY_DIR)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.tiny.evaluate --model $(TINY_DIR)
+
+# The shipped DFlash2 drafter of namazu-tiny, from scratch: serve namazu-tiny with --capture-dir and replay a
+# chat prompt set (Japanese/English chat, tool calls, JSON answers; greedy, T=0.7 top-p 0.9, T=1), the same
+# for a held-out set from the corpus valid split, then train on the captured token ids (stops at its step
+# count or time budget). About 40 min on 2 CPU cores.
+DRAFTER_BUILD ?= build/drafter
+drafter-model: $(STAMP)
+	rm -rf $(DRAFTER_BUILD)/capture-train $(DRAFTER_BUILD)/capture-heldout
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.spec.traffic --out $(DRAFTER_BUILD)/train_requests.jsonl -n 1500 --capture-dir $(DRAFTER_BUILD)/capture-train
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.spec.traffic --out $(DRAFTER_BUILD)/heldout_requests.jsonl -n 250 --split valid --seed 1 --capture-dir $(DRAFTER_BUILD)/capture-heldout
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m namazu.spec.train --data $(DRAFTER_BUILD)/capture-train --heldout $(DRAFTER_BUILD)/capture-heldout --out $(TINY_DIR)/drafter --steps 600 --time-budget 14 --snapshot-at 150 $(DRAFTER_BUILD)/raw-150
 
 # MoE kernel microbenchmark: every backend, BF16 and NVFP4, vs a roofline measured in the same run
 # (ARGS="--write" updates bench/RESULTS.md; on a GPU machine it runs the Kimi-K2 and namazu-tiny shapes).

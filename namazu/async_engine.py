@@ -38,6 +38,7 @@ from namazu.engine import EngineStats, LLMEngine
 from namazu.engine_config import EngineConfig
 from namazu.outputs import RequestOutput
 from namazu.sampling_params import SamplingParams
+from namazu.spec.capture import CaptureWriter, record_from_output
 from namazu.spec.proposer import Proposer
 from namazu.structured.factory import needs_compiler
 from namazu.tokenizer import Tokenizer
@@ -121,6 +122,8 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, drafter: Proposer | None = None):
         self.engine = LLMEngine(config, drafter)
         self._drafter = drafter
+        cfg = self.engine.config
+        self.capture = CaptureWriter(cfg.capture_dir, cfg.capture_shard_bytes) if cfg.capture_dir else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._slots: dict[str, _Slot] = {}
         self._wake = threading.Event()
@@ -268,6 +271,7 @@ class AsyncEngine:
         self._inbox.put(("add", _Pending(request_id, prompt, params, ids, priority, group or request_id)))
         self._wake.set()
         finished = False
+        arrival, first_token = time.time(), None
         try:
             while True:
                 if deadline is None:
@@ -285,6 +289,10 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if first_token is None and any(c.token_ids for c in item.outputs):
+                    first_token = time.time()
+                if finished and self.capture is not None:
+                    self.capture.write(record_from_output(item, params, arrival, first_token, self.model_name))
                 yield item
                 if finished:
                     return
@@ -495,6 +503,8 @@ class AsyncEngine:
             if thread.is_alive() and threading.current_thread() is not thread:
                 thread.join(timeout=30)
         self.engine.close()
+        if self.capture is not None:
+            self.capture.close()
 
     close = shutdown
 

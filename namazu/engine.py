@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from namazu.scheduler.block_manager import BlockManager
 from namazu.scheduler.kv_events import KVEventLog
 from namazu.scheduler.scheduler import ScheduledSeq, Scheduler
 from namazu.scheduler.sequence import Sequence, SequenceStatus
+from namazu.spec.dflash_proposer import make_dflash_proposer
 from namazu.spec.drafters import NgramProposer
 from namazu.spec.proposer import Proposer
 from namazu.step_batch import StepResult
@@ -67,6 +68,10 @@ class EngineStats:
     grammar_cache_misses: int = 0
     grammar_mask_rows: int = 0           # bitmask rows filled by grammars
     grammar_mask_seconds: float = 0.0    # host time spent filling them
+    # Speculation: verify steps per acceptance length (index i: i + 1 tokens emitted, drafts accepted + the
+    # bonus), and the worker's wall time in the drafter.
+    acceptance_length_histogram: list[int] = field(default_factory=list)
+    drafter_seconds: float = 0.0
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -81,6 +86,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
         if drafter is None and config.speculative_method == "ngram":
             drafter = NgramProposer(config.ngram_max, config.ngram_min)
+        if drafter is None and config.speculative_model is not None and config.num_speculative_tokens > 0:
+            drafter = make_dflash_proposer(config.speculative_model, self.model_config)
         self.drafter = drafter
         self.num_speculative_tokens = config.num_speculative_tokens if drafter is not None else 0
         if drafter is not None and self.num_speculative_tokens == 0:
@@ -109,6 +116,8 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._num_steps = self._prompt_tokens = self._drafted = self._accepted = self._mask_rows = 0
         self._mask_seconds = 0.0
+        self._accept_hist = [0] * (self.num_speculative_tokens + 1)
+        self._drafter_seconds = 0.0
         info = self.worker_info
         logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s%s",
                     self.model_path, self.num_kv_blocks, config.block_size, self.max_model_len, info.device,
@@ -245,6 +254,7 @@ class LLMEngine:
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
         result = self.executor.collect()
+        self._drafter_seconds += result.drafter_seconds
         touched: dict[str, RequestState] = {}
         if launched.prompt_lp_items:
             self._take_prompt_logprobs(result, launched.num_prompt_logprobs, launched.prompt_lp_items)
@@ -285,6 +295,8 @@ class LLMEngine:
         accepted, k = int(result.accepted[s]), item.num_drafts
         self._drafted += int(result.num_drafts[s])
         self._accepted += accepted
+        if result.num_drafts[s]:
+            self._accept_hist[accepted] += 1
         seq.num_pending -= k + 1
         if running:
             seq.num_computed_tokens -= k - accepted
@@ -333,7 +345,8 @@ class LLMEngine:
             num_prompt_tokens=self._prompt_tokens, num_generated_tokens=self.outputs.num_generated_tokens,
             num_draft_tokens=self._drafted, num_accepted_draft_tokens=self._accepted,
             grammar_cache_hits=cache.hits if cache else 0, grammar_cache_misses=cache.misses if cache else 0,
-            grammar_mask_rows=self._mask_rows, grammar_mask_seconds=self._mask_seconds)
+            grammar_mask_rows=self._mask_rows, grammar_mask_seconds=self._mask_seconds,
+            acceptance_length_histogram=list(self._accept_hist), drafter_seconds=self._drafter_seconds)
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()

@@ -79,9 +79,16 @@ class EngineConfig:
     speculative_method: str | None = _f(None, "drafter proposing tokens for the verify step; ngram = "
                                               "prompt lookup (matches the latest n-gram earlier in the "
                                               "sequence)", choices=(None, "ngram"))
-    num_speculative_tokens: int = _f(0, "draft tokens scored per sequence per verify step")
+    speculative_model: str | None = _f(None, "DFlash2 drafter checkpoint directory (config.json + "
+                                             "model.safetensors, trained for this target); drafts from "
+                                             "the target's hidden states inside the step", metavar="PATH")
+    num_speculative_tokens: int = _f(0, "draft tokens scored per sequence per verify step (0: speculation off)")
     ngram_max: int = _f(4, "longest n-gram the ngram drafter matches")
     ngram_min: int = _f(1, "shortest n-gram the ngram drafter matches")
+    capture_dir: str | None = _f(None, "append every finished request's prompt and output token ids, "
+                                       "sampling settings and timings to sharded files in DIR (for "
+                                       "training the drafter; off by default)", metavar="DIR")
+    capture_shard_bytes: str = _f("64MiB", "size at which a capture shard rotates", metavar="SIZE")
     # -- processes -------------------------------------------------------------------------------------
     tensor_parallel_size: int = _f(1, "model-runner ranks, one process each (nccl on GPUs, gloo on CPU); the "
                                       "attention heads, MLP / expert intermediate sizes and vocabulary must "
@@ -148,6 +155,13 @@ class EngineConfig:
             bad("num_speculative_tokens", "must be >= 0")
         if self.speculative_method is not None and self.num_speculative_tokens == 0:
             bad("num_speculative_tokens", f"must be > 0 with --speculative-method {self.speculative_method}")
+        try:
+            if parse_bytes(self.capture_shard_bytes) < 1024:
+                bad("capture_shard_bytes", "must be at least 1KiB")
+        except ValueError as e:
+            bad("capture_shard_bytes", str(e))
+        if self.speculative_method is not None and self.speculative_model is not None:
+            bad("speculative_model", f"and --speculative-method {self.speculative_method} both name a drafter")
         if not 1 <= self.ngram_min <= self.ngram_max:
             bad("ngram_min", f"must be in [1, --ngram-max={self.ngram_max}]")
         if self.max_seqs_per_request < 1:

@@ -95,6 +95,7 @@ class ModelRunner:
         self.profile: list[StepTiming] | None = None
         self.graphs: StepGraphs | None = None
         self.graph_mode = not config.enforce_eager if config.enforce_eager is not None else self.device.type == "cuda"
+        self._device_stochastic = False     # the device proposer's last drafts came with q
 
     def plan_kv_blocks(self) -> int:
         """How many KV blocks this rank could hold; the engine allocates the minimum over ranks."""
@@ -105,6 +106,8 @@ class ModelRunner:
         self.cache = PagedLatentCache(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
         logger.info("rank %d: KV cache %d blocks x %d tokens (%.1f MiB) on %s", self.rank, num_blocks,
                     self.block_size, self.cache.nbytes / 2**20, self.device)
+        if hasattr(self.proposer, "attach"):
+            self.proposer.attach(self.model, num_blocks, self.block_size)
         if self.graph_mode:
             self._build_graphs()
         else:
@@ -147,6 +150,8 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        if hasattr(self.proposer, "kv_bytes_per_block"):     # a drafter's context cache shares the blocks
+            per_block += self.proposer.kv_bytes_per_block(self.block_size, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
@@ -253,6 +258,7 @@ class ModelRunner:
         if self.profile is not None and self.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
+        drafter_t0 = getattr(self.proposer, "draft_seconds", 0.0)
         values: dict[str, torch.Tensor] = {}
         with no_host_sync(self.config.debug_no_host_sync):
             st = self._sampling_tensors(b, prep)
@@ -271,6 +277,10 @@ class ModelRunner:
                 with forward_context(PagedAttentionContext(self.cache, meta)):
                     hidden, captured = self.model(input_ids, positions, capture_layers=want_hidden)
             tokens = accepted = None
+            where = dict(positions=positions, slot_mapping=meta.slot_mapping, block_tables=meta.block_tables,
+                         batch_index=T(b.spec.batch_index))
+            if hasattr(self.proposer, "extend_context"):
+                self.proposer.extend_context(self._proposer_input(b, hidden, captured, None, None, None, where))
             if len(a.logit_rows):
                 logits = all_logits[logit_rows] if layout is not None else \
                     self.model.compute_logits(hidden[logit_rows])                 # [R, V] fp32
@@ -294,8 +304,11 @@ class ModelRunner:
                     tokens, accepted = share_decision(tokens, accepted, self.world_size)
                 values.update(tokens=tokens, accepted=accepted, num_drafts=num_drafts)
                 if self.proposer is not None and self.proposer.on_device:
+                    first = row_layout[:, 0]
+                    where.update(temperature=st.temperature[first], seeds=st.seeds[first],
+                                 counters=st.counters[row_layout], all_greedy=bool(b.sampling.all_greedy))
                     values.update(self._propose_on_device(b, prep, hidden, captured, logit_rows[row_layout],
-                                                          tokens, accepted))
+                                                          tokens, accepted, where))
                 if b.sampling.num_logprobs >= 0:
                     lp, top_ids, top_lp = gather_logprobs(logits[row_layout].flatten(0, 1), tokens.reshape(-1),
                                                           b.sampling.num_logprobs)
@@ -325,29 +338,31 @@ class ModelRunner:
         if self.profile is not None:
             self.profile.append(StepTiming(t_arrive, t0, t_computed, t_end, b.num_tokens, layout is not None,
                                            events[0].elapsed_time(events[1]) / 1e3 if events else None))
+        result.drafter_seconds = getattr(self.proposer, "draft_seconds", 0.0) - drafter_t0
         logger.debug("step: %d tokens, %d sampled rows, %.1f ms", b.num_tokens, len(a.logit_rows),
                      1e3 * (t_end - t0))
         return result
 
     def _proposer_input(self, b: StepBatch, hidden: torch.Tensor | None, captured: dict[int, torch.Tensor],
-                        rows: torch.Tensor | None, tokens: torch.Tensor | None, accepted: torch.Tensor | None
-                        ) -> ProposerInput:
+                        rows: torch.Tensor | None, tokens: torch.Tensor | None, accepted: torch.Tensor | None,
+                        where: dict | None = None) -> ProposerInput:
         sq, idx = b.seqs, b.spec.batch_index
         return ProposerInput(
             seq_ids=[int(sq.seq_ids[i]) for i in idx], prompt_lens=[int(sq.prompt_lens[i]) for i in idx],
             histories=[self.seqs.seqs[int(sq.seq_ids[i])].tokens for i in idx],
-            hidden=captured, final_hidden=hidden, rows=rows, tokens=tokens, accepted=accepted)
+            hidden=captured, final_hidden=hidden, rows=rows, tokens=tokens, accepted=accepted, **(where or {}))
 
     def _propose_on_device(self, b: StepBatch, prep: PreparedStep, hidden: torch.Tensor,
                            captured: dict[int, torch.Tensor], rows: torch.Tensor, tokens: torch.Tensor,
-                           accepted: torch.Tensor) -> dict[str, torch.Tensor]:
+                           accepted: torch.Tensor, where: dict) -> dict[str, torch.Tensor]:
         """A device proposer drafts from this forward's hidden states before the host read; its ids stay
         in the draft buffer and only their counts (and grammar sequences' ids) join the result."""
-        inp = self._proposer_input(b, hidden, captured, rows, tokens, accepted)
+        inp = self._proposer_input(b, hidden, captured, rows, tokens, accepted, where)
         inp.histories = []          # not updated yet: a device proposer works from tensors
         proposal = self.proposer.propose(inp, self.num_speculative_tokens)
         if self.share_decisions:
             proposal = share_device_proposal(proposal, self.world_size)
+        self._device_stochastic = proposal.probs is not None
         ids = proposal.ids
         counts = proposal.counts if proposal.counts is not None else torch.full(
             (ids.shape[0],), ids.shape[1], dtype=torch.long, device=self.device)
@@ -365,7 +380,7 @@ class ModelRunner:
             return
         if self.proposer.on_device:
             self.drafts.note_device_counts(prep.slots, result.next_num_drafts, result.next_draft_ids,
-                                           stochastic=False)
+                                           stochastic=self._device_stochastic)
         else:
             proposal = self.proposer.propose(self._proposer_input(b, None, {}, None, None, None),
                                              self.num_speculative_tokens)

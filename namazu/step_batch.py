@@ -126,6 +126,7 @@ class StepResult:
     # Filled by the worker after the step: its proposer's drafts for each sampling sequence.
     next_num_drafts: np.ndarray | None = None   # [S]
     next_draft_ids: list[list[int]] | np.ndarray | None = None   # [S][k_s], only where spec.return_drafts
+    drafter_seconds: float = 0.0                # the proposer's wall time in this step (host clock)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -38,7 +38,8 @@ _RENAMED = {
 }
 _MONOTONIC = {"num_preemptions", "num_steps", "num_prompt_tokens", "num_generated_tokens", "num_draft_tokens",
               "num_accepted_draft_tokens", "prefix_cache_queries", "prefix_cache_hits",
-              "grammar_cache_hits", "grammar_cache_misses", "grammar_mask_rows", "grammar_mask_seconds"}
+              "grammar_cache_hits", "grammar_cache_misses", "grammar_mask_rows", "grammar_mask_seconds",
+              "drafter_seconds"}
 
 
 class _EngineCollector(Collector):
@@ -48,7 +49,9 @@ class _EngineCollector(Collector):
         self.stats = stats
 
     def collect(self) -> Iterator[Any]:
-        for key, value in self.stats().items():
+        stats = self.stats()
+        yield from _speculation_metrics(stats)
+        for key, value in stats.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             if key in _RENAMED:
@@ -58,6 +61,26 @@ class _EngineCollector(Collector):
                 yield CounterMetricFamily(f"namazu_engine_{key}", f"engine statistic {key}", value=float(value))
             else:
                 yield GaugeMetricFamily(f"namazu_engine_{key}", f"engine statistic {key}", value=float(value))
+
+
+def _speculation_metrics(stats: dict[str, Any]) -> Iterator[Any]:
+    """Acceptance length per verify step (a histogram), draft acceptance rate, drafter time per step."""
+    hist = stats.get("acceptance_length_histogram") or []
+    if hist:
+        cum, buckets = 0, []
+        for i, n in enumerate(hist):
+            cum += n
+            buckets.append((str(float(i + 1)), cum))
+        buckets.append(("+Inf", cum))
+        total = sum((i + 1) * n for i, n in enumerate(hist))
+        yield HistogramMetricFamily("namazu_spec_acceptance_length", "tokens emitted per verify step (drafts "
+                                    "accepted + the bonus token)", buckets=buckets, sum_value=total)
+    drafted = stats.get("num_draft_tokens", 0)
+    yield GaugeMetricFamily("namazu_spec_draft_acceptance_rate", "accepted draft tokens / drafted tokens, since "
+                            "start", value=stats.get("num_accepted_draft_tokens", 0) / drafted if drafted else 0.0)
+    steps = stats.get("num_steps", 0)
+    yield GaugeMetricFamily("namazu_spec_drafter_seconds_per_step", "drafter wall time per engine step, mean "
+                            "since start", value=stats.get("drafter_seconds", 0.0) / steps if steps else 0.0)
 
 
 class ServerMetrics:

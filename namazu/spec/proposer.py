@@ -30,6 +30,17 @@ class ProposerInput:
     rows: torch.Tensor | None              # [S, K+1] flat query index of each sequence's sampled rows
     tokens: torch.Tensor | None            # [S, K+1] emitted tokens (device); tokens[s, :accepted[s] + 1]
     accepted: torch.Tensor | None          # [S]
+    # Where this forward's tokens sit, for a proposer that keeps per-sequence context in the paged cache
+    # (all device tensors; see `DFlashProposer`):
+    positions: torch.Tensor | None = None      # [N] position of each flat token (after async corrections)
+    slot_mapping: torch.Tensor | None = None   # [N] its KV-cache slot (block * block_size + offset)
+    block_tables: torch.Tensor | None = None   # [B, max_blocks] of the batch's sequences
+    batch_index: torch.Tensor | None = None    # [S] batch row of each sampling sequence
+    # Sampling settings of each sampling sequence, for a proposer that draws (and returns q):
+    temperature: torch.Tensor | None = None    # [S]
+    seeds: torch.Tensor | None = None          # [S]
+    counters: torch.Tensor | None = None       # [S, K+1] output index of each sampled row's token
+    all_greedy: bool = True                    # host flag: no sequence samples at T > 0
 
 
 @dataclass
@@ -46,6 +57,20 @@ class Proposer(Protocol):
     def propose(self, inp: ProposerInput, k: int) -> Proposal:
         """At most k drafts per sequence, continuing after its last committed token."""
         ...
+
+
+class ContextProposer(Proposer, Protocol):
+    """Optional hooks of a device proposer with its own per-position context (a DFlash drafter), called
+    by the model runner when present:
+    - `kv_bytes_per_block(block_size, dtype)`: its cache bytes per KV block (planned with the target's);
+    - `attach(target_model, num_blocks, block_size)`: once, in the worker, after the KV cache is allocated;
+    - `extend_context(inp)`: every forward, sampling or not, before `propose` (S may be 0)."""
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int: ...
+
+    def attach(self, target: torch.nn.Module, num_blocks: int, block_size: int) -> None: ...
+
+    def extend_context(self, inp: ProposerInput) -> None: ...
 
 
 class DraftBuffer:

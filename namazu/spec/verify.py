@@ -65,3 +65,4 @@ def verify_stochastic(processed: torch.Tensor, target_tokens: torch.Tensor, draf
     first_k = torch.where(j < n.unsqueeze(-1), draft_ids, resampled)
     first_k = torch.where(j < num_drafts.unsqueeze(-1), first_k, target_tokens[:, :k])
     return torch.cat([first_k, target_tokens[:, k:]], dim=1), n
+

@@ -1,0 +1,146 @@
+"""Capture of served traffic as exact token ids, for training the drafter on what the target produced.
+
+`--capture-dir DIR` makes the serving engine append one record per finished request: the prompt and
+output token ids (never text), the sampling settings and timings. Records go to sharded, append-only
+files `capture-<start time>-<pid>-<n>.ndjson`, one line each: `<crc32 hex8> <json>\\n`. The line is
+written with one `write` on an O_APPEND descriptor, so a crash can leave at most a torn final line; a
+writer never reopens an existing shard (each process start begins new shards), so a torn tail is never
+followed by more records, and `read_records` skips it (and any line whose checksum fails). A shard
+rotates when it reaches `shard_bytes`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from namazu.engine_config import parse_bytes
+
+SUFFIX = ".ndjson"
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "n", "stop", "ignore_eos", "min_tokens")
+
+
+@dataclass
+class CaptureRecord:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[list[int]]           # one list per choice (n > 1)
+    finish_reasons: list[str | None]
+    sampling: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)  # arrival, first_token, finished (unix seconds)
+    model: str = ""
+
+
+def sampling_settings(params) -> dict:
+    """The sampling settings worth replaying (plain JSON values)."""
+    out = {}
+    for name in SAMPLING_FIELDS:
+        v = getattr(params, name, None)
+        out[name] = list(v) if isinstance(v, (tuple, set)) else v
+    return out
+
+
+class CaptureWriter:
+    def __init__(self, directory: str | Path, shard_bytes: int | str = 64 << 20):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.shard_bytes = parse_bytes(shard_bytes)
+        self._stem = f"capture-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        self._index = 0
+        self._fd: int | None = None
+        self._size = 0
+        self._lock = threading.Lock()
+        self.num_records = 0
+
+    def _open_next(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        while True:
+            path = self.dir / f"{self._stem}-{self._index:05d}{SUFFIX}"
+            self._index += 1
+            try:    # O_EXCL: never append to a shard that exists (it may end in a torn record)
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+                break
+            except FileExistsError:
+                continue
+        self._size = 0
+
+    def write(self, record: CaptureRecord) -> None:
+        payload = json.dumps(asdict(record), ensure_ascii=False, separators=(",", ":")).encode()
+        line = b"%08x " % zlib.crc32(payload) + payload + b"\n"
+        with self._lock:
+            if self._fd is None or (self._size and self._size + len(line) > self.shard_bytes):
+                self._open_next()
+            os.write(self._fd, line)
+            self._size += len(line)
+            self.num_records += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+@dataclass
+class ReadStats:
+    records: int = 0
+    skipped: int = 0      # torn or corrupt lines
+
+
+def shard_paths(sources: str | Path | Iterable[str | Path]) -> list[Path]:
+    """Shard files of a directory (sorted), or the files given."""
+    if isinstance(sources, (str, Path)):
+        sources = [sources]
+    out: list[Path] = []
+    for s in sources:
+        p = Path(s)
+        if p.is_dir():
+            out += sorted(p.glob(f"*{SUFFIX}"))
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"capture source {p} is neither a directory nor a file")
+    return out
+
+
+def read_records(sources: str | Path | Iterable[str | Path], stats: ReadStats | None = None
+                 ) -> Iterator[CaptureRecord]:
+    """Every intact record of the shards, in order; torn or corrupt lines are counted and skipped."""
+    stats = stats if stats is not None else ReadStats()
+    for path in shard_paths(sources):
+        with open(path, "rb") as f:
+            for line in f:
+                rec = _parse(line)
+                if rec is None:
+                    stats.skipped += 1
+                    continue
+                stats.records += 1
+                yield rec
+
+
+def _parse(line: bytes) -> CaptureRecord | None:
+    if not line.endswith(b"\n") or len(line) < 10 or line[8:9] != b" ":
+        return None
+    payload = line[9:-1]
+    try:
+        if int(line[:8], 16) != zlib.crc32(payload):
+            return None
+        return CaptureRecord(**json.loads(payload))
+    except (ValueError, TypeError):
+        return None
+
+
+def record_from_output(out, params, arrival: float, first_token: float | None, model: str = "") -> CaptureRecord:
+    """The record of a finished RequestOutput (namazu.outputs) and the SamplingParams it ran with."""
+    return CaptureRecord(
+        request_id=out.request_id, prompt_token_ids=list(out.prompt_token_ids),
+        output_token_ids=[list(c.token_ids) for c in out.outputs],
+        finish_reasons=[c.finish_reason for c in out.outputs], sampling=sampling_settings(params),
+        timings={"arrival": arrival, "first_token": first_token, "finished": time.time()}, model=model)

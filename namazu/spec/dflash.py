@@ -1,0 +1,205 @@
+"""The DFlash2 block drafter (REFERENCE.md section 3), shared by serving and training.
+
+One forward drafts a whole block: the input is the target's frozen embedding of `[anchor, MASK x (B-1)]`
+at positions `anchor_pos ..`, the context is the target's own hidden states of K layers at the positions
+before the anchor, fused by `fc` + RMSNorm into one feature per position. In every draft layer the block's
+queries attend, bidirectionally, over the block and over the context, whose keys/values are the layer's
+own projections of the fused feature ("KV injection"; they depend on the feature alone, so serving keeps
+them in a context-only cache). A final norm and the target's frozen lm_head give one distribution per
+drafted position. DFlash2 adds a two-tap dynamic depthwise convolution on every sublayer's input (taps
+never cross the block boundary) and a selector that re-ranks the top-K candidates of adjacent positions
+with predecessor/successor codebooks.
+
+Training (`namazu.spec.train`) calls `forward_blocks` with the context of a whole sequence and many
+anchors; serving (`namazu.spec.dflash_proposer`) calls it with the context gathered from the paged cache.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from namazu.layers.norm import RMSNorm
+from namazu.spec.dflash_config import WEIGHTS_FILE, DFlashConfig, check_drafter_checkpoint
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (half-split) of x [..., T, D] at positions [..., T]."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = positions.float().unsqueeze(-1) * inv
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class TwoTapConv(nn.Module):
+    """out[i, c] = sum_{t in 0,1} (base[t, c] + delta[i, t, g(c)]) * x[i - t, c] inside a block; the tap on
+    x[i-1] is zero at the block's first position. Starts as the identity (base = [1, 0], delta = 0)."""
+
+    def __init__(self, hidden: int, groups: int):
+        super().__init__()
+        self.groups = groups
+        self.base = nn.Parameter(torch.stack([torch.ones(hidden), torch.zeros(hidden)]))
+        self.delta = nn.Linear(hidden, 2 * groups, bias=False)
+        nn.init.zeros_(self.delta.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, B, H] (one block per row)."""
+        m, b, h = x.shape
+        d = self.delta(x).view(m, b, 2, self.groups).repeat_interleave(h // self.groups, dim=-1)  # [M, B, 2, H]
+        w = self.base.to(x.dtype) + d
+        prev = F.pad(x, (0, 0, 1, 0))[:, :b]          # x[i-1], zero before the block's first position
+        return w[:, :, 0] * x + w[:, :, 1] * prev
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        h, qd = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.conv_attn = TwoTapConv(h, cfg.conv_groups)
+        self.conv_mlp = TwoTapConv(h, cfg.conv_groups)
+        self.q_proj = nn.Linear(h, qd, bias=False)
+        self.k_proj = nn.Linear(h, qd, bias=False)
+        self.v_proj = nn.Linear(h, qd, bias=False)
+        self.o_proj = nn.Linear(qd, h, bias=False)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def context_kv(self, feat: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The injected keys/values of context features feat [..., T, H] at positions [..., T]:
+        [..., heads, T, head_dim] each (keys rotated)."""
+        c = self.cfg
+        k = self.k_proj(feat).unflatten(-1, (c.num_heads, c.head_dim)).transpose(-3, -2)
+        v = self.v_proj(feat).unflatten(-1, (c.num_heads, c.head_dim)).transpose(-3, -2)
+        return rope(k, positions.unsqueeze(-2), c.rope_theta), v
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                ctx_visible: torch.Tensor) -> torch.Tensor:
+        """x [M, B, H] block states at positions pos [M, B]; ctx_k/ctx_v [M or 1, heads, L, head_dim];
+        ctx_visible [M, L] which context entries each block sees (strictly before its anchor)."""
+        c = self.cfg
+        m, b, _ = x.shape
+        hn = self.conv_attn(self.attn_norm(x))
+        q = rope(self.q_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2), pos.unsqueeze(1), c.rope_theta)
+        k = rope(self.k_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2), pos.unsqueeze(1), c.rope_theta)
+        v = self.v_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2)
+        keys = torch.cat([ctx_k.expand(m, -1, -1, -1), k], dim=2)
+        vals = torch.cat([ctx_v.expand(m, -1, -1, -1), v], dim=2)
+        # Bidirectional inside the block: every block query sees all B block keys.
+        visible = torch.cat([ctx_visible, ctx_visible.new_ones(m, b)], dim=1)[:, None, None, :]
+        att = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=visible)
+        x = x + self.o_proj(att.transpose(1, 2).reshape(m, b, -1))
+        hn = self.conv_mlp(self.mlp_norm(x))
+        return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
+
+
+class Selector(nn.Module):
+    """DFlash2's candidate selector: S(a, b) = U(b) + <pred[a] * (proj h), succ[b]> for a candidate b of a
+    position whose predecessor token is a, U(b) the drafter's logit of b and h its hidden state there."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.pred = nn.Parameter(torch.randn(cfg.vocab_size, cfg.selector_rank) * 0.02)
+        self.succ = nn.Parameter(torch.randn(cfg.vocab_size, cfg.selector_rank) * 0.02)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+    def scores(self, prev: torch.Tensor, cand: torch.Tensor, cand_logits: torch.Tensor, h: torch.Tensor
+               ) -> torch.Tensor:
+        """prev [...], cand [..., K], cand_logits [..., K], h [..., H] -> scores [..., K]."""
+        a = self.pred[prev] * self.proj(h).to(self.pred.dtype)               # [..., r]
+        return cand_logits.float() + (self.succ[cand] * a.unsqueeze(-2)).sum(-1).float()
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layers) * h, h, bias=False)
+        self.fc_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.selector = Selector(cfg)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name == "fc.weight":
+                nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[1]))
+
+    # -- pieces ---------------------------------------------------------------------------------------
+    def fuse(self, hidden: dict[int, torch.Tensor] | list[torch.Tensor]) -> torch.Tensor:
+        """The context feature of each position from the target's hidden states of `target_layers`."""
+        hs = [hidden[i] for i in self.cfg.target_layers] if isinstance(hidden, dict) else hidden
+        x = torch.cat(hs, dim=-1).to(self.fc.weight.dtype)
+        return self.fc_norm(self.fc(x))
+
+    def block_inputs(self, anchor: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+        """anchor [M] -> embedded [anchor, MASK x (B-1)] [M, B, H] through the target's embedding."""
+        b = self.cfg.block_size
+        ids = torch.full((anchor.shape[0], b), self.cfg.mask_token_id, dtype=torch.long, device=anchor.device)
+        ids[:, 0] = anchor
+        return F.embedding(ids, embed).to(self.fc.weight.dtype)
+
+    def forward_blocks(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: list[tuple[torch.Tensor,
+                       torch.Tensor]], ctx_visible: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [M, B-1, H] of the drafted positions anchor_pos + 1 .. + B-1."""
+        b = self.cfg.block_size
+        x = self.block_inputs(anchor, embed)
+        pos = anchor_pos.unsqueeze(1) + torch.arange(b, device=anchor.device)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, pos, k, v, ctx_visible)
+        return self.norm(x[:, 1:])
+
+    # -- drafting -------------------------------------------------------------------------------------
+    def walk(self, anchor: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, k: int,
+             temperature: torch.Tensor | None = None, uniforms: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The selector's walk over the top-K candidates of each position: greedy where temperature is 0
+        (or None), inverse-CDF with `uniforms` [M, k] elsewhere. Returns ids [M, k] and, when sampling,
+        q [M, k, V]: the distribution each draft was drawn from (zero outside the candidates)."""
+        logits = logits[:, :k].float()
+        cand_logits, cand = logits.topk(self.cfg.selector_k, dim=-1)          # [M, k, K]
+        prev = anchor
+        ids, qs = [], []
+        for j in range(k):
+            s = self.selector.scores(prev, cand[:, j], cand_logits[:, j], h[:, j])   # [M, K]
+            best = s.argmax(-1)
+            if temperature is not None:
+                t = temperature.float().clamp_min(1e-6).unsqueeze(-1)
+                q = (s / t).softmax(-1)
+                # Inverse CDF: the first candidate whose cumulative mass exceeds u. Dividing by the total
+                # makes the last entry exactly 1 > u, so the pick always has q > 0.
+                cdf = q.double().cumsum(-1)
+                below = (cdf / cdf[:, -1:] <= uniforms[:, j:j + 1]).sum(-1)
+                pick = torch.where(temperature > 0, below, best)
+                qs.append(torch.zeros(q.shape[0], logits.shape[-1], device=q.device).scatter_(1, cand[:, j], q))
+            else:
+                pick = best
+            prev = cand[:, j].gather(1, pick.unsqueeze(-1)).squeeze(-1)
+            ids.append(prev)
+        return torch.stack(ids, 1), (torch.stack(qs, 1) if qs else None)
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        self.cfg.save(path)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+                  str(Path(path) / WEIGHTS_FILE))
+
+    @classmethod
+    def load(cls, path: str | Path, target_vocab_size: int, target_hidden_size: int, target_num_layers: int,
+             device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+        cfg = check_drafter_checkpoint(path, target_vocab_size, target_hidden_size, target_num_layers)
+        model = cls(cfg)
+        model.load_state_dict(load_file(str(Path(path) / WEIGHTS_FILE)), strict=True)
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,110 @@
+"""The DFlash2 drafter as a device proposer (`--speculative-model PATH --num-speculative-tokens N`).
+
+Per sequence state lives in the paged cache, not in a table keyed by sequence: the drafter's context
+keys/values of position t go to the same cache slot the target's KV of position t uses (the step's
+slot mapping), in a tensor of the drafter's own. So whatever the engine does to the target's cache the
+drafter's follows: chunked prefill, prefix caching (a cached block holds both), preemption by recompute
+(the recompute rewrites both), n > 1 (shared prompt blocks), and rejected drafts (their entries sit at
+positions at or beyond the next anchor, never visible, and are overwritten when those positions are
+computed again). `extend_context` writes the entries of every forward, sampling or not; `propose` drafts
+a block per sampling sequence from the context strictly before its anchor (the bonus token). The block's
+own entries are never written: the cache holds context only.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from namazu.layers.sampler import hash_uniform
+from namazu.spec.dflash import DFlashDrafter
+from namazu.spec.dflash_config import check_drafter_checkpoint
+from namazu.spec.proposer import Proposal, ProposerInput
+
+# Noise stream of the drafter's own draws (the sampler uses 0-2): a seeded request drafts reproducibly.
+STREAM_DRAFT = 3
+
+
+class DFlashProposer:
+    on_device = True
+
+    def __init__(self, path: str, target_vocab_size: int, target_hidden_size: int, target_num_layers: int,
+                 sample_drafts: bool = True):
+        # Checked here, in the engine process, so a wrong checkpoint fails before any worker starts.
+        self.cfg = check_drafter_checkpoint(path, target_vocab_size, target_hidden_size, target_num_layers)
+        self.path = str(path)
+        self.target_shape = (target_vocab_size, target_hidden_size, target_num_layers)
+        self.hidden_layers = tuple(self.cfg.target_layers)
+        self.model: DFlashDrafter | None = None
+        self.cache: torch.Tensor | None = None
+        self.draft_seconds = 0.0      # wall time in extend_context + propose (host clock; exact on CPU)
+        self.draft_calls = 0
+        # At T > 0: draw drafts from the selector's q and verify with the full rule (True), or draft
+        # greedily and verify as deterministic drafts (False). Both are lossless.
+        self.sample_drafts = sample_drafts
+
+    # -- set-up in the worker -------------------------------------------------------------------------
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        c = self.cfg
+        return c.num_layers * 2 * block_size * c.num_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def attach(self, target: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+        """Loads the drafter next to the target (same device and dtype), borrows its frozen embedding and
+        lm_head, and allocates the context cache with the target's block layout."""
+        w = target.model.embed_tokens.weight
+        self.model = DFlashDrafter.load(self.path, *self.target_shape, device=w.device, dtype=w.dtype)
+        self.embed, self.lm_head = w, target.lm_head.weight
+        c = self.cfg
+        self.block_size = block_size
+        self.cache = torch.zeros(c.num_layers, 2, num_blocks * block_size, c.num_heads, c.head_dim,
+                                 dtype=w.dtype, device=w.device)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def extend_context(self, inp: ProposerInput) -> None:
+        """Writes the context entries of every position this forward computed."""
+        t0 = time.perf_counter()
+        feat = self.model.fuse(inp.hidden)                                  # [N, H]
+        for li, layer in enumerate(self.model.layers):
+            k, v = layer.context_kv(feat, inp.positions)                     # [heads, N, head_dim]
+            self.cache[li, 0, inp.slot_mapping] = k.transpose(0, 1)
+            self.cache[li, 1, inp.slot_mapping] = v.transpose(0, 1)
+        self.draft_seconds += time.perf_counter() - t0
+
+    def draft_block(self, inp: ProposerInput, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(anchor [S], anchor position [S], hidden [S, k, H], logits [S, k, V]) of each sampling
+        sequence's block, its context read from the paged cache."""
+        acc = inp.accepted.unsqueeze(-1)
+        anchor = inp.tokens.gather(1, acc).squeeze(-1)                      # the bonus token
+        anchor_pos = inp.positions[inp.rows.gather(1, acc).squeeze(-1)] + 1
+        tables = inp.block_tables[inp.batch_index]                           # [S, max_blocks]
+        bs = self.block_size
+        slots = (tables.unsqueeze(-1) * bs + torch.arange(bs, device=tables.device)).flatten(1)   # [S, L]
+        # Slot j of the table holds position j; only positions before the anchor are context (later ones
+        # are rejected drafts or table padding).
+        visible = torch.arange(slots.shape[1], device=slots.device) < anchor_pos.unsqueeze(-1)
+        ctx = [(self.cache[li, 0][slots].transpose(1, 2), self.cache[li, 1][slots].transpose(1, 2))
+               for li in range(self.cfg.num_layers)]
+        h = self.model.forward_blocks(anchor, anchor_pos, ctx, visible, self.embed)[:, :k]
+        return anchor, anchor_pos, h, torch.nn.functional.linear(h, self.lm_head)
+
+    def propose(self, inp: ProposerInput, k: int) -> Proposal:
+        t0 = time.perf_counter()
+        k = min(k, self.cfg.num_draft_tokens)
+        anchor, _, h, logits = self.draft_block(inp, k)
+        if inp.all_greedy or not self.sample_drafts:
+            ids, q = self.model.walk(anchor, h, logits, k)
+        else:
+            # Draft j of a sequence takes the output index after its bonus token, plus j.
+            base = inp.counters.gather(1, inp.accepted.unsqueeze(-1)).squeeze(-1) + 1
+            u = hash_uniform(inp.seeds, base, k, STREAM_DRAFT)
+            ids, q = self.model.walk(anchor, h, logits, k, inp.temperature, u)
+        self.draft_seconds += time.perf_counter() - t0
+        self.draft_calls += 1
+        return Proposal(ids, probs=q)
+
+
+def make_dflash_proposer(path: str, target_config) -> DFlashProposer:
+    """The proposer for `--speculative-model PATH`, checked against the target's ModelConfig."""
+    return DFlashProposer(path, target_config.vocab_size, target_config.hidden_size,
+                          target_config.num_hidden_layers)

@@ -1,0 +1,349 @@
+"""Train a DFlash2 drafter for a target on token ids the target produced (captured traffic).
+
+    python -m namazu.spec.train --target PATH --data DIR_OR_FILES --out DIR [--heldout DIR_OR_FILES]
+
+Data: capture shards (`namazu.spec.capture`): each record's prompt + output ids, the loss on the output
+positions. `--text-mode retokenize` trains on the same outputs decoded to text and tokenized again (the
+comparison the issue asks for); `--text-mode corpus` on corpus text instead (a generic drafter).
+
+Per sequence: the frozen target's hidden states of the drafter's `target_layers` (computed online, in
+fp32 as served; `--hidden-cache DIR` keeps them on disk for later epochs), many random anchors, all of
+them trained in one pass: each block sees the context strictly before its anchor and itself
+bidirectionally; block position k predicts token anchor + k with cross-entropy weighted exp(-(k-1)/gamma),
+plus the selector's K-way cross-entropy (gold inserted if missing) weighted by alpha. AdamW, warm-up,
+cosine decay, grad clip 1.0, bf16 autocast on CPU. Stops at --steps or --time-budget minutes. At the end:
+held-out acceptance length (greedy drafts against the captured outputs, as the engine's verify step at
+T=0 would count them), written to train_log.json beside the checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from namazu.spec.capture import read_records
+from namazu.spec.dflash import DFlashDrafter, num_parameters
+from namazu.spec.dflash_config import DFlashConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    loss_from: int          # first position whose token is trained on (the output's start)
+    greedy: bool = False    # captured at T=0: the outputs are the target's greedy continuation
+
+
+# -- data -------------------------------------------------------------------------------------------------
+def load_examples(sources: list[str], max_len: int, text_mode: str = "raw", tokenizer=None,
+                  stats: dict | None = None) -> list[Example]:
+    """Captured requests as training sequences (one per choice). text_mode 'retokenize': each output is
+    decoded and tokenized again (stats counts how many changed)."""
+    out: list[Example] = []
+    changed = total = 0
+    for rec in read_records(sources):
+        greedy = (rec.sampling.get("temperature") or 0.0) == 0.0
+        for ids in rec.output_token_ids:
+            if len(ids) < 2:
+                continue
+            if text_mode == "retokenize":
+                again = tokenizer.encode(tokenizer.decode(ids, skip_special_tokens=False), add_special_tokens=False)
+                changed += again != ids
+                total += 1
+                ids = again
+            seq = (rec.prompt_token_ids + ids)[-max_len:]
+            out.append(Example(seq, max(1, len(seq) - len(ids)), greedy))
+    if stats is not None and total:
+        stats["retokenized_changed_share"] = changed / total
+    return out
+
+
+def corpus_examples(tokenizer, n: int, max_len: int, seed: int = 0) -> list[Example]:
+    """Generic data: corpus text (train split, both languages) in windows of max_len tokens."""
+    from namazu.tiny.corpus import default_corpus_dir, read_text
+
+    rng = random.Random(seed)
+    out: list[Example] = []
+    for lang, share in (("ja", 0.7), ("en", 0.3)):
+        text = read_text(default_corpus_dir(), lang, "train")
+        want = int(n * share)
+        for _ in range(want):
+            start = rng.randrange(max(1, len(text) - 4 * max_len))
+            ids = tokenizer.encode(text[start:start + 3 * max_len], add_special_tokens=False)[:max_len]
+            if len(ids) > 16:
+                out.append(Example(ids, 8))
+    return out
+
+
+# -- the loss --------------------------------------------------------------------------------------------
+class Target:
+    """The frozen target: hidden states of the drafter's layers, its embedding and lm_head."""
+
+    def __init__(self, path: str, layers: list[int], cache_dir: str | None = None):
+        from namazu.models.loader import load_model
+
+        self.model = load_model(path, dtype="float32", progress=False).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.layers = layers
+        self.embed = self.model.model.embed_tokens.weight
+        self.lm_head = self.model.lm_head.weight
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        if self.cache_dir:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+
+    @torch.no_grad()
+    def hidden(self, ids: list[int], key: str | None = None) -> list[torch.Tensor]:
+        path = self.cache_dir / f"{key}.pt" if self.cache_dir and key else None
+        if path is not None and path.exists():
+            return [h.float() for h in torch.load(path)]
+        _, captured = self.model(torch.tensor([ids]), capture_layers=self.layers)
+        hs = [captured[i][0] for i in self.layers]
+        if path is not None:
+            torch.save([h.bfloat16() for h in hs], path)
+        return hs
+
+
+def sequence_loss(drafter: DFlashDrafter, target: Target, ex: Example, hs: list[torch.Tensor], anchors: int,
+                  rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(block loss, selector loss, number of trained positions) of random anchors of one sequence."""
+    cfg = drafter.cfg
+    ids = torch.tensor(ex.ids)
+    t, b = len(ex.ids), cfg.block_size
+    lo, hi = max(1, ex.loss_from - 1), t - 2           # an anchor needs at least one label after it
+    if hi < lo:
+        return torch.zeros(()), torch.zeros(()), 0
+    cand_pos = np.arange(lo, hi + 1)
+    a = torch.from_numpy(np.sort(rng.choice(cand_pos, size=min(anchors, len(cand_pos)), replace=False)))
+    feat = drafter.fuse(hs)                                              # [T, H]
+    pos = torch.arange(t)
+    ctx = [tuple(x.unsqueeze(0) for x in layer.context_kv(feat, pos)) for layer in drafter.layers]
+    visible = pos.unsqueeze(0) < a.unsqueeze(1)                           # strictly before the anchor
+    h = drafter.forward_blocks(ids[a], a, ctx, visible, target.embed)    # [M, B-1, H]
+    k = torch.arange(1, b)
+    at = a.unsqueeze(1) + k                                              # [M, B-1]
+    valid = (at < t) & (at >= ex.loss_from)
+    labels = ids[at.clamp(max=t - 1)]
+    w = torch.exp(-(k - 1).float() / cfg.loss_gamma).expand_as(labels) * valid
+    logits = (h @ target.lm_head.T.to(h.dtype)).float()                  # [M, B-1, V]
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    block = (ce * w).sum() / w.sum().clamp_min(1e-6)
+    # Selector: K-way choice among the drafter's top-K, the gold token put in the last slot if missing.
+    cand = logits.detach().topk(cfg.selector_k, dim=-1).indices          # [M, B-1, K]
+    has = (cand == labels.unsqueeze(-1))
+    cand[..., -1] = torch.where(has.any(-1), cand[..., -1], labels)
+    gold = (cand == labels.unsqueeze(-1)).float().argmax(-1)
+    prev = torch.cat([ids[a].unsqueeze(1), labels[:, :-1]], dim=1)
+    scores = drafter.selector.scores(prev, cand, logits.gather(-1, cand), h)
+    sce = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view_as(labels)
+    sel = (sce * w).sum() / w.sum().clamp_min(1e-6)
+    return block, sel, int(valid.sum())
+
+
+# -- held-out acceptance ---------------------------------------------------------------------------------
+@torch.no_grad()
+def acceptance_length(drafter: DFlashDrafter, target: Target, examples: list[Example], k: int,
+                      max_examples: int = 200) -> dict:
+    """Decoding simulated over each held-out output: from the first output token on, draft k greedily from
+    the context before the anchor, accept the prefix equal to the captured tokens, move by accepted + 1.
+    Against greedy (T=0) captures this is exactly what the engine's verify step counts."""
+    drafter.eval()
+    taus: dict[str, list[int]] = {"greedy": [], "sampled": []}
+    for ex in examples[:max_examples]:
+        hs = target.hidden(ex.ids)
+        feat = drafter.fuse(hs)
+        t = len(ex.ids)
+        pos = torch.arange(t)
+        ctx = [tuple(x.unsqueeze(0) for x in layer.context_kv(feat, pos)) for layer in drafter.layers]
+        ids = torch.tensor(ex.ids)
+        a = ex.loss_from
+        while a < t - 1:
+            kk = min(k, t - 1 - a, drafter.cfg.num_draft_tokens)
+            visible = (pos < a).unsqueeze(0)
+            h = drafter.forward_blocks(ids[a:a + 1], torch.tensor([a]), ctx, visible, target.embed)[:, :kk]
+            drafts, _ = drafter.walk(ids[a:a + 1], h, h @ target.lm_head.T, kk)
+            match = (drafts[0] == ids[a + 1:a + 1 + kk]).long()
+            acc = int(torch.cumprod(match, 0).sum())
+            taus["greedy" if ex.greedy else "sampled"].append(acc + 1)
+            a += acc + 1
+    drafter.train()
+    out = {}
+    for kind, v in taus.items():
+        if v:
+            out[kind] = {"mean_acceptance_length": float(np.mean(v)), "verify_steps": len(v),
+                         "histogram": np.bincount(v, minlength=k + 2)[1:].tolist()}
+    return out
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+def default_target_layers(num_layers: int, count: int = 3) -> list[int]:
+    """Spread evenly from layer 1 to L-3 (REFERENCE.md); small targets (a few layers): 1 .. L-1, since
+    there the last layer carries most of what predicts the next tokens."""
+    lo, hi = (1, num_layers - 3) if num_layers >= 8 else (min(1, num_layers - 1), num_layers - 1)
+    count = min(count, hi - lo + 1)
+    return sorted({round(lo + i * (hi - lo) / max(1, count - 1)) for i in range(count)})
+
+
+def non_embedding_parameters(target_model) -> int:
+    skip = {id(target_model.model.embed_tokens.weight), id(target_model.lm_head.weight)}
+    return sum(p.numel() for p in target_model.parameters() if id(p) not in skip)
+
+
+def train(args: argparse.Namespace) -> dict:
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    from namazu.assets import resolve_model_path
+    from namazu.config import ModelConfig
+    from namazu.tokenizer import Tokenizer
+
+    target_path = str(resolve_model_path(args.target))
+    tcfg = ModelConfig.from_pretrained(target_path)
+    tok = Tokenizer.from_pretrained(target_path)
+    layers = args.target_layers or default_target_layers(tcfg.num_hidden_layers)
+    mask_id = tok.token_to_id(args.mask_token)
+    if mask_id is None:
+        raise SystemExit(f"the target's tokenizer has no {args.mask_token!r} token for the block input")
+    cfg = DFlashConfig(vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size,
+                       target_num_layers=tcfg.num_hidden_layers, target_layers=layers, mask_token_id=mask_id,
+                       block_size=args.block_size, num_layers=args.num_layers, num_heads=args.num_heads,
+                       head_dim=args.head_dim, intermediate_size=args.intermediate_size,
+                       selector_k=args.selector_k, selector_rank=args.selector_rank, trained_on=args.text_mode)
+    target = Target(target_path, layers, args.hidden_cache)
+    drafter = DFlashDrafter(cfg)
+    n_params, budget = num_parameters(drafter), non_embedding_parameters(target.model)
+    log.info("drafter: %d parameters = %.1f%% of the target's %d non-embedding parameters", n_params,
+             100 * n_params / budget, budget)
+
+    stats: dict = {}
+    if args.text_mode == "corpus":
+        n_train = min(len(load_examples(args.data, args.max_len)), args.max_sequences or 1 << 62)
+        examples = corpus_examples(tok, n_train, args.max_len, args.seed)
+    else:
+        examples = load_examples(args.data, args.max_len, args.text_mode, tok, stats)
+    if args.max_sequences:
+        examples = examples[:args.max_sequences]
+    heldout: list[Example] = []
+    if not args.heldout:
+        random.Random(args.seed).shuffle(examples)
+        cut = max(1, len(examples) // 20)
+        heldout, examples = examples[:cut], examples[cut:]
+    if not examples:
+        raise SystemExit(f"no training sequences in {args.data}")
+    log.info("%d training sequences", len(examples))
+
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    from tqdm import tqdm
+
+    t0 = time.time()
+    budget_s = args.time_budget * 60
+    order = rng.permutation(len(examples))
+    cursor, step, history = 0, 0, []
+    bar = tqdm(total=args.steps, desc="drafter", unit="step")
+    drafter.train()
+    while step < args.steps and time.time() - t0 < budget_s:
+        progress = max(step / args.steps, (time.time() - t0) / budget_s)
+        lr = args.lr * min(1.0, progress / args.warmup) if progress < args.warmup else \
+            args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        tot_b = tot_s = 0.0
+        n_tok = 0
+        for _ in range(args.batch):
+            if cursor == len(order):
+                order, cursor = rng.permutation(len(examples)), 0
+            i = int(order[cursor])
+            cursor += 1
+            ex = examples[i]
+            hs = target.hidden(ex.ids, key=f"{args.text_mode}-{i}")
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                block, sel, n = sequence_loss(drafter, target, ex, hs, args.anchors, rng)
+                loss = (block + cfg.selector_alpha * sel) / args.batch
+            if n:
+                loss.backward()
+            tot_b += float(block.detach()) / args.batch
+            tot_s += float(sel.detach()) / args.batch
+            n_tok += n
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        history.append({"step": step, "loss": tot_b, "selector_loss": tot_s, "lr": lr, "tokens": n_tok,
+                        "elapsed_s": time.time() - t0})
+        bar.update(1)
+        if args.snapshot_at and step == int(args.snapshot_at[0]):
+            drafter.save(args.snapshot_at[1])     # for comparisons at an equal step count
+        bar.set_postfix(loss=f"{tot_b:.3f}", sel=f"{tot_s:.3f}", lr=f"{lr:.1e}")
+    bar.close()
+    train_s = time.time() - t0
+    drafter.save(args.out)
+    if args.heldout:    # read only now: a held-out capture may still be in the making while training runs
+        heldout = load_examples(args.heldout, args.max_len)
+    acc = acceptance_length(drafter, target, heldout, args.eval_k)
+    result = {"steps": step, "train_seconds": train_s, "sequences": len(examples), "heldout": len(heldout),
+              "parameters": n_params, "target_non_embedding_parameters": budget,
+              "parameter_share": n_params / budget, "text_mode": args.text_mode, "eval_k": args.eval_k,
+              "heldout_acceptance": acc, **stats, "history": history[:: max(1, len(history) // 200)]}
+    (Path(args.out) / "train_log.json").write_text(json.dumps(result, indent=1) + "\n")
+    summary = {k: v for k, v in result.items() if k != "history"}
+    log.info("done: %s", json.dumps(summary))
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=None, help="target checkpoint (default: namazu-tiny)")
+    ap.add_argument("--data", nargs="+", required=True, help="capture directories or shard files")
+    ap.add_argument("--heldout", nargs="*", default=None, help="held-out captures (default: 5%% of --data)")
+    ap.add_argument("--out", required=True, help="drafter checkpoint directory to write")
+    ap.add_argument("--text-mode", default="raw", choices=("raw", "retokenize", "corpus"),
+                    help="raw captured ids; the outputs decoded and re-tokenized; or corpus text")
+    ap.add_argument("--hidden-cache", default=None, help="keep the target's hidden states here (bf16) for reuse")
+    ap.add_argument("--steps", type=int, default=100000)
+    ap.add_argument("--time-budget", type=float, default=20.0, help="minutes of training at most")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per step")
+    ap.add_argument("--anchors", type=int, default=32, help="random anchors per sequence")
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--max-sequences", type=int, default=None,
+                    help="train on the first N sequences only (comparisons on an equal data set)")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=float, default=0.04, help="share of the run")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-k", type=int, default=4, help="draft tokens per step of the held-out evaluation")
+    ap.add_argument("--mask-token", default="<|mask|>")
+    ap.add_argument("--snapshot-at", nargs=2, default=None, metavar=("STEP", "DIR"),
+                    help="also save the drafter as it is after STEP steps")
+    g = ap.add_argument_group("drafter shape")
+    g.add_argument("--target-layers", type=int, nargs="*", default=None)
+    g.add_argument("--block-size", type=int, default=8)
+    g.add_argument("--num-layers", type=int, default=1)
+    g.add_argument("--num-heads", type=int, default=4)
+    g.add_argument("--head-dim", type=int, default=64)
+    g.add_argument("--intermediate-size", type=int, default=512)
+    g.add_argument("--selector-k", type=int, default=8)
+    g.add_argument("--selector-rank", type=int, default=16)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    train(build_parser().parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""The DFlash2 drafter as a device proposer: checkpoint checks, drafts equal to a dense recomputation,
+lossless greedy and seeded outputs under the engine's features, and the T=1 output distribution."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from dflash_fixtures import drafter_config, random_drafter
+from engine_helpers import dense_model, prompts, tiny_checkpoint
+
+from namazu import LLM, SamplingParams
+from namazu.config import ModelConfig
+from namazu.spec.dflash import DFlashDrafter
+from namazu.spec.dflash_config import DrafterCheckpointError, check_drafter_checkpoint
+from namazu.spec.dflash_proposer import DFlashProposer
+
+K = 3
+
+
+def make_proposer(sample_drafts: bool = True, cls=DFlashProposer, **overrides) -> DFlashProposer:
+    t = ModelConfig.from_pretrained(tiny_checkpoint())
+    return cls(random_drafter(tiny_checkpoint(), **overrides), t.vocab_size, t.hidden_size, t.num_hidden_layers,
+               sample_drafts=sample_drafts)
+
+
+def run(prompt_ids, params, drafter=None, **kw):
+    kw.setdefault("num_speculative_tokens", K if drafter is not None else 0)
+    with LLM(tiny_checkpoint(), executor="inline", drafter=drafter, **kw) as llm:
+        outs = llm.generate(prompt_token_ids=prompt_ids, sampling_params=params, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs], llm.engine.get_stats()
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------
+def test_checkpoint_round_trip(tmp_path):
+    target = tiny_checkpoint()
+    src = random_drafter(target)
+    t = ModelConfig.from_pretrained(target)
+    model = DFlashDrafter.load(src, t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    model.save(tmp_path)
+    again = DFlashDrafter.load(tmp_path, t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(vocab_size=300), "'vocab_size'"),
+    (dict(hidden_size=32, conv_groups=4), "'hidden_size'"),
+    (dict(target_layers=[0, 5]), "'target_layers'"),
+    (dict(mask_token_id=9999), "'mask_token_id'"),
+])
+def test_mismatched_config_is_refused_naming_the_field(tmp_path, change, needle):
+    target = tiny_checkpoint()
+    DFlashDrafter(drafter_config(target, **change)).save(tmp_path)
+    t = ModelConfig.from_pretrained(target)
+    with pytest.raises(DrafterCheckpointError, match=needle):
+        check_drafter_checkpoint(tmp_path, t.vocab_size, t.hidden_size, t.num_hidden_layers)
+
+
+def test_missing_or_misshapen_tensor_is_refused_at_start_up(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_checkpoint()
+    src = random_drafter(target)
+    (tmp_path / "config.json").write_text((__import__("pathlib").Path(src) / "config.json").read_text())
+    weights = load_file(f"{src}/model.safetensors")
+    missing = dict(weights)
+    del missing["layers.1.v_proj.weight"]
+    save_file(missing, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DrafterCheckpointError, match="'layers.1.v_proj.weight' is missing"):
+        LLM(target, executor="inline", speculative_model=str(tmp_path), num_speculative_tokens=K)
+    weights["selector.pred"] = weights["selector.pred"][:, :4].contiguous()
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DrafterCheckpointError, match="'selector.pred' has shape"):
+        LLM(target, executor="inline", speculative_model=str(tmp_path), num_speculative_tokens=K)
+
+
+# -- the drafts themselves ------------------------------------------------------------------------------
+class RecordingProposer(DFlashProposer):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.blocks = []
+
+    def draft_block(self, inp, k):
+        anchor, pos, h, logits = super().draft_block(inp, k)
+        self.blocks.append((list(inp.seq_ids), anchor.tolist(), pos.tolist(), logits.clone()))
+        return anchor, pos, h, logits
+
+
+@pytest.mark.parametrize("engine_kw", [dict(), dict(async_scheduling=True, max_num_batched_tokens=16, max_num_seqs=4)],
+                         ids=["sync", "async-chunked"])
+def test_drafts_equal_a_dense_recomputation(engine_kw):
+    """The paged context cache (extended every step, rejected drafts never visible) gives the block the
+    same context as the drafter run over the target's dense hidden states of the committed tokens."""
+    ps = prompts(3, lo=5, hi=30, seed=11)
+    proposer = make_proposer(cls=RecordingProposer)
+    outs, _ = run(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), proposer, **engine_kw)
+    path = tiny_checkpoint()
+    target = dense_model(path)
+    drafter = proposer.model
+    assert len(proposer.blocks) >= 10
+    for seq_ids, anchors, positions, logits in proposer.blocks:
+        for s, sid in enumerate(seq_ids):
+            full = ps[sid] + outs[sid][0]
+            pos = positions[s]
+            assert full[pos] == anchors[s]
+            with torch.no_grad():
+                _, captured = target(torch.tensor([full[:pos]]), capture_layers=drafter.cfg.target_layers)
+                feat = drafter.fuse({i: h[0] for i, h in captured.items()})
+                ctx = [tuple(t.unsqueeze(0) for t in layer.context_kv(feat, torch.arange(pos)))
+                       for layer in drafter.layers]
+                h = drafter.forward_blocks(torch.tensor([anchors[s]]), torch.tensor([pos]), ctx,
+                                           torch.ones(1, pos, dtype=torch.bool), target.model.embed_tokens.weight)
+                want = h[:, :logits.shape[1]] @ target.lm_head.weight.T
+            torch.testing.assert_close(logits[s], want[0], atol=2e-4, rtol=1e-4)
+
+
+# -- lossless outputs -----------------------------------------------------------------------------------
+SHARED = prompts(1, lo=20, hi=20, seed=3)[0]
+
+
+@pytest.mark.parametrize("engine_kw", [
+    dict(),
+    dict(async_scheduling=True),
+    dict(max_num_batched_tokens=8, max_num_seqs=4),          # chunked prefill mixed with verifies
+    dict(num_kv_blocks=8, block_size=4, max_num_batched_tokens=16, max_num_seqs=4),  # preemption
+], ids=["sync", "async", "chunked", "preemption"])
+def test_greedy_output_identical_to_no_speculation(engine_kw):
+    ps = prompts(5, lo=3, hi=12, seed=5, prefix=SHARED[:8]) + prompts(1, lo=3, hi=12, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base, _ = run(ps, params, **engine_kw)
+    got, stats = run(ps, params, make_proposer(), debug_no_host_sync=True, **engine_kw)
+    assert got == base
+    assert stats.num_draft_tokens > 0
+    hist = stats.acceptance_length_histogram      # index i: i drafts accepted in one verify step
+    assert len(hist) == K + 1 and sum(i * n for i, n in enumerate(hist)) == stats.num_accepted_draft_tokens
+    assert sum(hist) * K >= stats.num_draft_tokens > 0 and stats.drafter_seconds > 0
+    if "num_kv_blocks" in engine_kw:
+        assert stats.num_preemptions > 0
+
+
+def test_seeded_sampling_with_greedy_drafts_is_identical_and_requests_opt_out():
+    """Deterministic drafts at T > 0 are verified against the target's own seeded samples, so outputs equal
+    plain decoding exactly (n > 1, per-request seeds); a request with num_speculative_tokens=0 drafts nothing."""
+    ps = prompts(3, lo=3, hi=12, seed=8)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=21, n=2, max_tokens=10, ignore_eos=True)
+    base, _ = run(ps, params)
+    got, stats = run(ps, params, make_proposer(sample_drafts=False), async_scheduling=True)
+    assert got == base and stats.num_draft_tokens > 0
+    off = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, num_speculative_tokens=0)
+    _, stats = run(ps, off, make_proposer())
+    assert stats.num_draft_tokens == 0
+
+
+# -- T = 1: the output distribution is the target's -----------------------------------------------------
+def _chi2_critical(df: int, z: float = 3.29) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.29: p = 0.9995)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@torch.no_grad()
+def _second_token_distribution(prompt: list[int]) -> np.ndarray:
+    """Exact marginal of output token 2 under the target at T=1: sum_a p(a) p(. | a)."""
+    model = dense_model(tiny_checkpoint())
+    h, _ = model(torch.tensor([prompt]))
+    p1 = model.compute_logits(h[0, -1]).softmax(-1)
+    v = p1.shape[0]
+    rows = torch.tensor([prompt + [a] for a in range(v)])
+    h2, _ = model(rows)
+    p2 = model.compute_logits(h2[:, -1]).softmax(-1)
+    return (p1 @ p2).numpy()
+
+
+@pytest.mark.parametrize("sample_drafts", [True, False], ids=["selector-q", "greedy-drafts"])
+def test_sampling_distribution_equals_the_targets(sample_drafts):
+    prompt = prompts(1, lo=6, hi=6, seed=2)[0]
+    want = _second_token_distribution(prompt)
+    n = 3000
+    params = SamplingParams(temperature=1.0, n=n, max_tokens=3, ignore_eos=True)
+    # Many candidates: q spreads like the (flat) random target's p, so drafts are often accepted and the
+    # acceptance rule shapes a large share of the samples.
+    proposer = make_proposer(sample_drafts=sample_drafts, selector_k=200)
+    got, stats = run([prompt], params, proposer, max_num_seqs=256,
+                     max_num_batched_tokens=2048, seed=1)
+    print("accepted", stats.num_accepted_draft_tokens, "of", stats.num_draft_tokens)
+    assert stats.num_accepted_draft_tokens > 0
+    counts = np.bincount([c[1] for c in got[0]], minlength=len(want)).astype(float)
+    expected = want * n
+    big = expected >= 5      # pool the rare tokens into one bin
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    assert chi2 < _chi2_critical(len(obs) - 1), f"chi2 {chi2:.1f} over {len(obs) - 1} dof"
+
+
+def test_metrics_export_speculation():
+    from server.metrics import ServerMetrics
+
+    stats = {"acceptance_length_histogram": [3, 1, 0, 2], "num_draft_tokens": 18, "num_accepted_draft_tokens": 7,
+             "num_steps": 4, "drafter_seconds": 0.2}
+    text = ServerMetrics(lambda: stats).render().decode()
+    assert 'namazu_spec_acceptance_length_bucket{le="1.0"} 3.0' in text
+    assert 'namazu_spec_acceptance_length_bucket{le="2.0"} 4.0' in text
+    assert 'namazu_spec_acceptance_length_bucket{le="+Inf"} 6.0' in text
+    assert "namazu_spec_acceptance_length_sum 13.0" in text       # 3*1 + 1*2 + 2*4
+    assert "namazu_spec_draft_acceptance_rate 0.3888" in text
+    assert "namazu_spec_drafter_seconds_per_step 0.05" in text
+
+
+def test_flags_and_their_errors():
+    from namazu.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match="--speculative-model"):
+        EngineConfig(speculative_model="x", speculative_method="ngram", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="--capture-shard-bytes"):
+        EngineConfig(capture_shard_bytes="12 parsecs")
+    # num_speculative_tokens=0 turns a configured drafter off: no proposer, no drafts.
+    _, stats = run(prompts(2, seed=1), SamplingParams(temperature=0, max_tokens=4), None,
+                   speculative_model=random_drafter(tiny_checkpoint()), num_speculative_tokens=0)
+    assert stats.num_draft_tokens == 0
