@@ -174,16 +174,16 @@ def _second_token_distribution(prompt: list[int]) -> np.ndarray:
 def test_sampling_distribution_equals_the_targets(sample_drafts):
     prompt = prompts(1, lo=6, hi=6, seed=2)[0]
     want = _second_token_distribution(prompt)
-    n = 3000
-    params = SamplingParams(temperature=1.0, n=n, max_tokens=3, ignore_eos=True)
+    n = 3000          # three requests of n=1000 (a request may have at most 1024 sequences)
+    params = SamplingParams(temperature=1.0, n=1000, max_tokens=3, ignore_eos=True)
     # Many candidates: q spreads like the (flat) random target's p, so drafts are often accepted and the
     # acceptance rule shapes a large share of the samples.
     proposer = make_proposer(sample_drafts=sample_drafts, selector_k=200)
-    got, stats = run([prompt], params, proposer, max_num_seqs=256,
+    got, stats = run([prompt] * 3, params, proposer, max_num_seqs=256,
                      max_num_batched_tokens=2048, seed=1)
     print("accepted", stats.num_accepted_draft_tokens, "of", stats.num_draft_tokens)
     assert stats.num_accepted_draft_tokens > 0
-    counts = np.bincount([c[1] for c in got[0]], minlength=len(want)).astype(float)
+    counts = np.bincount([c[1] for req in got for c in req], minlength=len(want)).astype(float)
     expected = want * n
     big = expected >= 5      # pool the rare tokens into one bin
     obs = np.append(counts[big], counts[~big].sum())

@@ -46,7 +46,8 @@ def test_trainer_learns_and_writes_a_servable_checkpoint(captured, tmp_path):
     fresh = DFlashDrafter(DFlashConfig.load(out))
     target = Target(tiny_checkpoint(), fresh.cfg.target_layers)
     base = acceptance_length(fresh, target, load_examples([str(captured / "heldout")], 512), 4)
-    assert trained > base["greedy"]["mean_acceptance_length"] + 0.2, (trained, base)
+    # Trained: ~1.2 on this rule; labels shifted by one (a broken trainer): ~1.05; untrained: ~1.0.
+    assert trained > base["greedy"]["mean_acceptance_length"] + 0.1, (trained, base)
     # The engine serves it, losslessly.
     ps = prompts(3, lo=4, hi=12, seed=2)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

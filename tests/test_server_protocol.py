@@ -83,12 +83,14 @@ def test_chat_fields():
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, 400,
+     "response_format.type"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools[0]"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, 400, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function", "function": {"name": "g"}},
       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}] * 2},
+     400, "tools[1].function.name"),
 ])
 def test_chat_rejects(body, status, param):
     e = _err(parse_chat, body, 20)
