@@ -138,6 +138,7 @@ class AsyncEngine:
         self._admitted = 0                           # sequences of live generate() calls (event loop)
         # Engine-thread state: requests admitted but not yet in the engine, by group, in arrival order.
         self._pending: OrderedDict[str, deque[_Pending]] = OrderedDict()
+        self._pending_seqs = 0                       # sequences in _pending (read by get_stats from any thread)
         self._in_engine: dict[str, int] = {}         # request id -> sequences, for requests in the engine
         self._thread = threading.Thread(target=self._run, name="namazu-engine", daemon=True)
         self._thread.start()
@@ -167,7 +168,11 @@ class AsyncEngine:
         return self.engine.model_path.name
 
     def get_stats(self) -> EngineStats:
-        return self.engine.get_stats()
+        """The engine's statistics; `num_waiting` also counts the sequences admitted here but not yet
+        handed to the engine (the queue a router or autoscaler must see)."""
+        stats = self.engine.get_stats()
+        stats.num_waiting += max(0, self._pending_seqs)
+        return stats
 
     @property
     def num_admitted_seqs(self) -> int:
@@ -375,6 +380,7 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self._pending.setdefault(payload.group, deque()).append(payload)
+                self._pending_seqs += payload.params.n
             else:
                 self._abort_here(payload)
 
@@ -383,6 +389,7 @@ class AsyncEngine:
             for p in reqs:
                 if p.request_id == rid:
                     reqs.remove(p)
+                    self._pending_seqs -= p.params.n
                     if not reqs:
                         del self._pending[group]
                     return
@@ -398,6 +405,7 @@ class AsyncEngine:
             best = min(self._pending, key=lambda g: self._pending[g][0].priority)   # first among equals
             reqs = self._pending[best]
             p = reqs.popleft()
+            self._pending_seqs -= p.params.n
             del self._pending[best]
             if reqs:
                 self._pending[best] = reqs          # to the back of the round
@@ -445,6 +453,7 @@ class AsyncEngine:
         self._unavailable = f"restarting after a failure: {cause}"
         error = EngineUnavailableError(f"the engine failed while serving this request ({cause}); retry")
         self._pending.clear()
+        self._pending_seqs = 0
         self._in_engine.clear()
         while True:                              # requests queued meanwhile fail the same way
             try:
