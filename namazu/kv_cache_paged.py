@@ -13,6 +13,7 @@ import torch
 
 from namazu.config import ModelConfig
 from namazu.kernels import graph_ops  # noqa: F401  (registers torch.ops.namazu.paged_mla / write_latents)
+from namazu.layers.paged_mla import paged_latent_attention, write_latents
 
 
 def kv_entry_dim(cfg: ModelConfig) -> int:
@@ -57,8 +58,11 @@ class PagedAttentionContext:
     def attend(self, layer, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
                k_pe: torch.Tensor) -> torch.Tensor:
         kv = self.cache.kv[layer.layer_idx]
-        torch.ops.namazu.write_latents(kv, self.meta.slot_mapping, c_kv, k_pe)
         m = self.meta
-        o_lat = torch.ops.namazu.paged_mla(layer.absorb_q(q_nope), q_pe, kv, m.block_tables, m.q_index, m.q_pos,
-                                           m.out_index, layer.kv_lora_rank, layer.softmax_scale)
+        # The custom ops only while torch.compile traces: their dispatch costs a lot per eager call.
+        tracing = torch.compiler.is_compiling()
+        (torch.ops.namazu.write_latents if tracing else write_latents)(kv, m.slot_mapping, c_kv, k_pe)
+        o_lat = (torch.ops.namazu.paged_mla if tracing else paged_latent_attention)(
+            layer.absorb_q(q_nope), q_pe, kv, m.block_tables, m.q_index, m.q_pos, m.out_index, layer.kv_lora_rank,
+            layer.softmax_scale)
         return layer.absorb_out(o_lat)

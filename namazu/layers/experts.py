@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from namazu.kernels import graph_ops  # noqa: F401  (registers torch.ops.namazu.moe_grouped_mm)
+from namazu.kernels import graph_ops  # also registers torch.ops.namazu.moe_grouped_mm for graph mode
 from namazu.kernels.moe_types import PROJS, MoERuntime, sort_by_expert
 from namazu.layers.weight_loading import Loaded, TPShard, load_shard
 
@@ -148,7 +148,9 @@ class TorchExperts(RoutedExperts):
         """Inference: pairs sorted by expert, one grouped GEMM per projection driven by device-side offsets
         (each expert's weights read once, static shapes, no host sync). A custom op (kernels/graph_ops.py),
         so graph mode traces through it."""
-        return torch.ops.namazu.moe_grouped_mm(x, topk_ids, topk_weights, self.w13, self.w2)
+        if torch.compiler.is_compiling():
+            return torch.ops.namazu.moe_grouped_mm(x, topk_ids, topk_weights, self.w13, self.w2)
+        return graph_ops.moe_grouped_mm_eager(x, topk_ids, topk_weights, self.w13, self.w2)
 
     @torch.no_grad()
     def _forward_gathered(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
