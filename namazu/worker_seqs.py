@@ -62,39 +62,42 @@ class WorkerSeqTable:
 
     def prepare(self, b: StepBatch, block_size: int, buffer_width: int, available: dict[int, int]
                 ) -> PreparedStep:
-        """Fills pending inputs, applies async corrections in place, and returns what the runner needs.
-        `available[slot]` is how many drafts the buffer holds for a slot."""
+        """Applies async corrections in place, records the step's known inputs, and returns what the
+        runner needs. `available[slot]` is how many drafts the buffer holds for a slot."""
         self.forget(b.finished_seq_ids)
         a, sq = b.attn, b.seqs
+        # Python lists once: per-element numpy access would dominate a small step's host time.
+        seq_ids, prompt_lens = sq.seq_ids.tolist(), sq.prompt_lens.tolist()
+        num_new, num_drafts, assumed = sq.num_new.tolist(), sq.num_drafts.tolist(), sq.assumed_drafts.tolist()
+        inputs = a.input_ids.tolist()
+        positions = a.positions
         flat0 = 0
         draft_flat: list[int] = []
         draft_src: list[int] = []
-        first_row_pos = np.zeros(len(sq.seq_ids), dtype=np.int64)
-        deltas = np.zeros(len(sq.seq_ids), dtype=np.int64)
-        actual = np.zeros(len(sq.seq_ids), dtype=np.int64)
-        for i in range(len(sq.seq_ids)):
-            ws = self._get(int(sq.seq_ids[i]), int(sq.prompt_lens[i]))
-            new, k = int(sq.num_new[i]), int(sq.num_drafts[i])
+        count = len(seq_ids)
+        first_row_pos = [0] * count
+        deltas = [0] * count
+        actual = [0] * count
+        for i in range(count):
+            ws = self._get(seq_ids[i], prompt_lens[i])
+            new, k = num_new[i], num_drafts[i]
             n = new + k
-            delta = 0
-            if sq.assumed_drafts[i]:
-                if int(sq.assumed_drafts[i]) != ws.last_planned:
-                    raise AssertionError(f"seq {sq.seq_ids[i]}: plan assumed {sq.assumed_drafts[i]} drafts, "
+            if assumed[i]:
+                if assumed[i] != ws.last_planned:
+                    raise AssertionError(f"seq {seq_ids[i]}: plan assumed {assumed[i]} drafts, "
                                          f"its last verify had {ws.last_planned}")
-                delta = ws.last_planned - ws.last_accepted
-            deltas[i] = delta
-            if delta:
-                a.positions[flat0:flat0 + n] -= delta
-                row = a.q_pos[i]
-                row[row >= 0] -= delta
-            start = int(a.positions[flat0]) if n else 0
+                deltas[i] = delta = ws.last_planned - ws.last_accepted
+                if delta:
+                    positions[flat0:flat0 + n] -= delta
+                    row = a.q_pos[i]
+                    row[row >= 0] -= delta
+            start = int(positions[flat0]) if n else 0
             del ws.tokens[start:]   # anything past the first position computed now is superseded
-            for j in range(new):
-                v = int(a.input_ids[flat0 + j])
-                if v == PENDING:
-                    raise AssertionError(f"seq {sq.seq_ids[i]}: pending input at position {start + j} "
-                                         f"the worker never saw")
-                ws.tokens.append(v)
+            known = inputs[flat0:flat0 + new]
+            if PENDING in known:
+                raise AssertionError(f"seq {seq_ids[i]}: pending input at position {start + known.index(PENDING)} "
+                                     "the worker never saw")
+            ws.tokens.extend(known)
             if k:
                 have = available.get(ws.slot, 0)
                 actual[i] = min(k, have)
@@ -104,41 +107,49 @@ class WorkerSeqTable:
                     draft_src.append(ws.slot * buffer_width + j if j < have else 0)
             first_row_pos[i] = start + new - 1
             flat0 += n
-        slot_mapping = _slot_mapping(a.positions, a.block_tables, a.out_index, a.q_index.shape[1], block_size)
-        samplers = b.spec.batch_index
+        slot_mapping = _slot_mapping(positions, a.block_tables, a.out_index, a.q_index.shape[1], block_size)
+        samplers = b.spec.batch_index.tolist()
         for s, i in enumerate(samplers):
             if deltas[i]:   # sampler counters (output indices) move back with the positions
                 b.sampling.counters[np.unique(b.spec.row_layout[s])] -= deltas[i]
-        seqs = [self.seqs[int(sq.seq_ids[i])] for i in samplers]
-        slots = np.asarray([ws.slot for ws in seqs], dtype=np.int64)
-        return PreparedStep(slot_mapping, slots, np.asarray(draft_flat, dtype=np.int64),
-                            np.asarray(draft_src, dtype=np.int64), actual[samplers],
-                            [ws.tokens for ws in seqs], first_row_pos[samplers])
+        seqs = [self.seqs[seq_ids[i]] for i in samplers]
+        return PreparedStep(slot_mapping, np.asarray([ws.slot for ws in seqs], dtype=np.int64),
+                            np.asarray(draft_flat, dtype=np.int64), np.asarray(draft_src, dtype=np.int64),
+                            np.asarray([actual[i] for i in samplers], dtype=np.int64),
+                            [ws.tokens for ws in seqs], np.asarray([first_row_pos[i] for i in samplers],
+                                                                   dtype=np.int64))
 
     def fill_pending(self, b: StepBatch) -> None:
         """Replaces PENDING inputs (the last sampled token of a decode) with the worker's value. Runs
         before `prepare`, which then treats every new input as known."""
         a, sq = b.attn, b.seqs
-        flat0 = 0
-        for i in range(len(sq.seq_ids)):
-            new, k = int(sq.num_new[i]), int(sq.num_drafts[i])
-            for j in range(new):
-                if a.input_ids[flat0 + j] == PENDING:
-                    ws = self.seqs.get(int(sq.seq_ids[i]))
-                    if ws is None or not ws.tokens:
-                        raise AssertionError(f"seq {sq.seq_ids[i]}: pending input but no sampled token")
-                    a.input_ids[flat0 + j] = ws.tokens[-1]
-            flat0 += new + k
+        pending = np.flatnonzero(a.input_ids == PENDING)
+        if not len(pending):
+            return
+        # Which sequence each flat token belongs to, and whether it is one of its known (non-draft) inputs.
+        n_per = sq.num_new + sq.num_drafts
+        owner = np.repeat(np.arange(len(n_per)), n_per)
+        offset = np.arange(len(owner)) - np.repeat(np.cumsum(n_per) - n_per, n_per)
+        seq_ids = sq.seq_ids.tolist()
+        for f in pending.tolist():
+            i = int(owner[f])
+            if offset[f] >= sq.num_new[i]:
+                continue        # a draft position: filled from the draft buffer on the device
+            ws = self.seqs.get(seq_ids[i])
+            if ws is None or not ws.tokens:
+                raise AssertionError(f"seq {seq_ids[i]}: pending input but no sampled token")
+            a.input_ids[f] = ws.tokens[-1]
 
     def record(self, b: StepBatch, prep: PreparedStep, tokens: np.ndarray, accepted: np.ndarray) -> None:
         """After the step: each sampling sequence's emitted tokens join its history."""
-        sq = b.seqs
-        for s, i in enumerate(b.spec.batch_index):
-            ws = self.seqs[int(sq.seq_ids[i])]
-            n = int(accepted[s])
-            del ws.tokens[int(prep.verify_from[s]) + 1:]
-            ws.tokens.extend(int(t) for t in tokens[s, :n + 1])
-            ws.last_planned, ws.last_accepted = int(sq.num_drafts[i]), n
+        seq_ids, planned = b.seqs.seq_ids.tolist(), b.seqs.num_drafts.tolist()
+        rows, acc, frm = tokens.tolist(), accepted.tolist(), prep.verify_from.tolist()
+        for s, i in enumerate(b.spec.batch_index.tolist()):
+            ws = self.seqs[seq_ids[i]]
+            n = acc[s]
+            del ws.tokens[frm[s] + 1:]
+            ws.tokens.extend(rows[s][:n + 1])
+            ws.last_planned, ws.last_accepted = planned[i], n
 
 
 def _slot_mapping(positions: np.ndarray, tables: np.ndarray, out_index: np.ndarray, tq: int,
