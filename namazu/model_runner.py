@@ -91,6 +91,8 @@ class ModelRunner:
         self.num_speculative_tokens = config.num_speculative_tokens if proposer is not None else 0
         self.drafts = DraftBuffer(self.num_speculative_tokens, self.model_config.vocab_size, self.device)
         self.seqs = WorkerSeqTable()
+        self._empty_i = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._empty_f = torch.zeros(0, device=self.device)
         # Per-step timestamps for bench/step_profile.py: a list turns recording on (None: off, free).
         self.profile: list[StepTiming] | None = None
         self.graphs: StepGraphs | None = None
@@ -244,9 +246,12 @@ class ModelRunner:
         meta = PagedAttentionMetadata(slot_mapping=T(prep.slot_mapping), block_tables=T(a.block_tables),
                                       q_index=T(a.q_index), q_pos=T(a.q_pos), out_index=T(a.out_index))
         input_ids, positions, logit_rows = T(a.input_ids), T(a.positions), T(a.logit_rows)
-        row_layout, num_drafts = T(b.spec.row_layout), T(prep.num_drafts)
+        row_layout = T(b.spec.row_layout)
         plp_rows, plp_targets = T(b.prompt_lp.rows), T(b.prompt_lp.targets)
-        draft_flat, draft_src = T(prep.draft_flat), T(prep.draft_src)
+        has_drafts = len(prep.draft_flat) > 0
+        # Speculation-only inputs cost a host-to-device copy each: built only when the step verifies.
+        num_drafts = T(prep.num_drafts) if b.spec.max_drafts else None
+        draft_flat, draft_src = (T(prep.draft_flat), T(prep.draft_src)) if has_drafts else (None, None)
         want_hidden = self.proposer.hidden_layers if self.proposer is not None and self.proposer.on_device else ()
         layout = self._graph_layout(b, prep)
         if layout is not None:
@@ -263,7 +268,7 @@ class ModelRunner:
         with no_host_sync(self.config.debug_no_host_sync):
             st = self._sampling_tensors(b, prep)
             k = b.spec.max_drafts
-            drafts_in = self.drafts.ids.view(-1)[draft_src] if len(prep.draft_flat) else None
+            drafts_in = self.drafts.ids.view(-1)[draft_src] if has_drafts else None
             if layout is not None:
                 # Graph mode: the entry's buffers hold the step (padded rows); drafts go in place.
                 if drafts_in is not None:
@@ -277,8 +282,10 @@ class ModelRunner:
                 with forward_context(PagedAttentionContext(self.cache, meta)):
                     hidden, captured = self.model(input_ids, positions, capture_layers=want_hidden)
             tokens = accepted = None
-            where = dict(positions=positions, slot_mapping=meta.slot_mapping, block_tables=meta.block_tables,
-                         batch_index=T(b.spec.batch_index))
+            where = None
+            if self.proposer is not None and self.proposer.on_device:
+                where = dict(positions=positions, slot_mapping=meta.slot_mapping, block_tables=meta.block_tables,
+                             batch_index=T(b.spec.batch_index))
             if hasattr(self.proposer, "extend_context"):
                 self.proposer.extend_context(self._proposer_input(b, hidden, captured, None, None, None, where))
             if len(a.logit_rows):
@@ -288,6 +295,7 @@ class ModelRunner:
                 target = sample_from_processed(processed, st)[row_layout]         # [S, K+1]
                 if k == 0:
                     tokens, accepted = target, torch.zeros_like(target[:, 0])
+                    num_drafts = accepted
                 else:
                     # Draft j of a sequence is the input right after its first sampled row, plus j.
                     at = logit_rows[row_layout[:, :1]] + 1 + torch.arange(k, device=self.device)
@@ -323,8 +331,7 @@ class ModelRunner:
                 values["prompt_logprobs"] = lp
                 if top_ids is not None:
                     values.update(prompt_top_ids=top_ids, prompt_top_logprobs=top_lp)
-            flat_i, flat_f = pack(b, values, torch.cat, torch.zeros(0, dtype=torch.long, device=self.device),
-                                  torch.zeros(0, device=self.device))
+            flat_i, flat_f = pack(b, values, torch.cat, self._empty_i, self._empty_f)
             flat_f = flat_f.float()
         if events is not None:
             events[1].record()
