@@ -39,15 +39,18 @@ async def ask(client: httpx.AsyncClient, model: str, p, temperature: float, max_
     if not stream:
         r = await client.post("/v1/chat/completions", json=body)
         r.raise_for_status()
-        msg = r.json()["choices"][0]["message"]
-        return {"content": msg.get("content"), "tool_calls": msg.get("tool_calls") or []}
-    content, calls = [], {}
+        choice = r.json()["choices"][0]
+        msg = choice["message"]
+        return {"content": msg.get("content"), "tool_calls": msg.get("tool_calls") or [],
+                "finish_reason": choice["finish_reason"]}
+    content, calls, finish = [], {}, None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             for c in json.loads(line[6:]).get("choices", []):
+                finish = c.get("finish_reason") or finish
                 delta = c.get("delta") or {}
                 content.append(delta.get("content") or "")
                 for d in delta.get("tool_calls") or []:
@@ -58,12 +61,16 @@ async def ask(client: httpx.AsyncClient, model: str, p, temperature: float, max_
                     call["function"]["name"] = fn.get("name") or call["function"]["name"]
                     call["function"]["arguments"] += fn.get("arguments") or ""
     text = "".join(content)
-    return {"content": text if text or not calls else None, "tool_calls": [calls[i] for i in sorted(calls)]}
+    return {"content": text if text or not calls else None, "tool_calls": [calls[i] for i in sorted(calls)],
+            "finish_reason": finish}
 
 
 def score(prompts: list, answers: list[dict]) -> dict:
-    with_call = calls = declared = parsed = valid = right = 0
+    with_call = calls = declared = parsed = valid = right = cut = 0
     for p, a in zip(prompts, answers):
+        if a["finish_reason"] == "length":
+            cut += 1            # max_tokens ended the answer: a call in it is incomplete, not invalid
+            continue
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in p.tools}
         with_call += bool(a["tool_calls"])
         for c in a["tool_calls"]:
@@ -84,7 +91,7 @@ def score(prompts: list, answers: list[dict]) -> dict:
             except jsonschema.ValidationError:
                 pass
     n = len(prompts)
-    return {"prompts": n, "trigger_rate": with_call / n, "calls": calls,
+    return {"prompts": n, "cut_off": cut, "trigger_rate": with_call / max(n - cut, 1), "calls": calls,
             "declared_tool": declared / calls if calls else 0.0, "json_parses": parsed / calls if calls else 0.0,
             "schema_valid": valid / calls if calls else 0.0, "invalid_calls": calls - valid,
             "right_tool": right / calls if calls else 0.0}
@@ -142,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
             proc.terminate()
             proc.wait(timeout=30)
     measures = [("prompts (held-out schemas)", lambda s, k, m: f"{s['prompts']}"),
+                ("cut off by max_tokens (not scored)", lambda s, k, m: f"{s['cut_off']}"),
                 ("answered with tool_calls", lambda s, k, m: f"{s['trigger_rate']:.1%}"),
                 ("tool calls", lambda s, k, m: f"{s['calls']}"),
                 ("naming a declared tool", lambda s, k, m: f"{s['declared_tool']:.1%}"),
@@ -162,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
         section = "\n".join(["## Tool calls through the API (`make bench-tools`)", "",
                              f"Command: `{command.strip()}`; temperature {args.temperature}; Kimi-K2 tool-call "
                              "sections generated under namazu's tool-call grammar and parsed by the server into "
-                             "`tool_calls`. JSON and schema validity are counted over all calls.", "", table])
+                             "`tool_calls`. JSON and schema validity are counted over the calls of answers that "
+                             "ended by themselves; answers cut off by max_tokens are counted apart (their last "
+                             "call is incomplete by construction).", "", table])
         path = Path(args.results)
         write_section(START, END, section, path)
         print(f"\nwrote {path}")
