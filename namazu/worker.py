@@ -13,6 +13,7 @@ executor's next wait (or `check_health`) within seconds, with a message naming t
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import multiprocessing as mp
@@ -103,43 +104,54 @@ class WorkerError(RuntimeError):
 WorkerSetup = Callable[[Worker], None]
 
 
-class Executor:
+class Executor(abc.ABC):
+    """What the engine drives: every method without a body here is each executor's own."""
+
     world_size: int = 1
 
+    @abc.abstractmethod
     def infos(self) -> list[WorkerInfo]:
         """Every rank's info, in rank order."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Every rank allocates `num_blocks` KV blocks (the engine passes the minimum over ranks)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def submit(self, batch: StepBatch) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def collect(self) -> StepResult:
-        raise NotImplementedError
+        ...
 
     def execute(self, batch: StepBatch) -> StepResult:
         self.submit(batch)
         return self.collect()
 
+    @abc.abstractmethod
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """`fn(worker, *args)` on every rank; the answers in rank order."""
-        raise NotImplementedError
+        ...
 
     def check_health(self) -> None:
-        """Raises WorkerError when a rank is dead or hung."""
+        """Raises WorkerError when a rank is dead or hung (an in-process rank cannot be: nothing to do)."""
+        return None
 
+    @abc.abstractmethod
     def start_profile(self) -> None:
         """Rank 0 records every step's timestamps (model_runner.StepTiming) until `stop_profile`."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def stop_profile(self) -> list:
-        raise NotImplementedError
+        ...
 
     def close(self) -> None:
-        pass
+        """Ends the workers (an in-process rank ends with the engine: nothing to do)."""
+        return None
 
     def failure(self) -> str | None:
         """Why a worker cannot serve (e.g. its process died), or None while all are alive."""
@@ -147,6 +159,7 @@ class Executor:
 
     def kill(self) -> None:
         """Ends the workers at once (a hung step); in-process workers cannot be."""
+        return None
 
     def ping(self, timeout: float) -> bool:
         """Whether every worker answers a no-op within `timeout` seconds (call between steps only)."""

@@ -103,7 +103,7 @@ class DraftBuffer:
         """Stores one step's proposal; returns the number of drafts per sequence (host)."""
         self.ensure(int(slots.max()) + 1 if len(slots) else 0)
         if isinstance(proposal.ids, torch.Tensor):
-            raise NotImplementedError("device proposals are written by write_device")
+            raise TypeError("a device proposal (tensor ids) is stored with write_device, not write")
         counts = np.zeros(len(slots), dtype=np.int64)
         rows, cols, vals = [], [], []
         for s, (slot, ids) in enumerate(zip(slots.tolist(), proposal.ids)):

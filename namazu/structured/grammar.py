@@ -12,6 +12,7 @@ token is still on the device (async scheduling) by accepting a placeholder for i
 """
 from __future__ import annotations
 
+import abc
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -44,15 +45,17 @@ class Grammar(Protocol):
         ...
 
 
-class StepwiseGrammar:
+class StepwiseGrammar(abc.ABC):
     """`accept_tokens` and `validate_tokens` for grammars that take one token at a time and can roll
     back (an xgrammar matcher, the tool-call state machine): subclasses give `_accept_one` and `rollback`."""
 
+    @abc.abstractmethod
     def _accept_one(self, token: int) -> bool:
-        raise NotImplementedError
+        """Advances over one token; False (and no change) if it is not allowed."""
 
+    @abc.abstractmethod
     def rollback(self, num_tokens: int) -> None:
-        raise NotImplementedError
+        """Undoes the last `num_tokens` accepted tokens."""
 
     def accept_tokens(self, tokens: list[int]) -> bool:
         n = 0
