@@ -1,6 +1,7 @@
 """Structure the engine relies on: KV blocks planned on every rank with the minimum allocated, the
 result declaration driving both packing and unpacking, and no empty packages."""
 import dataclasses
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +73,36 @@ def test_result_declaration_round_trips():
         for name, t in values.items():
             assert np.array_equal(getattr(res, name), t.numpy()), name
         assert ("logprobs" in values) == with_lp and "prompt_logprobs" in values
+
+
+def _fields_equal(x, y, where: str) -> None:
+    for f in dataclasses.fields(x):
+        a, b = getattr(x, f.name), getattr(y, f.name)
+        if isinstance(a, np.ndarray):
+            assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, f"{where}.{f.name}"
+            assert np.array_equal(a, b), f"{where}.{f.name}"
+        else:
+            assert a == b, f"{where}.{f.name}"
+
+
+def test_step_batch_pickles_as_one_blob_and_round_trips():
+    """What crosses the process boundary: every part's every field comes back equal (dtype, shape,
+    values; scalars and None too), the arrays writable (the worker corrects them in place), and the
+    arrays travel as one blob rather than one pickled array each."""
+    for with_lp in (False, True):
+        batch = _batch(with_lp)
+        rows = len(batch.sampling.temperature)
+        batch.sampling.bitmask = np.arange(2 * rows, dtype=np.int32).reshape(rows, 2)
+        batch.finished_seq_ids = [7, 9]
+        raw = pickle.dumps(batch)
+        assert b"ndarray" not in raw, "arrays pickled one by one"
+        back = pickle.loads(raw)
+        for part in ("attn", "seqs", "sampling", "spec", "prompt_lp"):
+            _fields_equal(getattr(batch, part), getattr(back, part), part)
+        assert back.finished_seq_ids == [7, 9]
+        back.attn.positions[:] -= 1
+        back.sampling.counters[:] += 1
+        assert back.attn.positions.flags.aligned and back.sampling.temperature.flags.aligned
 
 
 def test_no_empty_packages():
