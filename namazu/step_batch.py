@@ -13,8 +13,8 @@ say that they need the history, not the history itself.
 `RESULT_FIELDS` is the one declaration of the result: the runner packs the device tensors in that
 order into one int64 and one float32 tensor (one device -> host copy), `unpack` reads them back.
 
-A StepBatch pickles as one byte blob holding every array plus a small tuple of the other values
-(`__reduce__`): pickling two dozen small numpy arrays one by one cost about 250 us per step in
+A StepBatch (and a StepResult) pickles as one byte blob holding every array plus a small tuple of
+the other values (`__reduce__`): pickling two dozen small numpy arrays one by one cost about 250 us per step in
 pickle and unpickle, a twentieth of a batch-1 decode step of namazu-tiny.
 """
 from __future__ import annotations
@@ -122,17 +122,25 @@ class StepBatch:
 
 
 _PARTS = (AttentionInputs, SeqInputs, SamplingInputs, SpecInputs, PromptLogprobInputs)
-_PART_FIELDS = tuple(tuple(f.name for f in dataclasses.fields(cls)) for cls in _PARTS)
 _ALIGN = 8   # every array starts 8-byte aligned in the blob (unaligned views are slow to compute on)
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
-def _encode_batch(b: StepBatch) -> tuple:
-    """(values with arrays replaced by their index, [(array index, dtype, shape)], blob)."""
+def _names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+def _encode(parts: tuple) -> tuple:
+    """The fields of dataclass instances `parts` as (values with every array replaced by None,
+    [(value index, dtype, shape)], one blob of the arrays' bytes)."""
     values: list = []
     arrays: list[tuple[int, str, tuple[int, ...]]] = []
     chunks: list[bytes] = []
-    for part, names in zip((b.attn, b.seqs, b.sampling, b.spec, b.prompt_lp), _PART_FIELDS):
-        for name in names:
+    for part in parts:
+        for name in _names(type(part)):
             v = getattr(part, name)
             if isinstance(v, np.ndarray):
                 arrays.append((len(values), v.dtype.str, v.shape))
@@ -140,10 +148,10 @@ def _encode_batch(b: StepBatch) -> tuple:
                 chunks.append(raw + bytes(-len(raw) % _ALIGN))
                 v = None
             values.append(v)
-    return tuple(values), tuple(arrays), b"".join(chunks), b.finished_seq_ids
+    return tuple(values), tuple(arrays), b"".join(chunks)
 
 
-def _decode_batch(values: tuple, arrays: tuple, blob: bytes, finished_seq_ids: list[int]) -> StepBatch:
+def _decode(classes: tuple[type, ...], values: tuple, arrays: tuple, blob: bytes) -> list:
     values = list(values)
     # A bytearray, so that the arrays are writable: the worker corrects positions and fills inputs in place.
     raw = np.frombuffer(bytearray(blob), dtype=np.uint8)
@@ -153,12 +161,24 @@ def _decode_batch(values: tuple, arrays: tuple, blob: bytes, finished_seq_ids: l
         n = math.prod(shape) * dt.itemsize
         values[i] = raw[offset:offset + n].view(dt).reshape(shape)
         offset += n + (-n % _ALIGN)
-    parts = []
-    start = 0
-    for cls, names in zip(_PARTS, _PART_FIELDS):
-        parts.append(cls(*values[start:start + len(names)]))
-        start += len(names)
-    return StepBatch(*parts, finished_seq_ids=finished_seq_ids)
+    parts, start = [], 0
+    for cls in classes:
+        n = len(_names(cls))
+        parts.append(cls(*values[start:start + n]))
+        start += n
+    return parts
+
+
+def _encode_batch(b: StepBatch) -> tuple:
+    return (*_encode((b.attn, b.seqs, b.sampling, b.spec, b.prompt_lp)), b.finished_seq_ids)
+
+
+def _decode_batch(values: tuple, arrays: tuple, blob: bytes, finished_seq_ids: list[int]) -> StepBatch:
+    return StepBatch(*_decode(_PARTS, values, arrays, blob), finished_seq_ids=finished_seq_ids)
+
+
+def _decode_result(values: tuple, arrays: tuple, blob: bytes) -> StepResult:
+    return _decode((StepResult,), values, arrays, blob)[0]
 
 
 @dataclass
@@ -176,6 +196,9 @@ class StepResult:
     next_num_drafts: np.ndarray | None = None   # [S]
     next_draft_ids: list[list[int]] | np.ndarray | None = None   # [S][k_s], only where spec.return_drafts
     drafter_seconds: float = 0.0                # the proposer's wall time in this step (host clock)
+
+    def __reduce__(self):
+        return _decode_result, _encode((self,))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from namazu.engine import LLMEngine
 from namazu.engine_config import EngineConfig
 from namazu.scheduler.scheduler import ScheduledSeq
 from namazu.scheduler.sequence import Sequence
-from namazu.step_batch import RESULT_FIELDS, pack, unpack
+from namazu.step_batch import RESULT_FIELDS, StepResult, pack, unpack
 from namazu.worker import InlineExecutor
 
 
@@ -86,7 +86,7 @@ def _fields_equal(x, y, where: str) -> None:
 
 
 def test_step_batch_pickles_as_one_blob_and_round_trips():
-    """What crosses the process boundary: every part's every field comes back equal (dtype, shape,
+    """What crosses the process boundary, both ways: every part's every field comes back equal (dtype, shape,
     values; scalars and None too), the arrays writable (the worker corrects them in place), and the
     arrays travel as one blob rather than one pickled array each."""
     for with_lp in (False, True):
@@ -103,6 +103,12 @@ def test_step_batch_pickles_as_one_blob_and_round_trips():
         back.attn.positions[:] -= 1
         back.sampling.counters[:] += 1
         assert back.attn.positions.flags.aligned and back.sampling.temperature.flags.aligned
+    res = StepResult(tokens=np.arange(6).reshape(2, 3), accepted=np.array([2, 0]), num_drafts=np.array([2, 2]),
+                     logprobs=np.linspace(-3, 0, 6, dtype=np.float32).reshape(2, 3), next_draft_ids=[[5, 6], []],
+                     drafter_seconds=0.25)
+    raw = pickle.dumps(res)
+    assert b"ndarray" not in raw
+    _fields_equal(res, pickle.loads(raw), "result")
 
 
 def test_no_empty_packages():
