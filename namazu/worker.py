@@ -351,7 +351,7 @@ class MultiprocExecutor(Executor):
         """The message for an error reported by `rank`. When a peer dies, the survivors' collectives fail
         too ("connection closed by peer"), often before the engine sees the death; the dead rank is the
         one to name, so wait briefly for a sentinel before blaming the reporter."""
-        mp_connection.wait([p.sentinel for p in self.procs], timeout=1.0)
+        mp_connection.wait([p.sentinel for p in self.procs], timeout=3.0)
         problem = self._problem()
         # A rank that reported its error and returned exits with 0: that is not a death to blame.
         if problem is not None and not any(p.exitcode == 0 for p in self.procs):
