@@ -17,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
+import time
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+import server.ray_serve.decisions as decisions
 from namazu.scheduler.kv_events import PromptHasher
 from server.ray_serve.asgi_bridge import asgi_stream
 
@@ -43,6 +46,7 @@ class NamazuEngine:
         self.app = build_app(self.engine, served_model_name=served_model_name, api_key=api_key)
         self.api_key = api_key
         self._warm_up()
+        self.warm_at = time.time()      # wall clock: the ingress compares it with its first routing here
         logger.info("namazu replica %s warm", self.engine.replica_id)
 
     def _warm_up(self) -> None:
@@ -77,6 +81,7 @@ class NamazuEngine:
         log = self.engine.engine.kv_events
         stats = self.engine.get_stats()
         return {"replica_id": log.replica_id, "last_id": log.last_id, "hashes": sorted(log.stored_hashes()),
+                "pid": os.getpid(), "warm_at": self.warm_at,
                 "num_waiting": stats.num_waiting, "num_running": stats.num_running,
                 "active_kv_blocks": round(stats.kv_cache_usage * stats.num_kv_blocks)}
 
@@ -125,36 +130,48 @@ class NamazuIngress:
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
-            return Response(_router_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+            return Response(decisions.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        if path == "/router/state" and request.method == "GET":
+            return JSONResponse(decisions.snapshot())
         raw = await request.body()
         info = self._route_info(path, raw) if request.method == "POST" and path in GENERATION_PATHS else {}
         last_error: BaseException | None = None
         for _ in range(MAX_ATTEMPTS):
             stream = self.engine.options(stream=True).handle.remote(
                 request.method, path, raw, request.url.query, info)
+            # Nothing reaches the client before the first body bytes (a stream's head comes before its
+            # first token), so until then a failed replica is retried on another.
+            head: dict[str, Any] | None = None
             try:
-                head = await stream.__anext__()    # nothing was sent to the client yet: safe to retry
+                head = await stream.__anext__()
+                first = await stream.__anext__()
             except StopAsyncIteration:
-                return JSONResponse({"error": {"message": "the replica sent no response"}}, status_code=502)
+                if head is None:
+                    return JSONResponse({"error": {"message": "the replica sent no response"}}, status_code=502)
+                first = b""              # a response without a body
             except Exception as e:                 # replica died or was stopped: try another
                 last_error = e
+                stream.cancel()
                 logger.warning("request to a namazu replica failed before its first byte; retrying: %s", e)
                 continue
             headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length",)}
-            return StreamingResponse(_relay(stream), status_code=head["status"], headers=headers)
+            sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in head["headers"])
+            return StreamingResponse(_relay(stream, first, sse), status_code=head["status"], headers=headers)
         return JSONResponse({"error": {"message": f"no replica could serve the request: {last_error}",
                                        "type": "router_error", "code": "no_replica"}}, status_code=503)
 
 
-async def _relay(stream: Any) -> Any:
+async def _relay(stream: Any, first: bytes, sse: bool) -> Any:
     try:
+        yield first
         async for chunk in stream:
             yield chunk
+    except Exception as e:   # the replica died mid-stream: the client has tokens, so end it in band
+        if not sse:
+            raise
+        logger.warning("a namazu replica failed mid-stream: %s", e)
+        err = {"error": {"message": f"the replica failed mid-stream ({type(e).__name__}); the tokens above are "
+                                    "all there is", "type": "router_error", "param": None, "code": "replica_failed"}}
+        yield f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
     finally:
         stream.cancel()      # a client that left cancels the replica's generator, which aborts the request
-
-
-def _router_metrics() -> bytes:
-    from server.ray_serve.decisions import render
-
-    return render()
