@@ -109,17 +109,17 @@ class Router:
             self.metrics.matched_blocks.inc(chosen.cached_blocks)
             # What the request adds to the replica's KV: its blocks the replica does not hold yet (a cached
             # prefix is shared, not copied).
-            replica.opened(hashes, max(1, prompt_blocks - chosen.cached_blocks))
+            ticket = replica.opened(hashes, max(1, prompt_blocks - chosen.cached_blocks), prompt_blocks)
             try:
-                return await self._send(request, replica, path, raw, prompt_blocks)
+                return await self._send(request, replica, path, raw, ticket)
             except _Retry as e:
-                replica.closed(prompt_blocks)
+                replica.closed(ticket)
                 self.pool.mark_failed(replica, str(e))
                 self.metrics.retries.labels(replica.url).inc()
                 tried.add(replica.url)
                 logger.warning("request re-routed: %s", e)
 
-    async def _send(self, request: Request, replica: Replica, path: str, raw: bytes, blocks: int) -> Response:
+    async def _send(self, request: Request, replica: Replica, path: str, raw: bytes, ticket: int) -> Response:
         headers = {"content-type": "application/json", **self.replica_headers}
         upstream_req = self.client.build_request("POST", replica.url + path, content=raw, headers=headers,
                                                  timeout=httpx.Timeout(None, connect=5.0))
@@ -128,7 +128,7 @@ class Router:
         except httpx.TransportError as e:
             raise _Retry(f"{replica.url}: {type(e).__name__}: {e}") from None
         if upstream is None:                     # the client left before the replica answered
-            replica.closed(blocks)
+            replica.closed(ticket)
             return Response(status_code=499)
         if upstream.status_code == 503:
             await upstream.aclose()
@@ -142,7 +142,7 @@ class Router:
                 await upstream.aclose()
                 raise _Retry(f"{replica.url} dropped the request: {type(e).__name__}: {e}") from None
             await upstream.aclose()
-            replica.closed(blocks)
+            replica.closed(ticket)
             if content is None:
                 return Response(status_code=499)
             return Response(content, status_code=upstream.status_code, headers=out_headers)
@@ -154,12 +154,12 @@ class Router:
             raise _Retry(f"{replica.url} dropped the stream before its first byte: {type(e).__name__}") from None
         if first is None:
             await upstream.aclose()
-            replica.closed(blocks)
+            replica.closed(ticket)
             return Response(status_code=499)
-        return StreamingResponse(self._relay(replica, blocks, upstream, first, chunks),
+        return StreamingResponse(self._relay(replica, ticket, upstream, first, chunks),
                                  status_code=upstream.status_code, headers=out_headers)
 
-    async def _relay(self, replica: Replica, blocks: int, upstream: httpx.Response, first: bytes,
+    async def _relay(self, replica: Replica, ticket: int, upstream: httpx.Response, first: bytes,
                      chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         try:
             yield first
@@ -174,7 +174,7 @@ class Router:
         finally:
             # Also reached when the client disconnects (the response task is cancelled): closing the
             # upstream connection makes the replica abort the request and free its blocks.
-            replica.closed(blocks)
+            replica.closed(ticket)
             await upstream.aclose()
 
     # -- app --------------------------------------------------------------------------------------------
