@@ -69,12 +69,16 @@ class NamazuEngine:
                      route_info: dict[str, Any] | None = None) -> Any:
         """Streams namazu's response: a {"status", "headers"} dict, then body chunks. `route_info` is read
         by the request router in the caller's process, not here."""
+        t0 = time.perf_counter()
         headers = [("content-type", "application/json")]
         if self.api_key:
             headers.append(("authorization", f"Bearer {self.api_key}"))
         async for item in asgi_stream(self.app, method, path, body, query, headers):
             if isinstance(item, dict):
-                item["headers"].append(["x-namazu-replica", self.engine.replica_id])
+                # Time in the replica up to its response head (a whole non-streamed answer), for the
+                # per-hop accounting of bench/router_hops.py.
+                item["headers"] += [["x-namazu-replica", self.engine.replica_id],
+                                    ["server-timing", f"engine;dur={1000 * (time.perf_counter() - t0):.2f}"]]
             yield item
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -133,10 +137,13 @@ class NamazuIngress:
             return Response(decisions.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
         if path == "/router/state" and request.method == "GET":
             return JSONResponse(decisions.snapshot())
+        t0 = time.perf_counter()
         raw = await request.body()
         info = self._route_info(path, raw) if request.method == "POST" and path in GENERATION_PATHS else {}
+        t_routed = time.perf_counter()
         last_error: BaseException | None = None
         for _ in range(MAX_ATTEMPTS):
+            t_sent = time.perf_counter()
             stream = self.engine.options(stream=True).handle.remote(
                 request.method, path, raw, request.url.query, info)
             # Nothing reaches the client before the first body bytes (a stream's head comes before its
@@ -154,7 +161,12 @@ class NamazuIngress:
                 stream.cancel()
                 logger.warning("request to a namazu replica failed before its first byte; retrying: %s", e)
                 continue
-            headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length",)}
+            headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length", "server-timing")}
+            now = time.perf_counter()
+            headers["server-timing"] = ", ".join(
+                [v for k, v in head["headers"] if k.lower() == "server-timing"]
+                + [f"hash;dur={1000 * (t_routed - t0):.2f}", f"handle;dur={1000 * (now - t_sent):.2f}",
+                   f"ingress;dur={1000 * (now - t0):.2f}"])
             sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in head["headers"])
             return StreamingResponse(_relay(stream, first, sse), status_code=head["status"], headers=headers)
         return JSONResponse({"error": {"message": f"no replica could serve the request: {last_error}",

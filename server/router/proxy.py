@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -82,6 +83,7 @@ class Router:
 
     # -- forwarding -------------------------------------------------------------------------------------
     async def forward(self, request: Request, path: str) -> Response:
+        t0 = time.perf_counter()
         raw = await request.body()
         try:
             body = json.loads(raw) if raw else None
@@ -111,7 +113,7 @@ class Router:
             # prefix is shared, not copied).
             ticket = replica.opened(hashes, max(1, prompt_blocks - chosen.cached_blocks), prompt_blocks)
             try:
-                return await self._send(request, replica, path, raw, ticket)
+                return await self._send(request, replica, path, raw, ticket, t0)
             except _Retry as e:
                 replica.closed(ticket)
                 self.pool.mark_failed(replica, str(e))
@@ -119,7 +121,9 @@ class Router:
                 tried.add(replica.url)
                 logger.warning("request re-routed: %s", e)
 
-    async def _send(self, request: Request, replica: Replica, path: str, raw: bytes, ticket: int) -> Response:
+    async def _send(self, request: Request, replica: Replica, path: str, raw: bytes, ticket: int,
+                    t0: float) -> Response:
+        t_sent = time.perf_counter()
         headers = {"content-type": "application/json", **self.replica_headers}
         upstream_req = self.client.build_request("POST", replica.url + path, content=raw, headers=headers,
                                                  timeout=httpx.Timeout(None, connect=5.0))
@@ -135,6 +139,11 @@ class Router:
             raise _Retry(f"{replica.url} answered 503")
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
         out_headers["x-namazu-replica"] = replica.url
+
+        def timing() -> None:   # where the time to the first byte went, for bench/router_hops.py
+            now = time.perf_counter()
+            out_headers["server-timing"] = (f"route;dur={1000 * (t_sent - t0):.2f}, "
+                                            f"upstream;dur={1000 * (now - t_sent):.2f}")
         if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
             try:
                 content = await _unless_gone(request, replica, upstream.aread())
@@ -145,6 +154,7 @@ class Router:
             replica.closed(ticket)
             if content is None:
                 return Response(status_code=499)
+            timing()
             return Response(content, status_code=upstream.status_code, headers=out_headers)
         chunks = upstream.aiter_raw()
         try:
@@ -156,6 +166,7 @@ class Router:
             await upstream.aclose()
             replica.closed(ticket)
             return Response(status_code=499)
+        timing()
         return StreamingResponse(self._relay(replica, ticket, upstream, first, chunks),
                                  status_code=upstream.status_code, headers=out_headers)
 
