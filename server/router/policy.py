@@ -51,6 +51,13 @@ class Policy(Protocol):
     def choose(self, views: list[ReplicaView], prompt_blocks: int) -> Decision: ...
 
 
+def queued_estimate(in_flight: int, capacity: int, reported_waiting: float) -> int:
+    """Requests waiting on a replica: this router's open requests beyond the sequences the replica runs
+    at once (known without a poll's lag, so a burst between two polls does not herd onto the replica
+    that looked idle), or the replica's own report if other clients queued more."""
+    return int(max(in_flight - capacity if capacity > 0 else 0, reported_waiting, 0))
+
+
 def _pick_min(scores: dict[str, float], rng: random.Random) -> str:
     best = min(scores.values())
     return rng.choice([name for name, s in scores.items() if s <= best + 1e-9])

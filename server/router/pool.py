@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from server.router.index import EventIndex, RoutingHistory
-from server.router.policy import ReplicaView
+from server.router.policy import ReplicaView, queued_estimate
 
 logger = logging.getLogger(__name__)
 _tickets = itertools.count()
@@ -46,6 +46,7 @@ class Replica:
     closed_blocks: int = 0
     closed_requests: int = 0
     num_routed: int = 0
+    capacity: int = 0      # the most sequences it was seen running at once (its --max-num-seqs once it filled)
     last_error: str = ""
     # Set when the replica is taken out: requests waiting for its first byte stop waiting and move on.
     out: asyncio.Event = field(default_factory=asyncio.Event)
@@ -56,7 +57,8 @@ class Replica:
             cached = max(self.index.matched(hashes), self.history.matched(hashes, now, within=events_max_age))
         else:
             cached = self.history.matched(hashes, now)
-        queued = max(0, int(self.load.get("num_waiting", 0)) - self.closed_requests)
+        queued = queued_estimate(self.in_flight, self.capacity,
+                                 max(0, self.load.get("num_waiting", 0) - self.closed_requests))
         return ReplicaView(
             name=self.url, cached_blocks=cached,
             active_blocks=max(0.0, self.load.get("active_kv_blocks", 0) - self.closed_blocks) + self.opened_blocks,
@@ -85,6 +87,7 @@ class Replica:
 
     def reported(self, load: dict[str, Any]) -> None:
         self.load = load
+        self.capacity = max(self.capacity, int(load.get("num_running", 0)))
         self.opened_blocks = self.closed_blocks = self.closed_requests = 0
 
     def forget(self) -> None:
@@ -94,6 +97,7 @@ class Replica:
         self.index.clear()
         self.history.clear()
         self.reported({})
+        self.capacity = 0
 
 
 class ReplicaPool:
