@@ -68,16 +68,17 @@ def test_replica_view_takes_the_newest_open_requests_as_the_waiting_ones():
 
 
 def test_requests_sent_since_the_last_report_count_as_queued_once_the_replica_is_full():
-    """A replica seen running 4 sequences at once holds 4 of this router's requests: the 5th and 6th sent
-    before the next report are queued there, known at once (no herding onto a replica that looked idle)."""
+    """A replica running up to 4 sequences at once (--max-num-seqs 4) holds 4 of this router's requests:
+    the 5th and 6th sent before the next report are queued there, known at once (no herding onto a
+    replica that looked idle)."""
     r = Replica("http://a", RoutingHistory())
-    r.reported({"num_running": 4, "num_waiting": 0, "active_kv_blocks": 40})
+    r.reported({"num_running": 1, "num_waiting": 0, "active_kv_blocks": 40, "max_num_seqs": 4})
     for n in range(6):
         r.opened([], new_blocks=n, prompt_blocks=10)
     v = r.view([], events_max_age=2.0, now=0.0)
     assert v.queued == 2 and v.waiting == ((4, 10), (5, 10))
     assert queued_estimate(in_flight=3, capacity=4, reported_waiting=1) == 1   # other clients' queue
-    assert queued_estimate(in_flight=3, capacity=0, reported_waiting=0) == 0   # capacity not seen yet
+    assert queued_estimate(in_flight=3, capacity=0, reported_waiting=0) == 0   # capacity unknown
     r.forget()
     assert r.capacity == 0
 

@@ -85,7 +85,7 @@ class NamazuEngine:
         log = self.engine.engine.kv_events
         stats = self.engine.get_stats()
         return {"replica_id": log.replica_id, "last_id": log.last_id, "hashes": sorted(log.stored_hashes()),
-                "pid": os.getpid(), "warm_at": self.warm_at,
+                "pid": os.getpid(), "warm_at": self.warm_at, "max_num_seqs": self.engine.config.max_num_seqs,
                 "num_waiting": stats.num_waiting, "num_running": stats.num_running,
                 "active_kv_blocks": round(stats.kv_cache_usage * stats.num_kv_blocks)}
 

@@ -29,7 +29,6 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
         self._history: dict[str, RoutingHistory] = {}
         # internal request id -> (replica, uncached prompt blocks, prompt blocks), oldest first
         self._open: dict[str, tuple[str, int, int]] = {}
-        self._capacity: dict[str, int] = {}      # the most sequences a replica was seen running at once
 
     def _view(self, replica: RunningReplica, hashes: list[int], now: float) -> ReplicaView:
         rid = replica.replica_id.unique_id
@@ -42,8 +41,7 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
         cached = max(index.matched(hashes), history.matched(hashes, now, within=self.recent_s))
         mine = [(u, b) for r, u, b in self._open.values() if r == rid]
         open_blocks = sum(u for u, _ in mine)
-        self._capacity[rid] = max(self._capacity.get(rid, 0), int(stats.get("num_running", 0)))
-        queued = queued_estimate(len(mine), self._capacity[rid], float(stats.get("num_waiting", 0)))
+        queued = queued_estimate(len(mine), int(stats.get("max_num_seqs", 0)), float(stats.get("num_waiting", 0)))
         queue_len = self.replica_queue_len_cache.get(replica.replica_id) or 0
         decisions.observe(rid, indexed_blocks=len(index.hashes), history_blocks=len(history),
                           open_requests=len(mine),
@@ -99,7 +97,6 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
         self._index.pop(rid, None)
         self._history.pop(rid, None)
         self._open = {k: v for k, v in self._open.items() if v[0] != rid}
-        self._capacity.pop(rid, None)
         decisions.forget(rid)
 
 

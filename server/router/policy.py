@@ -52,9 +52,10 @@ class Policy(Protocol):
 
 
 def queued_estimate(in_flight: int, capacity: int, reported_waiting: float) -> int:
-    """Requests waiting on a replica: this router's open requests beyond the sequences the replica runs
-    at once (known without a poll's lag, so a burst between two polls does not herd onto the replica
-    that looked idle), or the replica's own report if other clients queued more."""
+    """Requests waiting on a replica: this router's open requests beyond the sequences the replica runs at
+    once (`capacity`, its --max-num-seqs; 0 when unknown), known without a poll's lag so that a burst
+    between two polls does not herd onto the replica that looked idle; or the replica's own report if
+    other clients queued more."""
     return int(max(in_flight - capacity if capacity > 0 else 0, reported_waiting, 0))
 
 

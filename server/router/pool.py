@@ -46,7 +46,6 @@ class Replica:
     closed_blocks: int = 0
     closed_requests: int = 0
     num_routed: int = 0
-    capacity: int = 0      # the most sequences it was seen running at once (its --max-num-seqs once it filled)
     last_error: str = ""
     # Set when the replica is taken out: requests waiting for its first byte stop waiting and move on.
     out: asyncio.Event = field(default_factory=asyncio.Event)
@@ -64,6 +63,11 @@ class Replica:
             active_blocks=max(0.0, self.load.get("active_kv_blocks", 0) - self.closed_blocks) + self.opened_blocks,
             queued=float(queued), in_flight=self.in_flight,
             waiting=tuple(self.open.values())[len(self.open) - min(queued, len(self.open)):])
+
+    @property
+    def capacity(self) -> int:
+        """Sequences it runs at once (its --max-num-seqs; 0 if its /load does not say)."""
+        return int(self.load.get("max_num_seqs", 0))
 
     @property
     def in_flight(self) -> int:
@@ -87,7 +91,6 @@ class Replica:
 
     def reported(self, load: dict[str, Any]) -> None:
         self.load = load
-        self.capacity = max(self.capacity, int(load.get("num_running", 0)))
         self.opened_blocks = self.closed_blocks = self.closed_requests = 0
 
     def forget(self) -> None:
@@ -97,7 +100,6 @@ class Replica:
         self.index.clear()
         self.history.clear()
         self.reported({})
-        self.capacity = 0
 
 
 class ReplicaPool:
