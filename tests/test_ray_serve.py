@@ -162,11 +162,14 @@ def test_killed_replica_is_retried_elsewhere_leaves_the_router_and_its_replaceme
         rng = random.Random(seed)
         while not stop.is_set():
             body = {"prompt": _words(rng, 20), "max_tokens": 24, "ignore_eos": True}
-            if seed % 2 == 0:
-                results.append(("stream", *_stream(url, body)))
-            else:
-                r = _post(url, body)
-                results.append(("plain", r.status_code, r.json() if r.status_code == 200 else r.text))
+            try:
+                if seed % 2 == 0:
+                    results.append(("stream", *_stream(url, body)))
+                else:
+                    r = _post(url, body)
+                    results.append(("plain", r.status_code, r.json() if r.status_code == 200 else r.text))
+            except httpx.HTTPError as e:       # a dropped connection is a lost request too
+                results.append(("broken", 0, repr(e)))
 
     users = [threading.Thread(target=user, args=(i,)) for i in range(12)]
     for t in users:
@@ -203,6 +206,7 @@ def test_killed_replica_is_retried_elsewhere_leaves_the_router_and_its_replaceme
     assert fresh, f"Ray Serve's replacement replica never got a request: {_router_state(url)}"
     for r, s in fresh.items():
         assert s["warm_at"] <= s["first_routed_at"], f"replica {r} got traffic before its warm-up ended: {s}"
+    assert not [x for x in results if x[0] == "broken"], [x for x in results if x[0] == "broken"]
     plain = [x for x in results if x[0] == "plain"]
     streams = [x for x in results if x[0] == "stream"]
     assert plain and streams
