@@ -140,9 +140,22 @@ def _router_state(url: str) -> dict:
     return httpx.get(url + "/router/state", timeout=10).json()["replicas"]
 
 
-def _stream(url: str, body: dict) -> tuple[int, list[str]]:
+def _stream(url: str, body: dict, live: dict[str, int] | None = None) -> tuple[int, list[str]]:
+    """A streamed completion's data lines; `live` counts the streams each replica is sending right now."""
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
-        return r.status_code, [line for line in r.iter_lines() if line.startswith("data: ")]
+        replica = r.headers.get("x-namazu-replica", "")
+        if live is not None:
+            with _live_lock:
+                live[replica] = live.get(replica, 0) + 1
+        try:
+            return r.status_code, [line for line in r.iter_lines() if line.startswith("data: ")]
+        finally:
+            if live is not None:
+                with _live_lock:
+                    live[replica] -= 1
+
+
+_live_lock = threading.Lock()
 
 
 def test_killed_replica_is_retried_elsewhere_leaves_the_router_and_its_replacement_warms_first(serve_app):
@@ -156,6 +169,7 @@ def test_killed_replica_is_retried_elsewhere_leaves_the_router_and_its_replaceme
         time.sleep(0.5)
     assert _running_replicas() == 3
     results: list[tuple[str, int, object]] = []
+    live: dict[str, int] = {}       # namazu replica id -> streams it is sending now
     stop = threading.Event()
 
     def user(seed: int) -> None:
@@ -164,7 +178,8 @@ def test_killed_replica_is_retried_elsewhere_leaves_the_router_and_its_replaceme
             body = {"prompt": _words(rng, 20), "max_tokens": 24, "ignore_eos": True}
             try:
                 if seed % 2 == 0:
-                    results.append(("stream", *_stream(url, body)))
+                    # long enough that a stream seen running is still running at the kill a moment later
+                    results.append(("stream", *_stream(url, {**body, "max_tokens": 64}, live)))
                 else:
                     r = _post(url, body)
                     results.append(("plain", r.status_code, r.json() if r.status_code == 200 else r.text))
@@ -175,14 +190,15 @@ def test_killed_replica_is_retried_elsewhere_leaves_the_router_and_its_replaceme
     for t in users:
         t.start()
     try:
-        # A victim with one request running and at least three queued (likely a stream among them).
+        # A victim in the middle of a stream (its one running request) with at least three more queued
+        # (likely streams among them too, which have sent nothing yet).
         victim, deadline = None, time.monotonic() + 60
         while victim is None and time.monotonic() < deadline:
             busy = [(rid, s) for rid, s in _router_state(url).items()
-                    if s.get("open_requests", 0) >= 4 and s.get("pid")]
+                    if s.get("open_requests", 0) >= 4 and s.get("pid") and live.get(s.get("namazu_replica_id"))]
             victim = busy[0] if busy else None
             time.sleep(0.05)
-        assert victim is not None, f"no replica held four requests: {_router_state(url)}"
+        assert victim is not None, f"no replica held four requests, one a stream: {_router_state(url)}, {live}"
         rid, info = victim
         os.kill(info["pid"], signal.SIGKILL)
         killed_at = time.time()
@@ -212,8 +228,11 @@ def test_killed_replica_is_retried_elsewhere_leaves_the_router_and_its_replaceme
     assert plain and streams
     assert all(code == 200 for _, code, _ in plain), [x for x in plain if x[1] != 200]
     assert all(body["usage"]["completion_tokens"] == 24 for _, _, body in plain)
+    cut = 0
     for _, code, lines in streams:     # complete, or cut mid-way by the kill and ended in band
         assert code == 200 and lines[-1] == "data: [DONE]", lines[-3:]
         if any('"error"' in line for line in lines):   # only a stream that had sent tokens may be cut
             assert any('"text"' in line for line in lines if '"error"' not in line), lines
+            cut += 1
+    assert cut >= 1, "the victim was streaming when it was killed, yet no stream ended in band"
     assert len(_router_state(url)) == 3
