@@ -41,5 +41,6 @@ async def load(request: Request) -> Response:
         "requests_in_flight": state.in_flight,
         "active_kv_blocks": round(s.kv_cache_usage * s.num_kv_blocks), "num_kv_blocks": s.num_kv_blocks,
         "kv_cache_usage": s.kv_cache_usage, "block_size": state.engine.config.block_size,
+        "max_num_seqs": state.engine.config.max_num_seqs,
         "replica_id": state.engine.replica_id,
     })

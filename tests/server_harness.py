@@ -1,5 +1,6 @@
-"""A live namazu server for the API tests: a deterministic tiny random checkpoint (byte-level tokenizer,
-chat template) served by `python -m namazu.server` in a subprocess on a free port of 127.0.0.1."""
+"""Live HTTP processes for the API tests: a deterministic tiny random checkpoint (byte-level tokenizer,
+chat template) served by `python -m namazu.server` in a subprocess on a free port of 127.0.0.1, and the one
+start-and-wait-for-/health helper every live process (server, router, Ray Serve app) uses."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -27,38 +29,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class LiveServer:
-    """`python -m namazu.server` in a subprocess; `with LiveServer(model_dir, ...) as srv: srv.url`."""
+def wait_healthy(url: str, timeout: float, what: str, proc: subprocess.Popen | None = None,
+                 output: Callable[[], str] = lambda: "", interval: float = 0.1) -> None:
+    """Polls `url`/health until it answers 200; fails early, with the process's output, if `proc` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{output()}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise TimeoutError(f"{what} did not become healthy in {timeout:.0f}s:\n{output()}")
 
-    def __init__(self, model: Path, *extra: str, api_key: str | None = None, timeout: float = 180.0):
+
+class LiveProcess:
+    """A `python -m MODULE --port P ...` HTTP process on a free port of 127.0.0.1, up once its /health
+    answers; its output goes to a temporary log (`output()`), and leaving the block stops it."""
+
+    what = "process"
+    stop_timeout = 20.0
+
+    def __init__(self, module: str, *args: str, timeout: float = 180.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = api_key
-        self.model = model
-        self.args = [sys.executable, "-m", "namazu.server", "--model", str(model), "--port", str(self.port),
-                     "--log-level", "warning", *extra]
-        if api_key:
-            self.args += ["--api-key", api_key]
+        self.args = [sys.executable, "-m", module, "--port", str(self.port), "--log-level", "warning", *args]
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
         self.log = None
 
-    def __enter__(self) -> LiveServer:
+    def __enter__(self) -> LiveProcess:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"namazu-server-{self.port}.log", "w+")
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"namazu-{self.what}-{self.port}.log", "w+")
         self.proc = subprocess.Popen(self.args, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.__exit__(None, None, None)
-        raise TimeoutError(f"server did not become healthy in {self.timeout}s:\n{self.output()}")
+        try:
+            wait_healthy(self.url, self.timeout, self.what, self.proc, self.output)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
 
     def output(self) -> str:
         self.log.flush()
@@ -69,13 +80,25 @@ class LiveServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=self.stop_timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.log is not None:
+        if self.log is not None and not self.log.closed:
             self.log.close()
             os.unlink(self.log.name)
+
+
+class LiveServer(LiveProcess):
+    """`python -m namazu.server` in a subprocess; `with LiveServer(model_dir, ...) as srv: srv.url`."""
+
+    what = "server"
+
+    def __init__(self, model: Path, *extra: str, api_key: str | None = None, timeout: float = 180.0):
+        super().__init__("namazu.server", "--model", str(model), *extra,
+                         *(("--api-key", api_key) if api_key else ()), timeout=timeout)
+        self.api_key = api_key
+        self.model = model
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

@@ -7,7 +7,9 @@ dominate: about 1 and 2 minutes on an idle 2-core machine) and bounded by explic
 """
 from __future__ import annotations
 
+import os
 import random
+import signal
 import string
 import threading
 import time
@@ -15,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_harness import free_port, make_tiny_model
+from server_harness import free_port, make_tiny_model, wait_healthy
 
 from namazu.engine_config import EngineConfig
 
@@ -49,15 +51,8 @@ def _deploy(model, lo: int, hi: int, **kw):
     config = EngineConfig(model=str(model), **kw.pop("engine", {}))
     start(config, ServeOptions(lo, hi, port=port, ray_num_cpus=2, **kw))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the Ray Serve application did not answer /health in 120 s")
+    wait_healthy(url, 120, "the Ray Serve application", interval=0.5)
+    return url
 
 
 def _running_replicas() -> int:
@@ -139,3 +134,105 @@ def test_autoscaling_up_under_a_ramp_and_back_down_without_failures(serve_app):
         time.sleep(1)
     assert _running_replicas() == 1, "the deployment did not scale back down after the load stopped"
     assert results and all(s == 200 for s in results), f"failed requests: {[s for s in results if s != 200]}"
+
+
+def _router_state(url: str) -> dict:
+    return httpx.get(url + "/router/state", timeout=10).json()["replicas"]
+
+
+def _stream(url: str, body: dict, live: dict[str, int] | None = None) -> tuple[int, list[str]]:
+    """A streamed completion's data lines; `live` counts the streams each replica is sending right now."""
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        replica = r.headers.get("x-namazu-replica", "")
+        if live is not None:
+            with _live_lock:
+                live[replica] = live.get(replica, 0) + 1
+        try:
+            return r.status_code, [line for line in r.iter_lines() if line.startswith("data: ")]
+        finally:
+            if live is not None:
+                with _live_lock:
+                    live[replica] -= 1
+
+
+_live_lock = threading.Lock()
+
+
+def test_killed_replica_is_retried_elsewhere_leaves_the_router_and_its_replacement_warms_first(serve_app):
+    """SIGKILL one engine replica's process while it holds requests under a steady load: no request is
+    lost (non-streamed ones and streams that had sent nothing finish elsewhere, a stream cut mid-way
+    ends in band), the ingress's router forgets the dead replica, and Ray Serve's replacement gets its
+    first request only after its warm-up finished."""
+    url = _deploy(serve_app, 3, 3, engine={"max_num_seqs": 1})     # requests queue on every replica
+    deadline = time.monotonic() + 60
+    while _running_replicas() < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _running_replicas() == 3
+    results: list[tuple[str, int, object]] = []
+    live: dict[str, int] = {}       # namazu replica id -> streams it is sending now
+    stop = threading.Event()
+
+    def user(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            body = {"prompt": _words(rng, 20), "max_tokens": 24, "ignore_eos": True}
+            try:
+                if seed % 2 == 0:
+                    # long enough that a stream seen running is still running at the kill a moment later
+                    results.append(("stream", *_stream(url, {**body, "max_tokens": 64}, live)))
+                else:
+                    r = _post(url, body)
+                    results.append(("plain", r.status_code, r.json() if r.status_code == 200 else r.text))
+            except httpx.HTTPError as e:       # a dropped connection is a lost request too
+                results.append(("broken", 0, repr(e)))
+
+    users = [threading.Thread(target=user, args=(i,)) for i in range(12)]
+    for t in users:
+        t.start()
+    try:
+        # A victim in the middle of a stream (its one running request) with at least three more queued
+        # (likely streams among them too, which have sent nothing yet).
+        victim, deadline = None, time.monotonic() + 60
+        while victim is None and time.monotonic() < deadline:
+            busy = [(rid, s) for rid, s in _router_state(url).items()
+                    if s.get("open_requests", 0) >= 4 and s.get("pid") and live.get(s.get("namazu_replica_id"))]
+            victim = busy[0] if busy else None
+            time.sleep(0.05)
+        assert victim is not None, f"no replica held four requests, one a stream: {_router_state(url)}, {live}"
+        rid, info = victim
+        os.kill(info["pid"], signal.SIGKILL)
+        killed_at = time.time()
+        deadline = time.monotonic() + 60
+        while rid in _router_state(url) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rid not in _router_state(url), "the dead replica is still in the ingress router's state"
+        # The replacement: a new replica id that the router has sent requests to.
+        deadline, fresh = time.monotonic() + 150, {}
+        while time.monotonic() < deadline:
+            state = _router_state(url)
+            fresh = {r: s for r, s in state.items() if s.get("first_routed_at", 0) > killed_at
+                     and s.get("warm_at") and r != rid and s.get("decisions", 0) > 0}
+            if fresh:
+                break
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in users:
+            t.join(timeout=180)
+    assert fresh, f"Ray Serve's replacement replica never got a request: {_router_state(url)}"
+    for r, s in fresh.items():
+        assert s["warm_at"] <= s["first_routed_at"], f"replica {r} got traffic before its warm-up ended: {s}"
+    assert not [x for x in results if x[0] == "broken"], [x for x in results if x[0] == "broken"]
+    plain = [x for x in results if x[0] == "plain"]
+    streams = [x for x in results if x[0] == "stream"]
+    assert plain and streams
+    assert all(code == 200 for _, code, _ in plain), [x for x in plain if x[1] != 200]
+    assert all(body["usage"]["completion_tokens"] == 24 for _, _, body in plain)
+    cut = 0
+    for _, code, lines in streams:     # complete, or cut mid-way by the kill and ended in band
+        assert code == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        if any('"error"' in line for line in lines):   # only a stream that had sent tokens may be cut
+            assert any('"text"' in line for line in lines if '"error"' not in line), lines
+            cut += 1
+    assert cut >= 1, "the victim was streaming when it was killed, yet no stream ended in band"
+    assert len(_router_state(url)) == 3

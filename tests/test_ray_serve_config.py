@@ -113,6 +113,25 @@ def test_asgi_bridge_streams_and_delivers_disconnect():
     assert seen.get("closed"), "the app kept streaming after the caller left"
 
 
+def test_asgi_bridge_sends_body_messages_already_waiting_as_one_chunk():
+    """Tokens produced faster than the caller reads them cross as one chunk (each chunk is a Ray object
+    and two actor hops); nothing is held back waiting for more, and nothing is lost or reordered."""
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i in range(5):                          # queued back to back: the reader has not run yet
+            await send({"type": "http.response.body", "body": f"t{i};".encode(), "more_body": True})
+        await asyncio.sleep(0.05)                   # the reader catches up: the next token goes alone
+        await send({"type": "http.response.body", "body": b"t5;", "more_body": True})
+        await asyncio.sleep(0.05)
+        await send({"type": "http.response.body", "body": b"end", "more_body": False})
+
+    async def main():
+        return [item async for item in asgi_stream(app, "POST", "/s")][1:]
+
+    assert asyncio.run(main()) == [b"t0;t1;t2;t3;t4;", b"t5;", b"end"]
+
+
 def test_namazu_does_not_import_ray_without_replicas():
     code = ("import sys, namazu.server, namazu.async_engine, server.app; namazu.server.build_parser()\n"
             "assert 'ray' not in sys.modules, 'ray imported'")

@@ -4,11 +4,19 @@ replica life."""
 from __future__ import annotations
 
 from server.router.index import EventIndex, RoutingHistory
-from server.router.policy import KVAwarePolicy, PrefixAffinityPolicy, ReplicaView, RoundRobinPolicy, make_policy
+from server.router.policy import (
+    KVAwarePolicy,
+    PrefixAffinityPolicy,
+    ReplicaView,
+    RoundRobinPolicy,
+    make_policy,
+    queued_estimate,
+)
+from server.router.pool import Replica
 
 
-def view(name, cached=0, active=0.0, queued=0.0, in_flight=0) -> ReplicaView:
-    return ReplicaView(name, cached, active, queued, in_flight)
+def view(name, cached=0, active=0.0, queued=0.0, in_flight=0, waiting=()) -> ReplicaView:
+    return ReplicaView(name, cached, active, queued, in_flight, tuple(waiting))
 
 
 def test_cached_prefix_wins_when_load_is_equal():
@@ -29,6 +37,50 @@ def test_queue_term_counts():
     assert KVAwarePolicy(queue_weight=4.0, seed=0).choose(views, 4).replica == "b"
     d = KVAwarePolicy(queue_weight=0.0, seed=0).choose(views, 4)
     assert d.costs["a"] == d.costs["b"]
+
+
+def test_queued_work_is_priced_like_the_new_request_and_moves_a_hot_prefix():
+    """A follow-up turn (30 blocks, 26 cached on `hot`): one turn queued there is cheaper to wait for than
+    recomputing 26 blocks elsewhere; three are not. Each queued request costs w x its uncached blocks + its
+    blocks; a queued request of another client's counts as one like the new request, nothing cached."""
+    p = KVAwarePolicy(seed=0)     # w = 4, q = 1
+    cold = view("cold", active=30)
+    one = view("hot", cached=26, active=60, queued=1, waiting=[(4, 30)])
+    three = view("hot", cached=26, active=60, queued=3, waiting=[(4, 30)] * 3)
+    assert p.choose([one, cold], 30).replica == "hot"
+    assert p.choose([three, cold], 30).replica == "cold"
+    assert p.cost(three, 30) - p.cost(view("hot", cached=26, active=60), 30) == 3 * (4 * 4 + 30)
+    assert p.queued_work(view("x", queued=3, waiting=[(2, 8)]), 10) == (4 * 2 + 8) + 2 * 5 * 10
+    assert KVAwarePolicy(queue_weight=0.0).cost(three, 30) == KVAwarePolicy().cost(view("hot", 26, 60), 30)
+
+
+def test_replica_view_takes_the_newest_open_requests_as_the_waiting_ones():
+    r = Replica("http://a", RoutingHistory())
+    tickets = [r.opened([], new_blocks=n, prompt_blocks=10 * n) for n in (1, 2, 3)]
+    r.reported({"num_waiting": 2, "active_kv_blocks": 7})
+    v = r.view([], events_max_age=2.0, now=0.0)
+    assert v.queued == 2 and v.waiting == ((2, 20), (3, 30)) and v.in_flight == 3
+    r.closed(tickets[0])          # finished since the last report: the queue is one shorter
+    v = r.view([], events_max_age=2.0, now=0.0)
+    assert v.queued == 1 and v.waiting == ((3, 30),) and v.active_blocks == 0   # 7 reported - its 10
+    r.closed(tickets[0])          # closing twice is harmless
+    assert r.in_flight == 2
+
+
+def test_requests_sent_since_the_last_report_count_as_queued_once_the_replica_is_full():
+    """A replica running up to 4 sequences at once (--max-num-seqs 4) holds 4 of this router's requests:
+    the 5th and 6th sent before the next report are queued there, known at once (no herding onto a
+    replica that looked idle)."""
+    r = Replica("http://a", RoutingHistory())
+    r.reported({"num_running": 1, "num_waiting": 0, "active_kv_blocks": 40, "max_num_seqs": 4})
+    for n in range(6):
+        r.opened([], new_blocks=n, prompt_blocks=10)
+    v = r.view([], events_max_age=2.0, now=0.0)
+    assert v.queued == 2 and v.waiting == ((4, 10), (5, 10))
+    assert queued_estimate(in_flight=3, capacity=4, reported_waiting=1) == 1   # other clients' queue
+    assert queued_estimate(in_flight=3, capacity=0, reported_waiting=0) == 0   # capacity unknown
+    r.forget()
+    assert r.capacity == 0
 
 
 def test_ties_are_broken_at_random():

@@ -51,9 +51,19 @@ async def asgi_stream(app: Any, method: str, path: str, body: bytes = b"", query
                 yield {"status": message["status"],
                        "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in message["headers"]]}
             elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield message["body"]
-                if not message.get("more_body"):
+                # Body messages already waiting go out as one chunk: each chunk costs a Ray object and two
+                # actor hops on its way to the client, so a stream that produced tokens faster than they
+                # crossed should not pay that per token. Nothing waits for more to arrive.
+                body, more = message.get("body", b""), message.get("more_body", False)
+                while more and not messages.empty():
+                    nxt = messages.get_nowait()
+                    if nxt is None or nxt["type"] != "http.response.body":
+                        messages.put_nowait(nxt)  # only the app's end (None) can follow its last body message
+                        break
+                    body, more = body + nxt.get("body", b""), nxt.get("more_body", False)
+                if body:
+                    yield body
+                if not more:
                     return
     finally:
         gone.set()

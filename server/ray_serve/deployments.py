@@ -17,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
+import time
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+import server.ray_serve.decisions as decisions
 from namazu.scheduler.kv_events import PromptHasher
 from server.ray_serve.asgi_bridge import asgi_stream
 
@@ -43,6 +46,7 @@ class NamazuEngine:
         self.app = build_app(self.engine, served_model_name=served_model_name, api_key=api_key)
         self.api_key = api_key
         self._warm_up()
+        self.warm_at = time.time()      # wall clock: the ingress compares it with its first routing here
         logger.info("namazu replica %s warm", self.engine.replica_id)
 
     def _warm_up(self) -> None:
@@ -65,18 +69,23 @@ class NamazuEngine:
                      route_info: dict[str, Any] | None = None) -> Any:
         """Streams namazu's response: a {"status", "headers"} dict, then body chunks. `route_info` is read
         by the request router in the caller's process, not here."""
+        t0 = time.perf_counter()
         headers = [("content-type", "application/json")]
         if self.api_key:
             headers.append(("authorization", f"Bearer {self.api_key}"))
         async for item in asgi_stream(self.app, method, path, body, query, headers):
             if isinstance(item, dict):
-                item["headers"].append(["x-namazu-replica", self.engine.replica_id])
+                # Time in the replica up to its response head (a whole non-streamed answer), for the
+                # per-hop accounting of bench/router_hops.py.
+                item["headers"] += [["x-namazu-replica", self.engine.replica_id],
+                                    ["server-timing", f"engine;dur={1000 * (time.perf_counter() - t0):.2f}"]]
             yield item
 
     def record_routing_stats(self) -> dict[str, Any]:
         log = self.engine.engine.kv_events
         stats = self.engine.get_stats()
         return {"replica_id": log.replica_id, "last_id": log.last_id, "hashes": sorted(log.stored_hashes()),
+                "pid": os.getpid(), "warm_at": self.warm_at, "max_num_seqs": self.engine.config.max_num_seqs,
                 "num_waiting": stats.num_waiting, "num_running": stats.num_running,
                 "active_kv_blocks": round(stats.kv_cache_usage * stats.num_kv_blocks)}
 
@@ -125,36 +134,56 @@ class NamazuIngress:
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
-            return Response(_router_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+            return Response(decisions.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        if path == "/router/state" and request.method == "GET":
+            return JSONResponse(decisions.snapshot())
+        t0 = time.perf_counter()
         raw = await request.body()
         info = self._route_info(path, raw) if request.method == "POST" and path in GENERATION_PATHS else {}
+        t_routed = time.perf_counter()
         last_error: BaseException | None = None
         for _ in range(MAX_ATTEMPTS):
+            t_sent = time.perf_counter()
             stream = self.engine.options(stream=True).handle.remote(
                 request.method, path, raw, request.url.query, info)
+            # Nothing reaches the client before the first body bytes (a stream's head comes before its
+            # first token), so until then a failed replica is retried on another.
+            head: dict[str, Any] | None = None
             try:
-                head = await stream.__anext__()    # nothing was sent to the client yet: safe to retry
+                head = await stream.__anext__()
+                first = await stream.__anext__()
             except StopAsyncIteration:
-                return JSONResponse({"error": {"message": "the replica sent no response"}}, status_code=502)
+                if head is None:
+                    return JSONResponse({"error": {"message": "the replica sent no response"}}, status_code=502)
+                first = b""              # a response without a body
             except Exception as e:                 # replica died or was stopped: try another
                 last_error = e
+                stream.cancel()
                 logger.warning("request to a namazu replica failed before its first byte; retrying: %s", e)
                 continue
-            headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length",)}
-            return StreamingResponse(_relay(stream), status_code=head["status"], headers=headers)
+            headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length", "server-timing")}
+            now = time.perf_counter()
+            headers["server-timing"] = ", ".join(
+                [v for k, v in head["headers"] if k.lower() == "server-timing"]
+                + [f"hash;dur={1000 * (t_routed - t0):.2f}", f"handle;dur={1000 * (now - t_sent):.2f}",
+                   f"ingress;dur={1000 * (now - t0):.2f}"])
+            sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in head["headers"])
+            return StreamingResponse(_relay(stream, first, sse), status_code=head["status"], headers=headers)
         return JSONResponse({"error": {"message": f"no replica could serve the request: {last_error}",
                                        "type": "router_error", "code": "no_replica"}}, status_code=503)
 
 
-async def _relay(stream: Any) -> Any:
+async def _relay(stream: Any, first: bytes, sse: bool) -> Any:
     try:
+        yield first
         async for chunk in stream:
             yield chunk
+    except Exception as e:   # the replica died mid-stream: the client has tokens, so end it in band
+        if not sse:
+            raise
+        logger.warning("a namazu replica failed mid-stream: %s", e)
+        err = {"error": {"message": f"the replica failed mid-stream ({type(e).__name__}); the tokens above are "
+                                    "all there is", "type": "router_error", "param": None, "code": "replica_failed"}}
+        yield f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
     finally:
         stream.cancel()      # a client that left cancels the replica's generator, which aborts the request
-
-
-def _router_metrics() -> bytes:
-    from server.ray_serve.decisions import render
-
-    return render()

@@ -16,18 +16,19 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 import server.ray_serve.decisions as decisions
 from server.router.index import EventIndex, RoutingHistory
-from server.router.policy import DEFAULT_PREFIX_WEIGHT, ReplicaView, make_policy
+from server.router.policy import DEFAULT_PREFIX_WEIGHT, DEFAULT_QUEUE_WEIGHT, ReplicaView, make_policy, queued_estimate
 
 
 class NamazuRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: str = "kv", prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
-                         queue_weight: float = 4.0, history_ttl: float = 120.0, recent_s: float = 5.0,
+                         queue_weight: float = DEFAULT_QUEUE_WEIGHT, history_ttl: float = 120.0, recent_s: float = 5.0,
                          **_: Any) -> None:
         self.policy = make_policy(policy, prefix_weight, queue_weight)
         self.history_ttl, self.recent_s = history_ttl, recent_s
         self._index: dict[str, EventIndex] = {}
         self._history: dict[str, RoutingHistory] = {}
-        self._open: dict[str, tuple[str, int]] = {}      # internal request id -> (replica, prompt blocks)
+        # internal request id -> (replica, uncached prompt blocks, prompt blocks), oldest first
+        self._open: dict[str, tuple[str, int, int]] = {}
 
     def _view(self, replica: RunningReplica, hashes: list[int], now: float) -> ReplicaView:
         rid = replica.replica_id.unique_id
@@ -38,10 +39,17 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
             index.apply({"replica_id": stats["replica_id"], "last_id": stats["last_id"],
                          "snapshot": stats["hashes"], "events": []}, now)
         cached = max(index.matched(hashes), history.matched(hashes, now, within=self.recent_s))
-        open_blocks = sum(b for r, b in self._open.values() if r == rid)
+        mine = [(u, b) for r, u, b in self._open.values() if r == rid]
+        open_blocks = sum(u for u, _ in mine)
+        queued = queued_estimate(len(mine), int(stats.get("max_num_seqs", 0)), float(stats.get("num_waiting", 0)))
         queue_len = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        decisions.observe(rid, indexed_blocks=len(index.hashes), history_blocks=len(history),
+                          open_requests=len(mine),
+                          namazu_replica_id=stats.get("replica_id"), pid=stats.get("pid"),
+                          warm_at=stats.get("warm_at"))
+        # The replica queues FCFS: the newest of this router's requests there are the waiting ones.
         return ReplicaView(rid, cached, max(float(stats.get("active_kv_blocks", 0)), float(open_blocks)),
-                           float(stats.get("num_waiting", 0)), int(queue_len))
+                           float(queued), int(queue_len), tuple(mine[len(mine) - min(queued, len(mine)):]))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -57,7 +65,8 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
         decisions.record_costs(decision.costs)
         if pending_request is not None:     # what it adds there: the blocks not cached yet
             cached = next(v.cached_blocks for v in views if v.name == decision.replica)
-            self._open[pending_request.metadata.internal_request_id] = (decision.replica, max(1, blocks - cached))
+            self._open[pending_request.metadata.internal_request_id] = (decision.replica, max(1, blocks - cached),
+                                                                        blocks)
         # The chosen replica first; the rest by cost, so a full replica falls through to the next best.
         rest = sorted((r for rid, r in by_id.items() if rid != decision.replica),
                       key=lambda r: decision.costs.get(r.replica_id.unique_id, 0.0))
@@ -71,11 +80,24 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
         self._open.pop(internal_request_id, None)
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
+        # A request to it failed with ActorDiedError before the controller noticed.
         super().on_replica_actor_died(replica_id)
-        rid = replica_id.unique_id
+        self._forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        # The controller's view of the deployment: a replica that died, was replaced or drained is gone
+        # from it, and so is everything this router believed about that replica.
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for rid in set(self._index) | set(self._history) | {v[0] for v in self._open.values()}:
+            if rid not in live:
+                self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
         self._index.pop(rid, None)
         self._history.pop(rid, None)
         self._open = {k: v for k, v in self._open.items() if v[0] != rid}
+        decisions.forget(rid)
 
 
 def _route_info(pending_request: PendingRequest | None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from server.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES
+from server.router.policy import DEFAULT_PREFIX_WEIGHT, DEFAULT_QUEUE_WEIGHT, POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT,
                    help="w: cost of one prompt block the replica would have to compute, in held KV blocks "
                         f"(default {DEFAULT_PREFIX_WEIGHT:g})")
-    p.add_argument("--queue-weight", type=float, default=4.0,
-                   help="cost of one request queued on the replica, in blocks (default 4.0)")
+    p.add_argument("--queue-weight", type=float, default=DEFAULT_QUEUE_WEIGHT,
+                   help="q: scales the queue term, the work of the requests queued on a replica (each priced "
+                        f"as w x its uncached blocks + its blocks) (default {DEFAULT_QUEUE_WEIGHT:g})")
     p.add_argument("--poll-interval", type=float, default=0.25, help="seconds between load/event polls")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
     p.add_argument("--fail-threshold", type=int, default=2,

@@ -1,11 +1,13 @@
-"""Routing policies. The KV-aware one is Dynamo's cost (see docs/router.md):
+"""Routing policies. The KV-aware one is Dynamo's cost (see docs/router.md) plus the work queued ahead:
 
     cost = w * (prompt blocks not cached there) + (active KV blocks there, the new request's included)
-           + q * (requests queued there)
+           + q * sum over the requests queued there of (w * their uncached blocks + their blocks)
 
-lowest cost wins, ties broken at random. Load is always blended in: pure cache affinity piles every
-request that shares a hot prefix onto one replica (the "death spiral"); that policy is kept here only as
-a baseline for the benchmark.
+lowest cost wins, ties broken at random. A queued request is priced in the same unit as the new one: the
+prompt it will compute and the blocks it will hold before the new request gets its turn; one the router
+did not send (another client's) counts as a request like the new one with nothing cached. Load is
+always blended in: pure cache affinity piles every request that shares a hot prefix onto one replica
+(the "death spiral"); that policy is kept here only as a baseline for the benchmark.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from typing import Protocol
 # than decoding next to one more held block; bench/router.py measured w=1 spreading shared prefixes
 # until the KV-aware router computed 0.9x round-robin's prompt tokens at 4 req/s, w=4 0.48x.
 DEFAULT_PREFIX_WEIGHT = 4.0
+# q: scales the queue term (1: a queued request costs exactly its own work, in the prefix term's units).
+DEFAULT_QUEUE_WEIGHT = 1.0
 
 
 @dataclass
@@ -30,6 +34,9 @@ class ReplicaView:
     active_blocks: float    # KV blocks held by its live sequences (reported, or the router's estimate)
     queued: float           # requests waiting there (reported, or the router's estimate)
     in_flight: int          # requests this router has open there
+    # (uncached prompt blocks, prompt blocks) of the requests this router sent that wait there (at most
+    # `queued` of them; the rest of the queue is other clients' requests)
+    waiting: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -44,6 +51,14 @@ class Policy(Protocol):
     def choose(self, views: list[ReplicaView], prompt_blocks: int) -> Decision: ...
 
 
+def queued_estimate(in_flight: int, capacity: int, reported_waiting: float) -> int:
+    """Requests waiting on a replica: this router's open requests beyond the sequences the replica runs at
+    once (`capacity`, its --max-num-seqs; 0 when unknown), known without a poll's lag so that a burst
+    between two polls does not herd onto the replica that looked idle; or the replica's own report if
+    other clients queued more."""
+    return int(max(in_flight - capacity if capacity > 0 else 0, reported_waiting, 0))
+
+
 def _pick_min(scores: dict[str, float], rng: random.Random) -> str:
     best = min(scores.values())
     return rng.choice([name for name, s in scores.items() if s <= best + 1e-9])
@@ -52,7 +67,7 @@ def _pick_min(scores: dict[str, float], rng: random.Random) -> str:
 class KVAwarePolicy:
     name = "kv"
 
-    def __init__(self, prefix_weight: float = DEFAULT_PREFIX_WEIGHT, queue_weight: float = 4.0,
+    def __init__(self, prefix_weight: float = DEFAULT_PREFIX_WEIGHT, queue_weight: float = DEFAULT_QUEUE_WEIGHT,
                  seed: int | None = None):
         if prefix_weight < 0 or queue_weight < 0:
             raise ValueError("the router's prefix and queue weights must be >= 0")
@@ -61,7 +76,13 @@ class KVAwarePolicy:
 
     def cost(self, view: ReplicaView, prompt_blocks: int) -> float:
         uncached = max(0, prompt_blocks - view.cached_blocks)
-        return self.w * uncached + view.active_blocks + prompt_blocks + self.q * view.queued
+        return self.w * uncached + view.active_blocks + prompt_blocks + self.q * self.queued_work(view, prompt_blocks)
+
+    def queued_work(self, view: ReplicaView, prompt_blocks: int) -> float:
+        """The work waiting ahead of a new request there, in blocks."""
+        known = sum(self.w * u + b for u, b in view.waiting)
+        unknown = max(0.0, view.queued - len(view.waiting))
+        return known + unknown * (self.w + 1) * prompt_blocks
 
     def choose(self, views: list[ReplicaView], prompt_blocks: int) -> Decision:
         costs = {v.name: self.cost(v, prompt_blocks) for v in views}
@@ -108,7 +129,7 @@ class PrefixAffinityPolicy:
 POLICIES = {p.name: p for p in (KVAwarePolicy, RoundRobinPolicy, PowerOfTwoPolicy, PrefixAffinityPolicy)}
 
 
-def make_policy(name: str, prefix_weight: float = DEFAULT_PREFIX_WEIGHT, queue_weight: float = 4.0,
+def make_policy(name: str, prefix_weight: float = DEFAULT_PREFIX_WEIGHT, queue_weight: float = DEFAULT_QUEUE_WEIGHT,
                 seed: int | None = None) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,9 +23,10 @@ from typing import Any
 import httpx
 
 from server.router.index import EventIndex, RoutingHistory
-from server.router.policy import ReplicaView
+from server.router.policy import ReplicaView, queued_estimate
 
 logger = logging.getLogger(__name__)
+_tickets = itertools.count()
 
 
 @dataclass
@@ -35,7 +37,9 @@ class Replica:
     healthy: bool = False
     failures: int = 0
     load: dict[str, Any] = field(default_factory=dict)   # the last /load answer
-    in_flight: int = 0                                    # requests this router has open there
+    # Requests this router has open there, oldest first: ticket -> (uncached prompt blocks at routing time,
+    # prompt blocks). The newest of them are the ones waiting in the replica's (FCFS) queue.
+    open: dict[int, tuple[int, int]] = field(default_factory=dict)
     # The router's own changes since the last /load report: blocks its new requests add (their uncached
     # prompt), and the requests that finished with the prompt blocks they held.
     opened_blocks: int = 0
@@ -52,20 +56,37 @@ class Replica:
             cached = max(self.index.matched(hashes), self.history.matched(hashes, now, within=events_max_age))
         else:
             cached = self.history.matched(hashes, now)
+        queued = queued_estimate(self.in_flight, self.capacity,
+                                 max(0, self.load.get("num_waiting", 0) - self.closed_requests))
         return ReplicaView(
             name=self.url, cached_blocks=cached,
             active_blocks=max(0.0, self.load.get("active_kv_blocks", 0) - self.closed_blocks) + self.opened_blocks,
-            queued=max(0.0, self.load.get("num_waiting", 0) - self.closed_requests), in_flight=self.in_flight)
+            queued=float(queued), in_flight=self.in_flight,
+            waiting=tuple(self.open.values())[len(self.open) - min(queued, len(self.open)):])
 
-    def opened(self, hashes: list[int], new_blocks: int) -> None:
-        self.in_flight += 1
+    @property
+    def capacity(self) -> int:
+        """Sequences it runs at once (its --max-num-seqs; 0 if its /load does not say)."""
+        return int(self.load.get("max_num_seqs", 0))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.open)
+
+    def opened(self, hashes: list[int], new_blocks: int, prompt_blocks: int) -> int:
+        """Counts a request sent there; returns the ticket `closed` takes back."""
         self.num_routed += 1
         self.opened_blocks += new_blocks
         self.history.record(hashes)
+        ticket = next(_tickets)
+        self.open[ticket] = (new_blocks, prompt_blocks)
+        return ticket
 
-    def closed(self, prompt_blocks: int) -> None:
-        self.in_flight -= 1
-        self.closed_blocks += prompt_blocks
+    def closed(self, ticket: int) -> None:
+        entry = self.open.pop(ticket, None)
+        if entry is None:
+            return
+        self.closed_blocks += entry[1]
         self.closed_requests += 1
 
     def reported(self, load: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -82,6 +83,7 @@ class Router:
 
     # -- forwarding -------------------------------------------------------------------------------------
     async def forward(self, request: Request, path: str) -> Response:
+        t0 = time.perf_counter()
         raw = await request.body()
         try:
             body = json.loads(raw) if raw else None
@@ -109,17 +111,19 @@ class Router:
             self.metrics.matched_blocks.inc(chosen.cached_blocks)
             # What the request adds to the replica's KV: its blocks the replica does not hold yet (a cached
             # prefix is shared, not copied).
-            replica.opened(hashes, max(1, prompt_blocks - chosen.cached_blocks))
+            ticket = replica.opened(hashes, max(1, prompt_blocks - chosen.cached_blocks), prompt_blocks)
             try:
-                return await self._send(request, replica, path, raw, prompt_blocks)
+                return await self._send(request, replica, path, raw, ticket, t0)
             except _Retry as e:
-                replica.closed(prompt_blocks)
+                replica.closed(ticket)
                 self.pool.mark_failed(replica, str(e))
                 self.metrics.retries.labels(replica.url).inc()
                 tried.add(replica.url)
                 logger.warning("request re-routed: %s", e)
 
-    async def _send(self, request: Request, replica: Replica, path: str, raw: bytes, blocks: int) -> Response:
+    async def _send(self, request: Request, replica: Replica, path: str, raw: bytes, ticket: int,
+                    t0: float) -> Response:
+        t_sent = time.perf_counter()
         headers = {"content-type": "application/json", **self.replica_headers}
         upstream_req = self.client.build_request("POST", replica.url + path, content=raw, headers=headers,
                                                  timeout=httpx.Timeout(None, connect=5.0))
@@ -128,13 +132,18 @@ class Router:
         except httpx.TransportError as e:
             raise _Retry(f"{replica.url}: {type(e).__name__}: {e}") from None
         if upstream is None:                     # the client left before the replica answered
-            replica.closed(blocks)
+            replica.closed(ticket)
             return Response(status_code=499)
         if upstream.status_code == 503:
             await upstream.aclose()
             raise _Retry(f"{replica.url} answered 503")
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
         out_headers["x-namazu-replica"] = replica.url
+
+        def timing() -> None:   # where the time to the first byte went, for bench/router_hops.py
+            now = time.perf_counter()
+            out_headers["server-timing"] = (f"route;dur={1000 * (t_sent - t0):.2f}, "
+                                            f"upstream;dur={1000 * (now - t_sent):.2f}")
         if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
             try:
                 content = await _unless_gone(request, replica, upstream.aread())
@@ -142,9 +151,10 @@ class Router:
                 await upstream.aclose()
                 raise _Retry(f"{replica.url} dropped the request: {type(e).__name__}: {e}") from None
             await upstream.aclose()
-            replica.closed(blocks)
+            replica.closed(ticket)
             if content is None:
                 return Response(status_code=499)
+            timing()
             return Response(content, status_code=upstream.status_code, headers=out_headers)
         chunks = upstream.aiter_raw()
         try:
@@ -154,12 +164,13 @@ class Router:
             raise _Retry(f"{replica.url} dropped the stream before its first byte: {type(e).__name__}") from None
         if first is None:
             await upstream.aclose()
-            replica.closed(blocks)
+            replica.closed(ticket)
             return Response(status_code=499)
-        return StreamingResponse(self._relay(replica, blocks, upstream, first, chunks),
+        timing()
+        return StreamingResponse(self._relay(replica, ticket, upstream, first, chunks),
                                  status_code=upstream.status_code, headers=out_headers)
 
-    async def _relay(self, replica: Replica, blocks: int, upstream: httpx.Response, first: bytes,
+    async def _relay(self, replica: Replica, ticket: int, upstream: httpx.Response, first: bytes,
                      chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         try:
             yield first
@@ -174,7 +185,7 @@ class Router:
         finally:
             # Also reached when the client disconnects (the response task is cancelled): closing the
             # upstream connection makes the replica abort the request and free its blocks.
-            replica.closed(blocks)
+            replica.closed(ticket)
             await upstream.aclose()
 
     # -- app --------------------------------------------------------------------------------------------
