@@ -31,7 +31,9 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from namazu.context import forward_context
+from namazu.kernels.moe_workspace import MoEWorkspace, workspace_scope
 from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache
+from namazu.layers.experts import TorchExperts
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ def width_for(blocks: int, max_width: int) -> int:
 class _Entry:
     """Persistent buffers of one (Bp, Tq) ladder entry and its compiled or captured forward."""
 
-    def __init__(self, bp: int, tq: int, max_width: int, cache: PagedLatentCache, device: torch.device):
+    def __init__(self, bp: int, tq: int, max_width: int, cache: PagedLatentCache, device: torch.device,
+                 moe_workspace: MoEWorkspace | None = None):
         n = bp * tq
         self.bp, self.tq = bp, tq
         i64 = {"dtype": torch.long, "device": device}
@@ -68,6 +71,7 @@ class _Entry:
         self.q_index = torch.arange(n, **i64).view(bp, tq)
         self.out_index = torch.arange(n, **i64)
         self.cache = cache
+        self.moe_workspace = moe_workspace
         self.compiled: Callable | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}   # width -> (graph, outputs)
 
@@ -91,7 +95,10 @@ class StepGraphs:
         self.tqs = [1] + ([1 + self.k] if self.k else [])
         self.backend = backend
         self.use_cuda_graphs = device.type == "cuda"
-        self.entries = {(bp, tq): _Entry(bp, tq, self.max_width, cache, device)
+        # The compiled (CPU) forward's MoE runs in a workspace per entry; a CUDA graph captures the
+        # eager forward, whose allocations the graph's private memory pool makes static.
+        self.entries = {(bp, tq): _Entry(bp, tq, self.max_width, cache, device,
+                                         None if self.use_cuda_graphs else _moe_workspace(model, bp * tq))
                         for tq in self.tqs for bp in self.batches}
         self.graph_bytes = 0
 
@@ -154,7 +161,7 @@ class StepGraphs:
         # torch.compile does not run under a dispatch mode, which is how --debug-no-host-sync watches
         # eager ops; the compiled forward needs no watching: it was traced with fullgraph=True, which
         # refuses every host read (item, data-dependent shapes) inside it instead of breaking the graph.
-        with _disable_current_modes(), forward_context(ctx):
+        with _disable_current_modes(), forward_context(ctx), workspace_scope(e.moe_workspace):
             return e.compiled(e.input_ids, e.positions)
 
     def _capture(self, e: _Entry, width: int) -> None:
@@ -205,6 +212,16 @@ class StepGraphs:
             graph.replay()
             return outputs
         return self._run_compiled(e, width)
+
+
+def _moe_workspace(model: torch.nn.Module | None, num_tokens: int) -> MoEWorkspace | None:
+    """A workspace for the grouped-GEMM experts of `model` (None without them: NVFP4 experts and kernel
+    backends run their own kernels). Every MoE layer of a model has the same shapes."""
+    for m in model.modules() if model is not None else ():
+        if isinstance(m, TorchExperts):
+            return MoEWorkspace.allocate(num_tokens, model.config.num_experts_per_tok, m.num_experts,
+                                         m.hidden_size, m.intermediate_size, m.w13.dtype, m.w13.device)
+    return None
 
 
 def _write(buf: torch.Tensor, host: np.ndarray) -> None:

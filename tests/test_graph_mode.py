@@ -140,9 +140,12 @@ def test_custom_ops_pass_opcheck():
                           (kv.clone(), torch.tensor([0, 5, 9]), torch.randn(3, r, generator=g),
                            torch.randn(3, dr, generator=g)))
     x = torch.randn(4, 16, generator=g)
-    torch.library.opcheck(torch.ops.namazu.moe_grouped_mm.default,
-                          (x, torch.tensor([[0, 2], [1, 2], [0, 1], [2, 0]]), torch.rand(4, 2, generator=g),
-                           torch.randn(3, 16, 16, generator=g), torch.randn(3, 16, 8, generator=g)))
+    moe_args = (x, torch.tensor([[0, 2], [1, 2], [0, 1], [2, 0]]), torch.rand(4, 2, generator=g),
+                torch.randn(3, 16, 16, generator=g), torch.randn(3, 16, 8, generator=g))
+    torch.library.opcheck(torch.ops.namazu.moe_grouped_mm.default, moe_args)
+    from namazu.kernels.moe_workspace import MoEWorkspace
+    ws = MoEWorkspace.allocate(4, 2, 3, 16, 8, torch.float32, "cpu")
+    torch.library.opcheck(torch.ops.namazu.moe_grouped_mm_ws.default, (*moe_args, ws.tensors()))
 
 
 def test_aot_traced_graph_matches_eager(monkeypatch):

@@ -18,6 +18,7 @@ from torch import nn
 
 from namazu.kernels import graph_ops  # also registers torch.ops.namazu.moe_grouped_mm for graph mode
 from namazu.kernels.moe_types import PROJS, MoERuntime, sort_by_expert
+from namazu.kernels.moe_workspace import active_workspace
 from namazu.layers.weight_loading import Loaded, TPShard, load_shard
 
 # torch's grouped GEMM (CPU and sm90+ GPUs); older torch falls back to the gathered path.
@@ -149,6 +150,12 @@ class TorchExperts(RoutedExperts):
         (each expert's weights read once, static shapes, no host sync). A custom op (kernels/graph_ops.py),
         so graph mode traces through it."""
         if torch.compiler.is_compiling():
+            # Graph mode: the ladder entry's workspace, when it has one for these shapes, holds every
+            # intermediate and the result (nothing allocated per step).
+            ws = active_workspace()
+            if ws is not None and ws.fits(x, topk_ids, self.w13, self.w2):
+                torch.ops.namazu.moe_grouped_mm_ws(x, topk_ids, topk_weights, self.w13, self.w2, ws.tensors())
+                return ws.out
             return torch.ops.namazu.moe_grouped_mm(x, topk_ids, topk_weights, self.w13, self.w2)
         return graph_ops.moe_grouped_mm_eager(x, topk_ids, topk_weights, self.w13, self.w2)
 
