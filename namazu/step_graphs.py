@@ -22,6 +22,7 @@ ladder runs eagerly.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -31,9 +32,14 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from namazu.context import forward_context
-from namazu.kernels.moe_workspace import MoEWorkspace, workspace_scope
+from namazu.kernels.moe_workspace import MoEWorkspace, gathers_in_graph, workspace_scope
 from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache
 from namazu.layers.experts import TorchExperts
+from namazu.layers.paged_mla import paged_latent_attention
+
+# Largest [Bp, width * block_size, r + dr] gather of keys (fp32) an entry's traced attention may make at
+# the ladder's widest table; wider ladders keep the tiled paged_mla op.
+TRACED_ATTENTION_BYTES = 256 * 2**20
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +81,26 @@ class _Entry:
         self.compiled: Callable | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}   # width -> (graph, outputs)
 
-    def context(self, width: int) -> PagedAttentionContext:
+    def context(self, width: int, traced_attention: bool = False) -> PagedAttentionContext:
         meta = PagedAttentionMetadata(slot_mapping=self.slot_mapping, block_tables=self.block_tables[:, :width],
                                       q_index=self.q_index, q_pos=self.q_pos, out_index=self.out_index)
-        return PagedAttentionContext(self.cache, meta)
+        return (_TracedAttentionContext if traced_attention else PagedAttentionContext)(self.cache, meta)
+
+
+class _TracedAttentionContext(PagedAttentionContext):
+    """Attention traced into the compiled graph (CPU graph mode) instead of called as the paged_mla op:
+    the compiler fuses the gather, masking and softmax around the two matmuls, and no op dispatch runs
+    from Python. One softmax over the whole padded table (the width is a dynamic dimension; a loop over
+    tiles would be control flow over it), so StepGraphs uses it only where the table's gathered keys
+    stay small (`TRACED_ATTENTION_BYTES`). The latent write stays an op: it mutates the cache in place."""
+
+    def attend(self, layer, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+               k_pe: torch.Tensor) -> torch.Tensor:
+        kv, m = self.cache.kv[layer.layer_idx], self.meta
+        torch.ops.namazu.write_latents(kv, m.slot_mapping, c_kv, k_pe)
+        o_lat = paged_latent_attention(layer.absorb_q(q_nope), q_pe, kv, m.block_tables, m.q_index, m.q_pos,
+                                       m.out_index, layer.kv_lora_rank, layer.softmax_scale, tile_tokens=None)
+        return layer.absorb_out(o_lat)
 
 
 class StepGraphs:
@@ -155,13 +177,23 @@ class StepGraphs:
         e.compiled = torch.compile(self._forward, backend=self.backend, dynamic=False, fullgraph=True)
         self._run_compiled(e, 2)   # the first call compiles; padding rows only, nothing is written
 
-    def _run_compiled(self, e: _Entry, width: int):
-        ctx = e.context(width)
+    def _traces_attention(self, e: _Entry) -> bool:
+        kv = self.cache.kv
+        return e.bp * self.max_width * kv.shape[2] * kv.shape[3] * 4 <= TRACED_ATTENTION_BYTES
+
+    def _run_compiled(self, e: _Entry, width: int, check_guards: bool = True):
+        ctx = e.context(width, traced_attention=self._traces_attention(e))
         torch._dynamo.mark_dynamic(ctx.meta.block_tables, 1, min=2, max=max(3, self.max_width))
         # torch.compile does not run under a dispatch mode, which is how --debug-no-host-sync watches
         # eager ops; the compiled forward needs no watching: it was traced with fullgraph=True, which
         # refuses every host read (item, data-dependent shapes) inside it instead of breaking the graph.
-        with _disable_current_modes(), forward_context(ctx), workspace_scope(e.moe_workspace):
+        # After warm-up an entry's inputs are always its own buffers, of fixed shapes but for the dynamic
+        # width: the guards torch.compile checks before each call (every parameter, buffer and context
+        # attribute, every entry of the ladder in turn) cannot fail, so a step evaluates only those that
+        # tell the entries apart.
+        stance = contextlib.nullcontext() if check_guards else \
+            torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        with _disable_current_modes(), forward_context(ctx), workspace_scope(e.moe_workspace), stance:
             return e.compiled(e.input_ids, e.positions)
 
     def _capture(self, e: _Entry, width: int) -> None:
@@ -211,7 +243,7 @@ class StepGraphs:
             graph, outputs = e.graphs[width]
             graph.replay()
             return outputs
-        return self._run_compiled(e, width)
+        return self._run_compiled(e, width, check_guards=False)
 
 
 def _moe_workspace(model: torch.nn.Module | None, num_tokens: int) -> MoEWorkspace | None:
@@ -219,7 +251,10 @@ def _moe_workspace(model: torch.nn.Module | None, num_tokens: int) -> MoEWorkspa
     backends run their own kernels). Every MoE layer of a model has the same shapes."""
     for m in model.modules() if model is not None else ():
         if isinstance(m, TorchExperts):
-            return MoEWorkspace.allocate(num_tokens, model.config.num_experts_per_tok, m.num_experts,
+            top_k = model.config.num_experts_per_tok
+            if gathers_in_graph(num_tokens * top_k, m.num_experts):
+                return None
+            return MoEWorkspace.allocate(num_tokens, top_k, m.num_experts,
                                          m.hidden_size, m.intermediate_size, m.w13.dtype, m.w13.device)
     return None
 

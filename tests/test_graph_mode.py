@@ -148,6 +148,25 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.namazu.moe_grouped_mm_ws.default, (*moe_args, ws.tensors()))
 
 
+def test_whole_table_attention_matches_the_tiled_kernel():
+    """What graph mode traces (tile_tokens=None: one softmax over the whole padded table, no control flow
+    over its width) equals the tiled online-softmax kernel eager steps run, padding and all."""
+    from namazu.layers.paged_mla import paged_latent_attention
+
+    g = torch.Generator().manual_seed(4)
+    r, dr, h, bs = 8, 4, 2, 4
+    kv = torch.randn(20, bs, r + dr, generator=g)
+    tables = torch.tensor([[3, 7, 1, 9, 12, 0], [5, 2, 0, 0, 0, 0], [8, 0, 0, 0, 0, 0]])
+    q_pos = torch.tensor([[20, 21], [6, -1], [-1, -1]])              # a padded slot and a padded sequence
+    q_index = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    args = (torch.randn(6, h, r, generator=g), torch.randn(6, h, dr, generator=g), kv, tables, q_index, q_pos,
+            torch.arange(6), r, 0.3)
+    tiled = paged_latent_attention(*args, tile_tokens=8)               # three tiles of two blocks
+    whole = paged_latent_attention(*args, tile_tokens=None)
+    torch.testing.assert_close(whole[:3], tiled[:3], rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(whole).all()
+
+
 def test_aot_traced_graph_matches_eager(monkeypatch):
     """aot_eager traces through the custom ops' shape functions, as inductor does."""
     monkeypatch.setenv("NAMAZU_GRAPH_BACKEND", "aot_eager")

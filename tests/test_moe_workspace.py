@@ -80,13 +80,15 @@ def test_graph_steps_reuse_the_entry_workspace(monkeypatch):
 
     monkeypatch.setattr(graph_ops, "moe_grouped_mm_into", recording)
     torch._dynamo.reset()   # forwards traced by other tests would not call the patched function
-    with LLM(tiny_checkpoint(), executor="inline", enforce_eager=False, max_num_seqs=1) as llm:
+    with LLM(tiny_checkpoint(), executor="inline", enforce_eager=False, max_num_seqs=4) as llm:
         graphs = llm.engine.executor.worker.runner.graphs
-        ws = graphs.entries[(1, 1)].moe_workspace
+        # The tiny model has 12 experts, 2 per token: entries of up to 3 tokens trace gathered experts.
+        assert graphs.entries[(2, 1)].moe_workspace is None
+        ws = graphs.entries[(4, 1)].moe_workspace
         assert ws is not None
         built = tuple(t.data_ptr() for t in ws.tensors())
         seen.clear()                       # start-up's trace and warm-up call
-        llm.generate(prompt_token_ids=prompts(1, lo=5, hi=10, seed=3), use_tqdm=False,
+        llm.generate(prompt_token_ids=prompts(4, lo=5, hi=10, seed=3), use_tqdm=False,
                      sampling_params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     moe_layers = sum(1 for layer in llm.engine.executor.worker.runner.model.model.layers
                      if hasattr(layer.mlp, "experts"))
@@ -94,3 +96,18 @@ def test_graph_steps_reuse_the_entry_workspace(monkeypatch):
     assert len(seen) == 5 * moe_layers, "graph-mode decode steps did not run the MoE in the workspace"
     assert {ptrs for ptrs, _, _ in seen} == {built}
     assert all(total == pairs for _, total, pairs in seen)
+
+
+def test_traced_gathered_experts_match_the_grouped_path():
+    """Entries with few pairs per expert trace the experts as gathered products (compiled with the
+    forward); they compute the grouped-GEMM result up to summation order."""
+    from namazu.kernels.moe_workspace import gathers_in_graph
+    from namazu.layers.experts import TorchExperts
+
+    assert gathers_in_graph(6, 12) and not gathers_in_graph(7, 12)
+    experts = TorchExperts(6, 32, 16)
+    experts.reset_parameters(0.1)
+    x, ids, w, *_ = _case(3, torch.float32, seed=7)
+    with torch.no_grad():
+        want = graph_ops.moe_grouped_mm_eager(x, ids, w, experts.w13, experts.w2)
+        torch.testing.assert_close(experts._forward_gathered_traced(x, ids, w), want, rtol=1e-5, atol=1e-6)

@@ -7,7 +7,8 @@ start-up; while the entry's forward is traced, `active_workspace()` hands it to 
 `namazu::moe_grouped_mm_ws` op writes every intermediate and the result into it, so a graph-mode step
 allocates nothing in the MoE runner. The layers run one after another, so they share one workspace (a
 layer's result is read by its block before the next layer's op overwrites it; the op declares the
-mutation, so the compiler orders the two).
+mutation, so the compiler orders the two). Entries with few pairs per expert (`gathers_in_graph`)
+trace the experts into the compiled graph instead and need no workspace.
 
 `moe_grouped_mm_into` computes what `graph_ops.moe_grouped_mm_eager` computes, bit for bit (same
 GEMMs per expert, same fp32 weighted sum): graph mode and eager mode give the same tokens.
@@ -81,6 +82,16 @@ class MoEWorkspace:
                 and x.dtype == self.out.dtype == w13.dtype and x.device == self.out.device
                 and w13.shape[0] == self.counts.shape[0] and w13.shape[1] == self.h13.shape[1]
                 and w2.shape[2] == self.act.shape[1])
+
+
+def gathers_in_graph(num_pairs: int, num_experts: int) -> bool:
+    """Whether a compiled forward runs the experts of `num_pairs` (token, slot) pairs as gathered
+    mat-vecs traced into the graph (its code generator fuses the weight gather, product and sum into a
+    few loops, with no op dispatch from Python) instead of the grouped-GEMM workspace op. Gathering
+    reads each pair's expert weights, grouping reads each touched expert's once: with at most one pair
+    per two experts the reads are about equal and the dispatch saved wins (a decode step of a few
+    sequences); beyond that the grouped GEMMs win."""
+    return 2 * num_pairs <= num_experts
 
 
 def moe_grouped_mm_into(ws: MoEWorkspace, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
