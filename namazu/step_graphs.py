@@ -15,10 +15,11 @@ unused), position 0, and writes its latent to a scratch slot outside the blocks 
 dropped; the rows the step samples are gathered from the real ones.
 
 On CPU each entry is one torch.compile of the forward (plus the logits of every row); the block-table
-width is a dynamic dimension there (it reaches only the paged-attention custom op, whose shape function
-does not depend on it), so an entry compiles once. On GPU an entry is captured per (Bp, width) with
-torch.cuda.graph over the same buffers and replayed with no host synchronisation; a step outside the
-ladder runs eagerly.
+width is a dynamic dimension there, so an entry compiles once. Attention is traced into the graph (one
+softmax over the padded table) where the gathered keys stay small, else it is the paged_mla op; the
+routed experts run traced (few pairs per expert) or in the entry's MoE workspace (kernels/moe_workspace.py).
+On GPU an entry is captured per (Bp, width) with torch.cuda.graph over the same buffers and replayed
+with no host synchronisation; a step outside the ladder runs eagerly.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ the whole decode / verify forward as one graph instead of breaking (or failing) 
 
 - `namazu::paged_mla`: absorbed MLA attention through the block table (layers/paged_mla.py). Its walk
   over block tiles is Python control flow over the table's width; as an op it is one node whose output
-  shape is known from the inputs alone.
+  shape is known from the inputs alone. (Graph mode traces the one-tile form instead where the ladder's
+  widest table is small: step_graphs.TRACED_ATTENTION_BYTES.)
 - `namazu::write_latents`: stores a step's latents at their cache slots (mutates the cache in place).
 - `namazu::moe_grouped_mm`: the routed experts' grouped-GEMM path (sort by expert, two grouped GEMMs,
   weighted sum). torch's own `grouped_mm` has a fake implementation that accepts only bf16, so tracing
