@@ -38,12 +38,9 @@ from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata,
 from namazu.layers.experts import TorchExperts
 from namazu.layers.paged_mla import paged_latent_attention
 
-# Limits of traced attention, at the ladder's widest table (wider ladders keep the tiled paged_mla op):
-# the [Bp, width * block_size, r + dr] fp32 gather of keys, and the keys per sequence. Inductor may
-# specialize its code on the width beyond 4096 keys (measured: a 257-block table of 16-token blocks
-# failed start-up with a guard of width <= 256, which the dynamic width's declared range forbids).
+# Largest [Bp, width * block_size, r + dr] gather of keys (fp32) an entry's traced attention may make at
+# the ladder's widest table; wider ladders keep the tiled paged_mla op.
 TRACED_ATTENTION_BYTES = 256 * 2**20
-TRACED_ATTENTION_KEYS = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +113,10 @@ class StepGraphs:
         self.model, self.cache, self.device = model, cache, device
         self.capture_layers = tuple(capture_layers)
         self.k = num_speculative_tokens
-        self.max_width = max(2, max_blocks_per_seq)
+        # A power of two (tables wider than it run eagerly): inductor compiled the dynamic width over
+        # [2, 2^k]; over [2, 257] (namazu-tiny's 4096 positions plus drafts) it added a guard width <= 256,
+        # which the declared range forbids, and start-up failed.
+        self.max_width = 1 << (max(2, max_blocks_per_seq).bit_length() - 1)
         self.batches = batch_ladder(max_num_seqs)
         self.tqs = [1] + ([1 + self.k] if self.k else [])
         self.backend = backend
@@ -183,8 +183,7 @@ class StepGraphs:
 
     def _traces_attention(self, e: _Entry) -> bool:
         kv = self.cache.kv
-        keys = self.max_width * kv.shape[2]
-        return keys <= TRACED_ATTENTION_KEYS and e.bp * keys * kv.shape[3] * 4 <= TRACED_ATTENTION_BYTES
+        return e.bp * self.max_width * kv.shape[2] * kv.shape[3] * 4 <= TRACED_ATTENTION_BYTES
 
     def _run_compiled(self, e: _Entry, width: int, check_guards: bool = True):
         ctx = e.context(width, traced_attention=self._traces_attention(e))
