@@ -106,6 +106,8 @@ def test_ladder_buffers_hold_a_step_padded():
     g = StepGraphs(None, cache, torch.device("cpu"), max_num_seqs=4, num_speculative_tokens=2,
                    max_blocks_per_seq=8)
     assert g.entry_for(5, 1) is None                                     # outside the ladder: eager
+    # The widest table is a power of two (inductor failed over a width range [2, 257]); wider: eager.
+    assert [StepGraphs(None, cache, torch.device("cpu"), 1, 0, m).max_width for m in (1, 8, 9, 257)] == [2, 8, 8, 256]
     e = g.entry_for(3, 3)
     assert (e.bp, e.tq) == (4, 3)
     # Three sequences verifying 2, 0 and 1 drafts: 3 + 1 + 2 flat tokens.
