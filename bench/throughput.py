@@ -1,8 +1,9 @@
 """Offline generation throughput: namazu's engine vs transformers' generate(), same checkpoint, same prompts.
 
-    python bench/throughput.py [--model DIR] [--batch 1 32] [--prompt-len 128] [--output-len 128] [--write]
+    python bench/throughput.py [--model DIR] [--batch 1 32] [--prompt-len 128] [--output-len 128] [--graph] [--write]
 
-namazu runs twice, with synchronous and with async scheduling (step N+1 planned while step N runs).
+namazu runs twice, with synchronous and with async scheduling (step N+1 planned while step N runs);
+with --graph a third time in graph mode (synchronous; its wall time excludes start-up's compilation).
 Both engines run greedy decoding of exactly --output-len tokens (EOS ignored) from the same random prompts of
 --prompt-len tokens, in float32 on CPU, with the same number of torch threads. Throughput is generated
 tokens per second of wall time for the whole batch (prefill included). The greedy outputs of the two are
@@ -43,12 +44,12 @@ def pick_model(arg: str | None) -> tuple[str, str]:
 
 
 def run_namazu(model: str, prompts: list[list[int]], output_len: int, batch: int,
-               async_scheduling: bool) -> tuple[float, list[list[int]]]:
+               async_scheduling: bool, enforce_eager: bool = True) -> tuple[float, list[list[int]]]:
     from namazu import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     with LLM(model, dtype="float32", max_num_seqs=max(batch, 1), max_num_batched_tokens=4096,
-             kv_cache_memory="512MiB", async_scheduling=async_scheduling) as llm:
+             kv_cache_memory="512MiB", async_scheduling=async_scheduling, enforce_eager=enforce_eager) as llm:
         llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)
         t0 = time.perf_counter()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for both")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--write", action="store_true", help=f"record the table in {RESULTS.name}")
+    p.add_argument("--graph", action="store_true",
+                   help="also run namazu in graph mode (compiled decode steps; start-up compiles the ladder)")
     args = p.parse_args(argv)
 
     os.environ["OMP_NUM_THREADS"] = str(args.threads)   # the namazu worker process inherits it
@@ -118,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = ["| batch | namazu tok/s | namazu --async-scheduling tok/s | transformers tok/s "
             "| namazu (best) / transformers | greedy agreement |",
             "|---:|---:|---:|---:|---:|---:|"]
+    if args.graph:
+        rows[0] += " namazu graph mode tok/s | graph / eager | graph tokens = eager |"
+        rows[1] += "---:|---:|---|"
     for batch in args.batch:
         prompts = rng.choice(ordinary, (batch, args.prompt_len)).tolist()   # no special tokens
         tokens = batch * args.output_len
@@ -128,6 +134,10 @@ def main(argv: list[str] | None = None) -> None:
         agree = min(agreement(out_nz, out_hf), agreement(out_as, out_hf))
         rows.append(f"| {batch} | {r_nz:,.1f} | {r_as:,.1f} | {r_hf:,.1f} | {max(r_nz, r_as) / r_hf:.2f}x "
                     f"| {agree:.3f} |")
+        if args.graph:
+            t_g, out_g = run_namazu(model, prompts, args.output_len, batch, async_scheduling=False,
+                                    enforce_eager=False)
+            rows[-1] += f" {tokens / t_g:,.1f} | {t_nz / t_g:.2f}x | {out_g == out_nz} |"
         print(rows[-1], flush=True)
     table = "\n".join(rows)
     print(f"\nmodel: {desc}; prompt {args.prompt_len}, output {args.output_len}, {args.threads} thread(s)\n")

@@ -15,13 +15,15 @@ unused), position 0, and writes its latent to a scratch slot outside the blocks 
 dropped; the rows the step samples are gathered from the real ones.
 
 On CPU each entry is one torch.compile of the forward (plus the logits of every row); the block-table
-width is a dynamic dimension there (it reaches only the paged-attention custom op, whose shape function
-does not depend on it), so an entry compiles once. On GPU an entry is captured per (Bp, width) with
-torch.cuda.graph over the same buffers and replayed with no host synchronisation; a step outside the
-ladder runs eagerly.
+width is a dynamic dimension there, so an entry compiles once. Attention is traced into the graph (one
+softmax over the padded table) where the gathered keys stay small, else it is the paged_mla op; the
+routed experts run traced (few pairs per expert) or in the entry's MoE workspace (kernels/moe_workspace.py).
+On GPU an entry is captured per (Bp, width) with torch.cuda.graph over the same buffers and replayed
+with no host synchronisation; a step outside the ladder runs eagerly.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +33,14 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from namazu.context import forward_context
+from namazu.kernels.moe_workspace import MoEWorkspace, gathers_in_graph, workspace_scope
 from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache
+from namazu.layers.experts import TorchExperts
+from namazu.layers.paged_mla import paged_latent_attention
+
+# Largest [Bp, width * block_size, r + dr] gather of keys (fp32) an entry's traced attention may make at
+# the ladder's widest table; wider ladders keep the tiled paged_mla op.
+TRACED_ATTENTION_BYTES = 256 * 2**20
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +65,8 @@ def width_for(blocks: int, max_width: int) -> int:
 class _Entry:
     """Persistent buffers of one (Bp, Tq) ladder entry and its compiled or captured forward."""
 
-    def __init__(self, bp: int, tq: int, max_width: int, cache: PagedLatentCache, device: torch.device):
+    def __init__(self, bp: int, tq: int, max_width: int, cache: PagedLatentCache, device: torch.device,
+                 moe_workspace: MoEWorkspace | None = None):
         n = bp * tq
         self.bp, self.tq = bp, tq
         i64 = {"dtype": torch.long, "device": device}
@@ -68,13 +78,30 @@ class _Entry:
         self.q_index = torch.arange(n, **i64).view(bp, tq)
         self.out_index = torch.arange(n, **i64)
         self.cache = cache
+        self.moe_workspace = moe_workspace
         self.compiled: Callable | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}   # width -> (graph, outputs)
 
-    def context(self, width: int) -> PagedAttentionContext:
+    def context(self, width: int, traced_attention: bool = False) -> PagedAttentionContext:
         meta = PagedAttentionMetadata(slot_mapping=self.slot_mapping, block_tables=self.block_tables[:, :width],
                                       q_index=self.q_index, q_pos=self.q_pos, out_index=self.out_index)
-        return PagedAttentionContext(self.cache, meta)
+        return (_TracedAttentionContext if traced_attention else PagedAttentionContext)(self.cache, meta)
+
+
+class _TracedAttentionContext(PagedAttentionContext):
+    """Attention traced into the compiled graph (CPU graph mode) instead of called as the paged_mla op:
+    the compiler fuses the gather, masking and softmax around the two matmuls, and no op dispatch runs
+    from Python. One softmax over the whole padded table (the width is a dynamic dimension; a loop over
+    tiles would be control flow over it), so StepGraphs uses it only where the table's gathered keys
+    stay small (`TRACED_ATTENTION_BYTES`). The latent write stays an op: it mutates the cache in place."""
+
+    def attend(self, layer, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+               k_pe: torch.Tensor) -> torch.Tensor:
+        kv, m = self.cache.kv[layer.layer_idx], self.meta
+        torch.ops.namazu.write_latents(kv, m.slot_mapping, c_kv, k_pe)
+        o_lat = paged_latent_attention(layer.absorb_q(q_nope), q_pe, kv, m.block_tables, m.q_index, m.q_pos,
+                                       m.out_index, layer.kv_lora_rank, layer.softmax_scale, tile_tokens=None)
+        return layer.absorb_out(o_lat)
 
 
 class StepGraphs:
@@ -86,12 +113,18 @@ class StepGraphs:
         self.model, self.cache, self.device = model, cache, device
         self.capture_layers = tuple(capture_layers)
         self.k = num_speculative_tokens
-        self.max_width = max(2, max_blocks_per_seq)
+        # A power of two (tables wider than it run eagerly): inductor compiled the dynamic width over
+        # [2, 2^k]; over [2, 257] (namazu-tiny's 4096 positions plus drafts) it added a guard width <= 256,
+        # which the declared range forbids, and start-up failed.
+        self.max_width = 1 << (max(2, max_blocks_per_seq).bit_length() - 1)
         self.batches = batch_ladder(max_num_seqs)
         self.tqs = [1] + ([1 + self.k] if self.k else [])
         self.backend = backend
         self.use_cuda_graphs = device.type == "cuda"
-        self.entries = {(bp, tq): _Entry(bp, tq, self.max_width, cache, device)
+        # The compiled (CPU) forward's MoE runs in a workspace per entry; a CUDA graph captures the
+        # eager forward, whose allocations the graph's private memory pool makes static.
+        self.entries = {(bp, tq): _Entry(bp, tq, self.max_width, cache, device,
+                                         None if self.use_cuda_graphs else _moe_workspace(model, bp * tq))
                         for tq in self.tqs for bp in self.batches}
         self.graph_bytes = 0
 
@@ -148,13 +181,23 @@ class StepGraphs:
         e.compiled = torch.compile(self._forward, backend=self.backend, dynamic=False, fullgraph=True)
         self._run_compiled(e, 2)   # the first call compiles; padding rows only, nothing is written
 
-    def _run_compiled(self, e: _Entry, width: int):
-        ctx = e.context(width)
+    def _traces_attention(self, e: _Entry) -> bool:
+        kv = self.cache.kv
+        return e.bp * self.max_width * kv.shape[2] * kv.shape[3] * 4 <= TRACED_ATTENTION_BYTES
+
+    def _run_compiled(self, e: _Entry, width: int, check_guards: bool = True):
+        ctx = e.context(width, traced_attention=self._traces_attention(e))
         torch._dynamo.mark_dynamic(ctx.meta.block_tables, 1, min=2, max=max(3, self.max_width))
         # torch.compile does not run under a dispatch mode, which is how --debug-no-host-sync watches
         # eager ops; the compiled forward needs no watching: it was traced with fullgraph=True, which
         # refuses every host read (item, data-dependent shapes) inside it instead of breaking the graph.
-        with _disable_current_modes(), forward_context(ctx):
+        # After warm-up an entry's inputs are always its own buffers, of fixed shapes but for the dynamic
+        # width: the guards torch.compile checks before each call (every parameter, buffer and context
+        # attribute, every entry of the ladder in turn) cannot fail, so a step evaluates only those that
+        # tell the entries apart.
+        stance = contextlib.nullcontext() if check_guards else \
+            torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        with _disable_current_modes(), forward_context(ctx), workspace_scope(e.moe_workspace), stance:
             return e.compiled(e.input_ids, e.positions)
 
     def _capture(self, e: _Entry, width: int) -> None:
@@ -204,7 +247,20 @@ class StepGraphs:
             graph, outputs = e.graphs[width]
             graph.replay()
             return outputs
-        return self._run_compiled(e, width)
+        return self._run_compiled(e, width, check_guards=False)
+
+
+def _moe_workspace(model: torch.nn.Module | None, num_tokens: int) -> MoEWorkspace | None:
+    """A workspace for the grouped-GEMM experts of `model` (None without them: NVFP4 experts and kernel
+    backends run their own kernels). Every MoE layer of a model has the same shapes."""
+    for m in model.modules() if model is not None else ():
+        if isinstance(m, TorchExperts):
+            top_k = model.config.num_experts_per_tok
+            if gathers_in_graph(num_tokens * top_k, m.num_experts):
+                return None
+            return MoEWorkspace.allocate(num_tokens, top_k, m.num_experts,
+                                         m.hidden_size, m.intermediate_size, m.w13.dtype, m.w13.device)
+    return None
 
 
 def _write(buf: torch.Tensor, host: np.ndarray) -> None:

@@ -106,6 +106,8 @@ def test_ladder_buffers_hold_a_step_padded():
     g = StepGraphs(None, cache, torch.device("cpu"), max_num_seqs=4, num_speculative_tokens=2,
                    max_blocks_per_seq=8)
     assert g.entry_for(5, 1) is None                                     # outside the ladder: eager
+    # The widest table is a power of two (inductor failed over a width range [2, 257]); wider: eager.
+    assert [StepGraphs(None, cache, torch.device("cpu"), 1, 0, m).max_width for m in (1, 8, 9, 257)] == [2, 8, 8, 256]
     e = g.entry_for(3, 3)
     assert (e.bp, e.tq) == (4, 3)
     # Three sequences verifying 2, 0 and 1 drafts: 3 + 1 + 2 flat tokens.
@@ -140,9 +142,31 @@ def test_custom_ops_pass_opcheck():
                           (kv.clone(), torch.tensor([0, 5, 9]), torch.randn(3, r, generator=g),
                            torch.randn(3, dr, generator=g)))
     x = torch.randn(4, 16, generator=g)
-    torch.library.opcheck(torch.ops.namazu.moe_grouped_mm.default,
-                          (x, torch.tensor([[0, 2], [1, 2], [0, 1], [2, 0]]), torch.rand(4, 2, generator=g),
-                           torch.randn(3, 16, 16, generator=g), torch.randn(3, 16, 8, generator=g)))
+    moe_args = (x, torch.tensor([[0, 2], [1, 2], [0, 1], [2, 0]]), torch.rand(4, 2, generator=g),
+                torch.randn(3, 16, 16, generator=g), torch.randn(3, 16, 8, generator=g))
+    torch.library.opcheck(torch.ops.namazu.moe_grouped_mm.default, moe_args)
+    from namazu.kernels.moe_workspace import MoEWorkspace
+    ws = MoEWorkspace.allocate(4, 2, 3, 16, 8, torch.float32, "cpu")
+    torch.library.opcheck(torch.ops.namazu.moe_grouped_mm_ws.default, (*moe_args, ws.tensors()))
+
+
+def test_whole_table_attention_matches_the_tiled_kernel():
+    """What graph mode traces (tile_tokens=None: one softmax over the whole padded table, no control flow
+    over its width) equals the tiled online-softmax kernel eager steps run, padding and all."""
+    from namazu.layers.paged_mla import paged_latent_attention
+
+    g = torch.Generator().manual_seed(4)
+    r, dr, h, bs = 8, 4, 2, 4
+    kv = torch.randn(20, bs, r + dr, generator=g)
+    tables = torch.tensor([[3, 7, 1, 9, 12, 0], [5, 2, 0, 0, 0, 0], [8, 0, 0, 0, 0, 0]])
+    q_pos = torch.tensor([[20, 21], [6, -1], [-1, -1]])              # a padded slot and a padded sequence
+    q_index = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    args = (torch.randn(6, h, r, generator=g), torch.randn(6, h, dr, generator=g), kv, tables, q_index, q_pos,
+            torch.arange(6), r, 0.3)
+    tiled = paged_latent_attention(*args, tile_tokens=8)               # three tiles of two blocks
+    whole = paged_latent_attention(*args, tile_tokens=None)
+    torch.testing.assert_close(whole[:3], tiled[:3], rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(whole).all()
 
 
 def test_aot_traced_graph_matches_eager(monkeypatch):

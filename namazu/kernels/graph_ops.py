@@ -3,11 +3,15 @@ the whole decode / verify forward as one graph instead of breaking (or failing) 
 
 - `namazu::paged_mla`: absorbed MLA attention through the block table (layers/paged_mla.py). Its walk
   over block tiles is Python control flow over the table's width; as an op it is one node whose output
-  shape is known from the inputs alone.
+  shape is known from the inputs alone. (Graph mode traces the one-tile form instead where the ladder's
+  widest table is small: step_graphs.TRACED_ATTENTION_BYTES.)
 - `namazu::write_latents`: stores a step's latents at their cache slots (mutates the cache in place).
 - `namazu::moe_grouped_mm`: the routed experts' grouped-GEMM path (sort by expert, two grouped GEMMs,
   weighted sum). torch's own `grouped_mm` has a fake implementation that accepts only bf16, so tracing
   an fp32 model through it fails; the op hides it behind a shape function that holds for every dtype.
+- `namazu::moe_grouped_mm_ws`: the same computation into a ladder entry's MoE workspace
+  (kernels/moe_workspace.py): every intermediate and the result are the workspace's buffers, which it
+  declares mutated; graph mode uses it when the entry has a workspace.
 
 Each fake implementation returns an empty tensor of the output's shape and dtype; the real one runs
 the eager kernel. Callers go through the op only while torch.compile traces (`torch.compiler.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from namazu.kernels.moe_workspace import MoEWorkspace, moe_grouped_mm_into
 from namazu.layers.paged_mla import paged_latent_attention, write_latents
 
 
@@ -72,3 +77,14 @@ def moe_grouped_mm(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 @moe_grouped_mm.register_fake
 def _moe_grouped_mm_fake(x, topk_ids, topk_weights, w13, w2):
     return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("namazu::moe_grouped_mm_ws", mutates_args=("ws",))
+def moe_grouped_mm_ws(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor, ws: list[torch.Tensor]) -> None:
+    moe_grouped_mm_into(MoEWorkspace.view(ws), x, topk_ids, topk_weights, w13, w2)
+
+
+@moe_grouped_mm_ws.register_fake
+def _moe_grouped_mm_ws_fake(x, topk_ids, topk_weights, w13, w2, ws):
+    return None

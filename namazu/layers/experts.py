@@ -18,6 +18,7 @@ from torch import nn
 
 from namazu.kernels import graph_ops  # also registers torch.ops.namazu.moe_grouped_mm for graph mode
 from namazu.kernels.moe_types import PROJS, MoERuntime, sort_by_expert
+from namazu.kernels.moe_workspace import active_workspace, gathers_in_graph
 from namazu.layers.weight_loading import Loaded, TPShard, load_shard
 
 # torch's grouped GEMM (CPU and sm90+ GPUs); older torch falls back to the gathered path.
@@ -149,8 +150,29 @@ class TorchExperts(RoutedExperts):
         (each expert's weights read once, static shapes, no host sync). A custom op (kernels/graph_ops.py),
         so graph mode traces through it."""
         if torch.compiler.is_compiling():
+            if gathers_in_graph(topk_ids.numel(), self.num_experts):
+                return self._forward_gathered_traced(x, topk_ids, topk_weights)
+            # Graph mode: the ladder entry's workspace, when it has one for these shapes, holds every
+            # intermediate and the result (nothing allocated per step).
+            ws = active_workspace()
+            if ws is not None and ws.fits(x, topk_ids, self.w13, self.w2):
+                torch.ops.namazu.moe_grouped_mm_ws(x, topk_ids, topk_weights, self.w13, self.w2, ws.tensors())
+                return ws.out
             return torch.ops.namazu.moe_grouped_mm(x, topk_ids, topk_weights, self.w13, self.w2)
         return graph_ops.moe_grouped_mm_eager(x, topk_ids, topk_weights, self.w13, self.w2)
+
+    def _forward_gathered_traced(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                                 ) -> torch.Tensor:
+        """Graph mode with few pairs per expert: each pair's expert weights gathered and multiplied as a
+        product-and-sum the compiler fuses into loops over the weights (nothing gathered into memory),
+        the weighted top-k sum in fp32 as the grouped path computes it."""
+        n, k = topk_ids.shape
+        ids = topk_ids.reshape(-1)
+        xs = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, 1, -1)
+        gate, up = (self.w13[ids] * xs).sum(-1).chunk(2, dim=-1)
+        out = (self.w2[ids] * (F.silu(gate) * up).unsqueeze(1)).sum(-1)
+        w = topk_weights.to(torch.float32).unsqueeze(-1)
+        return (out.view(n, k, -1).float() * w).sum(1).to(x.dtype)
 
     @torch.no_grad()
     def _forward_gathered(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

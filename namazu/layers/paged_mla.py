@@ -19,11 +19,13 @@ _MASKED = -1e30
 def paged_latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, q_index: torch.Tensor, q_pos: torch.Tensor,
                            out_index: torch.Tensor, kv_lora_rank: int, scale: float,
-                           tile_tokens: int = 256) -> torch.Tensor:
+                           tile_tokens: int | None = 256) -> torch.Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr]: the step's flat queries.
     kv_cache [num_blocks, bs, r + dr] (this layer), block_tables [B, M] int64.
     q_index [B, Tq]: flat query of each (sequence, slot) (padding: any valid index);
     q_pos [B, Tq]: its position (padding: -1); out_index [N]: each flat query's slot in B * Tq.
+    `tile_tokens` None: the whole table as one tile, with no Python control flow over its width (what
+    a compiled graph traces, the width being a dynamic dimension there).
     Returns o_lat [N, H, r] in q_lat's dtype."""
     b, tq = q_index.shape
     bs, d = kv_cache.shape[1], kv_cache.shape[2]
@@ -31,17 +33,18 @@ def paged_latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: to
     h = q_lat.shape[1]
     # [q_lat | q_pe] against the cached [c_kv | k_pe]: one matmul gives both score terms.
     q = torch.cat([q_lat, q_pe], dim=-1).float()[q_index].view(b, tq * h, d)
-    blocks_per_tile = max(1, tile_tokens // bs)
     num_table_blocks = block_tables.shape[1]
+    one_tile = tile_tokens is None
+    blocks_per_tile = num_table_blocks if one_tile else max(1, tile_tokens // bs)
     m = denom = acc = None
-    for t0 in range(0, num_table_blocks, blocks_per_tile):
-        tile = block_tables[:, t0:t0 + blocks_per_tile]                 # [B, nb]
+    for t0 in [0] if one_tile else range(0, num_table_blocks, blocks_per_tile):
+        tile = block_tables if one_tile else block_tables[:, t0:t0 + blocks_per_tile]   # [B, nb]
         kv = kv_cache[tile].float().view(b, -1, d)                      # [B, K, r + dr]
         s = torch.matmul(q, kv.transpose(1, 2)).view(b, tq, h, -1) * scale
         k_pos = t0 * bs + torch.arange(kv.shape[1], device=q.device)
         visible = (k_pos <= q_pos.unsqueeze(-1)).unsqueeze(2)          # [B, Tq, 1, K]
         s = s.masked_fill(~visible, _MASKED)
-        if num_table_blocks <= blocks_per_tile:                         # one tile: plain softmax
+        if one_tile or num_table_blocks <= blocks_per_tile:             # one tile: plain softmax
             p = torch.softmax(s, dim=-1).view(b, tq * h, -1)
             out = torch.matmul(p, kv[..., :r])
             return out.view(b * tq, h, r)[out_index].to(q_lat.dtype)
