@@ -138,62 +138,104 @@ class TargetOutputs:
     soft_p: torch.Tensor | None = None         # [T, top]: their probabilities (renormalised)
 
 
-def context_kv(drafter: DFlashDrafter, hs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every draft layer's injected keys/values of a whole sequence's positions ([1, heads, T, head_dim])."""
+def context_kv(drafter: DFlashDrafter, hs: list[torch.Tensor], pos: torch.Tensor | None = None
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every draft layer's injected keys/values ([1, heads, N, head_dim]) of N positions: one sequence's
+    (pos None: 0 .. N-1), or several packed end to end (pos: each one's position in its sequence)."""
     feat = drafter.fuse(hs)
-    pos = torch.arange(feat.shape[0])
+    pos = torch.arange(feat.shape[0]) if pos is None else pos
     return [tuple(x.unsqueeze(0) for x in layer.context_kv(feat, pos)) for layer in drafter.layers]
 
 
 def draft_hidden(drafter: DFlashDrafter, embed: torch.Tensor, ids: torch.Tensor,
-                 ctx: list[tuple[torch.Tensor, torch.Tensor]], anchors: torch.Tensor) -> torch.Tensor:
-    """The drafter's final hidden states [M, B-1, H] of the blocks anchored at positions `anchors` of the
-    sequence `ids`, each seeing the context strictly before its anchor: the same forward the engine runs
-    from its paged cache (tests/test_dflash_train.py checks that they agree)."""
-    visible = torch.arange(ctx[0][0].shape[2]).unsqueeze(0) < anchors.unsqueeze(1)
-    return drafter.forward_blocks(ids[anchors], anchors, ctx, visible, embed)
+                 ctx: list[tuple[torch.Tensor, torch.Tensor]], anchors: torch.Tensor,
+                 pos: torch.Tensor | None = None, seq: torch.Tensor | None = None) -> torch.Tensor:
+    """The drafter's final hidden states [M, B-1, H] of the blocks anchored at indices `anchors` of `ids`,
+    each seeing the context strictly before its anchor in its own sequence (pos/seq: position and sequence
+    of each index when several sequences are packed; None: one sequence). The same forward the engine runs
+    from its paged cache (tests/test_dflash.py checks that they agree)."""
+    n = ctx[0][0].shape[2]
+    pos = torch.arange(n) if pos is None else pos
+    visible = pos.unsqueeze(0) < pos[anchors].unsqueeze(1)
+    if seq is not None:
+        visible &= seq.unsqueeze(0) == seq[anchors].unsqueeze(1)
+    return drafter.forward_blocks(ids[anchors], pos[anchors], ctx, visible, embed)
+
+
+def batch_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], outs: list[TargetOutputs],
+               anchors: int, rng: np.random.Generator, soft_weight: float = 0.0
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(block loss, selector loss, number of trained positions) of random anchors of several sequences,
+    packed end to end into one forward (each block sees its own sequence's context only). With
+    soft_weight > 0 the block loss mixes the captured token's cross-entropy with the cross-entropy against
+    the target's own next-token distribution at that position (its top entries): at T > 0 drafts are
+    accepted with probability sum min(p, q), so the drafter's whole distribution matters, not only its top."""
+    cfg = drafter.cfg
+    b = cfg.block_size
+    k = torch.arange(1, b)
+    ids, pos, seq, hid, anc, at, valid = [], [], [], [], [], [], []
+    soft_ids, soft_p = [], []
+    off = 0
+    for i, (ex, out) in enumerate(zip(examples, outs)):
+        t = len(ex.ids)
+        lo, hi = max(1, ex.loss_from - 1), t - 2       # an anchor needs at least one label after it
+        if hi < lo:
+            continue
+        cand_pos = np.arange(lo, hi + 1)
+        a = torch.from_numpy(np.sort(rng.choice(cand_pos, size=min(anchors, len(cand_pos)), replace=False)))
+        local = a.unsqueeze(1) + k                                       # [m, B-1] positions of the labels
+        valid.append((local < t) & (local >= ex.loss_from))
+        at.append(off + local.clamp(max=t - 1))
+        anc.append(off + a)
+        ids.append(torch.tensor(ex.ids))
+        pos.append(torch.arange(t))
+        seq.append(torch.full((t,), i))
+        hid.append(out.hidden)
+        if soft_weight > 0 and out.soft_p is not None:
+            soft_ids.append(out.soft_ids)
+            soft_p.append(out.soft_p)
+        off += t
+    if not anc:
+        return torch.zeros(()), torch.zeros(()), 0
+    ids, pos, seq = torch.cat(ids), torch.cat(pos), torch.cat(seq)
+    anc, at, valid = torch.cat(anc), torch.cat(at), torch.cat(valid)
+    hidden = [torch.cat([h[j] for h in hid]) for j in range(len(hid[0]))]
+    h = draft_hidden(drafter, target.embed, ids, context_kv(drafter, hidden, pos), anc, pos, seq)   # [M, B-1, H]
+    labels = ids[at]
+    w = torch.exp(-(k - 1).float() / cfg.loss_gamma).expand_as(labels) * valid
+    logits = (h @ target.lm_head.T.to(h.dtype)).float()                  # [M, B-1, V]
+    # Selector candidates: the drafter's top-K, the gold token put in the last slot if missing.
+    cand = logits.detach().topk(cfg.selector_k, dim=-1).indices          # [M, B-1, K]
+    has = cand == labels.unsqueeze(-1)
+    cand[..., -1] = torch.where(has.any(-1), cand[..., -1], labels)
+    gold = (cand == labels.unsqueeze(-1)).float().argmax(-1)
+    # One log-softmax and one gather for every term (each gather's backward is a dense [M, B-1, V]).
+    # The selector's softmax over its K candidates is shift-invariant, so log-probabilities serve as U.
+    use_soft = bool(soft_ids)
+    cols = [labels.unsqueeze(-1)]
+    if use_soft:
+        src = at - 1                                                     # token `at` follows position at-1
+        sid, sp = torch.cat(soft_ids)[src], torch.cat(soft_p)[src]
+        cols.append(sid)
+    cols.append(cand)
+    g = logits.log_softmax(-1).gather(-1, torch.cat(cols, -1))
+    ce = -g[..., 0]
+    if use_soft:
+        ce = (1 - soft_weight) * ce - soft_weight * (sp * g[..., 1:1 + sid.shape[-1]]).sum(-1)
+    block = (ce * w).sum() / w.sum().clamp_min(1e-6)
+    prev = torch.cat([ids[anc].unsqueeze(1), labels[:, :-1]], dim=1)
+    scores = drafter.selector.scores(prev, cand, g[..., -cfg.selector_k:], h)
+    sce = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view_as(labels)
+    sel = (sce * w).sum() / w.sum().clamp_min(1e-6)
+    return block, sel, int(valid.sum())
 
 
 def sequence_loss(drafter: DFlashDrafter, target: Target, ex: Example, hs: list[torch.Tensor] | TargetOutputs,
                   anchors: int, rng: np.random.Generator, soft_weight: float = 0.0
                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(block loss, selector loss, number of trained positions) of random anchors of one sequence. With
-    soft_weight > 0 the block loss mixes the captured token's cross-entropy with the cross-entropy against
-    the target's own next-token distribution at that position (its top entries)."""
+    """batch_loss of one sequence."""
     tout = hs if isinstance(hs, TargetOutputs) else TargetOutputs(hs)
-    cfg = drafter.cfg
-    ids = torch.tensor(ex.ids)
-    t, b = len(ex.ids), cfg.block_size
-    lo, hi = max(1, ex.loss_from - 1), t - 2           # an anchor needs at least one label after it
-    if hi < lo:
-        return torch.zeros(()), torch.zeros(()), 0
-    cand_pos = np.arange(lo, hi + 1)
-    a = torch.from_numpy(np.sort(rng.choice(cand_pos, size=min(anchors, len(cand_pos)), replace=False)))
-    h = draft_hidden(drafter, target.embed, ids, context_kv(drafter, tout.hidden), a)   # [M, B-1, H]
-    k = torch.arange(1, b)
-    at = a.unsqueeze(1) + k                                              # [M, B-1]
-    valid = (at < t) & (at >= ex.loss_from)
-    labels = ids[at.clamp(max=t - 1)]
-    w = torch.exp(-(k - 1).float() / cfg.loss_gamma).expand_as(labels) * valid
-    logits = (h @ target.lm_head.T.to(h.dtype)).float()                  # [M, B-1, V]
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-    if soft_weight > 0 and tout.soft_p is not None:
-        # Token `at` follows position at-1: the target's distribution there.
-        src = (at - 1).clamp(max=t - 2)
-        logq = logits.log_softmax(-1).gather(-1, tout.soft_ids[src])     # [M, B-1, top]
-        soft = -(tout.soft_p[src] * logq).sum(-1)
-        ce = (1 - soft_weight) * ce + soft_weight * soft
-    block = (ce * w).sum() / w.sum().clamp_min(1e-6)
-    # Selector: K-way choice among the drafter's top-K, the gold token put in the last slot if missing.
-    cand = logits.detach().topk(cfg.selector_k, dim=-1).indices          # [M, B-1, K]
-    has = (cand == labels.unsqueeze(-1))
-    cand[..., -1] = torch.where(has.any(-1), cand[..., -1], labels)
-    gold = (cand == labels.unsqueeze(-1)).float().argmax(-1)
-    prev = torch.cat([ids[a].unsqueeze(1), labels[:, :-1]], dim=1)
-    scores = drafter.selector.scores(prev, cand, logits.gather(-1, cand), h)
-    sce = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view_as(labels)
-    sel = (sce * w).sum() / w.sum().clamp_min(1e-6)
-    return block, sel, int(valid.sum())
+    return batch_loss(drafter, target, [ex], [tout], anchors, rng, soft_weight)
 
 
 @torch.no_grad()
@@ -309,6 +351,8 @@ def train(args: argparse.Namespace) -> dict:
         examples = load_examples(args.data, args.max_len, args.text_mode, tok, stats)
     if args.max_sequences:
         examples = examples[:args.max_sequences]
+    if args.reload_data and not args.heldout:
+        raise SystemExit("--reload-data needs --heldout (the held-out share of --data would leak into training)")
     heldout: list[Example] = []
     if not args.heldout:
         random.Random(args.seed).shuffle(examples)
@@ -340,23 +384,26 @@ def train(args: argparse.Namespace) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        tot_b = tot_s = 0.0
-        n_tok = 0
+        batch_ex, batch_out = [], []
         for _ in range(args.batch):
             if cursor == len(order):
+                if args.reload_data and args.text_mode != "corpus":
+                    # A capture still being written: records only ever append, so the indices (the
+                    # target-output cache keys) of the sequences already seen stay the same.
+                    examples = load_examples(args.data, args.max_len, args.text_mode, tok, stats)
+                    examples = examples[:args.max_sequences] if args.max_sequences else examples
+                    log.info("epoch: %d training sequences", len(examples))
                 order, cursor = rng.permutation(len(examples)), 0
             i = int(order[cursor])
             cursor += 1
-            ex = examples[i]
-            tout = target.outputs(ex.ids, key=f"{args.text_mode}-{i}")
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-                block, sel, n = sequence_loss(drafter, target, ex, tout, args.anchors, rng, args.soft_weight)
-                loss = (block + cfg.selector_alpha * sel) / args.batch
-            if n:
-                loss.backward()
-            tot_b += float(block.detach()) / args.batch
-            tot_s += float(sel.detach()) / args.batch
-            n_tok += n
+            batch_ex.append(examples[i])
+            batch_out.append(target.outputs(examples[i].ids, key=f"{args.text_mode}-{i}"))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            block, sel, n_tok = batch_loss(drafter, target, batch_ex, batch_out, args.anchors, rng, args.soft_weight)
+            loss = block + cfg.selector_alpha * sel
+        if n_tok:
+            loss.backward()
+        tot_b, tot_s = float(block.detach()), float(sel.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
@@ -400,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--soft-weight", type=float, default=0.0,
                     help="share of the block loss taken against the target's own next-token distribution")
     ap.add_argument("--soft-top", type=int, default=32, help="entries kept of that distribution")
+    ap.add_argument("--reload-data", action="store_true",
+                    help="read --data again at every epoch (a capture that is still growing)")
     ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: never)")
     ap.add_argument("--eval-sequences", type=int, default=24, help="held-out sequences of that loss")
     ap.add_argument("--steps", type=int, default=100000)
