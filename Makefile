@@ -77,7 +77,7 @@ drafter-model: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.traffic --out $(DRAFTER_BUILD)/train_requests.jsonl -n 1500 --capture-dir $(DRAFTER_BUILD)/capture-train & pid=$$!; \
 	until [ "$$(cat $(DRAFTER_BUILD)/capture-train/*.ndjson 2>/dev/null | wc -l)" -ge 100 ]; do \
 		kill -0 $$pid 2>/dev/null || { wait $$pid; exit 1; }; sleep 5; done; \
-	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.train --data $(DRAFTER_BUILD)/capture-train --reload-data --heldout $(DRAFTER_BUILD)/capture-heldout --out $(TINY_DIR)/drafter $(DRAFTER_TRAIN) --steps 4000 --time-budget 36 --snapshot-at 300 $(DRAFTER_BUILD)/raw-300; \
+	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.train --data $(DRAFTER_BUILD)/capture-train --reload-data --heldout $(DRAFTER_BUILD)/capture-heldout --out $(TINY_DIR)/drafter $(DRAFTER_TRAIN) --steps 4000 --time-budget 36; \
 	rc=$$?; wait $$pid && exit $$rc
 
 # MoE kernel microbenchmark: every backend, BF16 and NVFP4, vs a roofline measured in the same run
