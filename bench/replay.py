@@ -118,7 +118,26 @@ def greedy_identity(flags_a: str, flags_b: str, requests: list[dict]) -> dict:
     return {"prompts": len(requests), "identical": same, "tokens": sum(len(a) for a in outs[0])}
 
 
-def simulate(sources: list[str], drafters: list[str], k: int, limit: int) -> list[dict]:
+def regenerate(sources: list[str], limit: int, temperature: float, top_p: float) -> list:
+    """The held-out captured prompts answered again by the target at one sampling setting (seeded, the
+    captured max_tokens), offline: every request then counts at that setting, not only the ones captured
+    with it."""
+    from namazu import LLM, SamplingParams
+    from namazu.spec.capture import read_records
+    from namazu.spec.train import Example
+
+    recs = list(read_records(sources))[:limit]
+    params = [SamplingParams(temperature=temperature, top_p=top_p if temperature > 0 else 1.0, seed=i,
+                             max_tokens=int(r.sampling.get("max_tokens") or 128)) for i, r in enumerate(recs)]
+    with LLM(None, executor="inline") as llm:
+        outs = llm.generate(prompt_token_ids=[r.prompt_token_ids for r in recs], sampling_params=params,
+                            use_tqdm=False)
+    return [Example(r.prompt_token_ids + list(o.outputs[0].token_ids), len(r.prompt_token_ids), temperature == 0)
+            for r, o in zip(recs, outs) if len(o.outputs[0].token_ids) >= 2]
+
+
+def simulate(sources: list[str], drafters: list[str], k: int, limit: int, examples: list | None = None
+             ) -> list[dict]:
     """Acceptance length without a server: decoding replayed over each held-out captured output (draft k
     from the context before the anchor, accept the prefix equal to the captured tokens, move on by
     accepted + 1). For greedy (T=0) captures this is exactly what the engine's verify step counts; for
@@ -131,7 +150,7 @@ def simulate(sources: list[str], drafters: list[str], k: int, limit: int) -> lis
     from namazu.spec.drafters import NgramProposer
     from namazu.spec.train import Target, acceptance_length, load_examples
 
-    examples = load_examples(sources, 4096)[:limit]
+    examples = examples if examples is not None else load_examples(sources, 4096)[:limit]
     target_path = str(resolve_model_path(None))
     rows = []
     for spec in drafters:
@@ -139,7 +158,10 @@ def simulate(sources: list[str], drafters: list[str], k: int, limit: int) -> lis
         if name == "ngram":
             ngram = NgramProposer()
             taus: dict[str, list[int]] = {"greedy": [], "sampled": []}
+            tried = {kind: np.zeros(k) for kind in taus}
+            took = {kind: np.zeros(k) for kind in taus}
             for ex in examples:
+                kind = "greedy" if ex.greedy else "sampled"
                 a = ex.loss_from
                 while a < len(ex.ids) - 1:
                     kk = min(k, len(ex.ids) - 1 - a)
@@ -147,10 +169,14 @@ def simulate(sources: list[str], drafters: list[str], k: int, limit: int) -> lis
                     acc = 0
                     while acc < len(d) and d[acc] == ex.ids[a + 1 + acc]:
                         acc += 1
-                    taus["greedy" if ex.greedy else "sampled"].append(acc + 1)
+                    taus[kind].append(acc + 1)
+                    tried[kind][:min(acc + 1, len(d))] += 1
+                    took[kind][:acc] += 1
                     a += acc + 1
             res = {kind: {"mean_acceptance_length": float(np.mean(v)), "verify_steps": len(v),
-                          "histogram": np.bincount(v, minlength=k + 2)[1:].tolist()} for kind, v in taus.items() if v}
+                          "histogram": np.bincount(v, minlength=k + 2)[1:].tolist(),
+                          "position_acceptance": (took[kind] / np.maximum(tried[kind], 1)).round(4).tolist()}
+                   for kind, v in taus.items() if v}
         else:
             t = Target(target_path, [])
             with torch.no_grad():
@@ -163,12 +189,14 @@ def simulate(sources: list[str], drafters: list[str], k: int, limit: int) -> lis
 
 
 def simulation_table(rows: list[dict]) -> str:
-    lines = ["| drafter | T=0 captures: mean acceptance length (exact) | verify steps | histogram (1, 2, ...) | "
-             "sampled captures: greedy-match proxy |", "|---|---:|---:|---|---:|"]
+    lines = ["| drafter | T=0 outputs: mean acceptance length (exact) | verify steps | histogram (1, 2, ...) | "
+             "acceptance of draft 1, 2, ... given the ones before | sampled outputs: greedy-match proxy |",
+             "|---|---:|---:|---|---|---:|"]
     for r in rows:
         g, s = r.get("greedy", {}), r.get("sampled", {})
+        pos = ", ".join(f"{x:.2f}" for x in g.get("position_acceptance", []))
         lines.append(f"| {r['name']} | {g.get('mean_acceptance_length', 0):.2f} | {g.get('verify_steps', 0)} | "
-                     f"{g.get('histogram', '-')} | {s.get('mean_acceptance_length', 0):.2f} |")
+                     f"{g.get('histogram', '-')} | {pos or '-'} | {s.get('mean_acceptance_length', 0):.2f} |")
     return "\n".join(lines)
 
 
@@ -230,9 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--simulate", nargs="+", default=None, metavar="NAME=DIR|ngram",
                     help="instead: acceptance length of these drafters replayed offline over the captures")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step in --simulate")
+    ap.add_argument("--regenerate", type=float, default=None, metavar="T",
+                    help="with --simulate: answer the held-out prompts again at temperature T (top-p "
+                         "--top-p) with the target first, so that every request counts at that setting")
+    ap.add_argument("--top-p", type=float, default=0.9)
     args = ap.parse_args(argv)
     if args.simulate:
-        rows = simulate(args.requests, args.simulate, args.k, args.limit)
+        examples = regenerate(args.requests, args.limit, args.regenerate, args.top_p) \
+            if args.regenerate is not None else None
+        rows = simulate(args.requests, args.simulate, args.k, args.limit, examples)
         print(simulation_table(rows))
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
@@ -241,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
 
             body = (f"### Acceptance length, offline replay of held-out captures: {args.write}\n\n"
                     f"`python -m bench.replay --requests ... --simulate {' '.join(args.simulate)} --k {args.k} "
-                    f"--limit {args.limit}`\n\n{simulation_table(rows)}")
+                    f"--limit {args.limit}"
+                    + (f" --regenerate {args.regenerate:g} --top-p {args.top_p:g}" if args.regenerate is not None
+                       else "") + f"`\n\n{simulation_table(rows)}")
             write_section(f"<!-- replay-{args.write}:begin -->", f"<!-- replay-{args.write}:end -->", body)
         return 0
     if args.a is None or args.b is None:

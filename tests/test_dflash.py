@@ -13,6 +13,7 @@ from namazu.config import ModelConfig
 from namazu.spec.dflash import DFlashDrafter
 from namazu.spec.dflash_config import DrafterCheckpointError, check_drafter_checkpoint
 from namazu.spec.dflash_proposer import DFlashProposer
+from namazu.spec.train import Target, context_kv, draft_hidden
 
 K = 3
 
@@ -112,6 +113,32 @@ def test_drafts_equal_a_dense_recomputation(engine_kw):
                                            torch.ones(1, pos, dtype=torch.bool), target.model.embed_tokens.weight)
                 want = h[:, :logits.shape[1]] @ target.lm_head.weight.T
             torch.testing.assert_close(logits[s], want[0], atol=2e-4, rtol=1e-4)
+
+
+def test_serving_drafts_equal_the_trainers_forward():
+    """No train/serve skew: the block logits the engine drafts from (its paged context cache, one block per
+    step) equal the trainer's forward over the whole finished sequence (the trainer's Target hidden
+    states, every anchor in one pass under the block mask), so what training optimises is what is served."""
+    ps = prompts(3, lo=6, hi=24, seed=12)
+    proposer = make_proposer(cls=RecordingProposer)
+    outs, _ = run(ps, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), proposer,
+                  max_num_batched_tokens=16, max_num_seqs=4)
+    drafter = proposer.model
+    target = Target(tiny_checkpoint(), drafter.cfg.target_layers)
+    checked = 0
+    for sid, p in enumerate(ps):
+        full = p + outs[sid][0]
+        blocks = [(anchors[s], positions[s], logits[s]) for seq_ids, anchors, positions, logits in proposer.blocks
+                  for s, x in enumerate(seq_ids) if x == sid and positions[s] < len(full)]
+        with torch.no_grad():
+            ctx = context_kv(drafter, target.hidden(full))
+            h = draft_hidden(drafter, target.embed, torch.tensor(full), ctx, torch.tensor([b[1] for b in blocks]))
+            want = h @ target.lm_head.T
+        for j, (anchor, pos, logits) in enumerate(blocks):
+            assert full[pos] == anchor
+            torch.testing.assert_close(logits, want[j, :logits.shape[0]], atol=2e-4, rtol=1e-4)
+            checked += 1
+    assert checked >= 15
 
 
 # -- lossless outputs -----------------------------------------------------------------------------------

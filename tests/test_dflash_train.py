@@ -59,3 +59,29 @@ def test_trainer_learns_and_writes_a_servable_checkpoint(captured, tmp_path):
                                                             use_tqdm=False)]
         assert llm.engine.get_stats().num_draft_tokens > 0
     assert got == want
+
+
+def test_packed_sequences_train_as_if_alone():
+    """The trainer packs a step's sequences end to end into one forward: each block must see its own
+    sequence's context only, so the packed hidden states equal each sequence's own forward."""
+    import torch
+    from dflash_fixtures import random_drafter
+
+    from namazu.config import ModelConfig
+    from namazu.spec.train import context_kv, draft_hidden
+
+    t = ModelConfig.from_pretrained(tiny_checkpoint())
+    drafter = DFlashDrafter.load(random_drafter(tiny_checkpoint()), t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    target = Target(tiny_checkpoint(), drafter.cfg.target_layers)
+    seqs = [list(range(5, 31)), list(range(40, 58))]
+    anchors = [torch.tensor([3, 10, 20]), torch.tensor([2, 9, 15])]
+    with torch.no_grad():
+        alone = [draft_hidden(drafter, target.embed, torch.tensor(s), context_kv(drafter, target.hidden(s)), a)
+                 for s, a in zip(seqs, anchors)]
+        ids = torch.tensor(seqs[0] + seqs[1])
+        pos = torch.cat([torch.arange(len(s)) for s in seqs])
+        seq = torch.cat([torch.full((len(s),), i) for i, s in enumerate(seqs)])
+        hidden = [torch.cat(parts) for parts in zip(*(target.hidden(s) for s in seqs))]
+        packed = draft_hidden(drafter, target.embed, ids, context_kv(drafter, hidden, pos),
+                              torch.cat([anchors[0], anchors[1] + len(seqs[0])]), pos, seq)
+    torch.testing.assert_close(packed, torch.cat(alone), atol=2e-4, rtol=1e-4)

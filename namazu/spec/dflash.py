@@ -15,6 +15,7 @@ anchors; serving (`namazu.spec.dflash_proposer`) calls it with the context gathe
 """
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -27,11 +28,15 @@ from namazu.layers.norm import RMSNorm
 from namazu.spec.dflash_config import WEIGHTS_FILE, DFlashConfig, check_drafter_checkpoint
 
 
+@functools.lru_cache(maxsize=16)
+def _inv_freq(d: int, theta: float, device: torch.device) -> torch.Tensor:
+    return theta ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (half-split) of x [..., T, D] at positions [..., T]."""
     d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = positions.float().unsqueeze(-1) * inv
+    ang = positions.float().unsqueeze(-1) * _inv_freq(d, theta, x.device)
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     x1, x2 = x[..., :d // 2], x[..., d // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -51,10 +56,13 @@ class TwoTapConv(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, B, H] (one block per row)."""
         m, b, h = x.shape
-        d = self.delta(x).view(m, b, 2, self.groups).repeat_interleave(h // self.groups, dim=-1)  # [M, B, 2, H]
-        w = self.base.to(x.dtype) + d
+        g = self.groups
+        # Channel c belongs to group c // (H / groups): broadcast each group's delta over its channels
+        # instead of materialising it per channel.
+        d = self.delta(x).view(m, b, 2, g, 1)
+        w = self.base.to(x.dtype).view(2, g, h // g) + d                  # [M, B, 2, groups, H / groups]
         prev = F.pad(x, (0, 0, 1, 0))[:, :b]          # x[i-1], zero before the block's first position
-        return w[:, :, 0] * x + w[:, :, 1] * prev
+        return (w[:, :, 0] * x.view(m, b, g, -1) + w[:, :, 1] * prev.reshape(m, b, g, -1)).view(m, b, h)
 
 
 class DraftLayer(nn.Module):
@@ -166,10 +174,18 @@ class DFlashDrafter(nn.Module):
         q [M, k, V]: the distribution each draft was drawn from (zero outside the candidates)."""
         logits = logits[:, :k].float()
         cand_logits, cand = logits.topk(self.cfg.selector_k, dim=-1)          # [M, k, K]
-        prev = anchor
+        sel = self.selector
+        a = sel.proj(h[:, :k]).to(sel.pred.dtype)                             # [M, k, r]
+        # Every pair score at once: position 0 from the anchor; position j >= 1 from each of position
+        # j-1's K candidates ([M, k-1, K prev, K]). The walk below only picks rows of these tables.
+        first = cand_logits[:, 0] + ((sel.pred[anchor] * a[:, 0]).unsqueeze(-2) * sel.succ[cand[:, 0]]).sum(-1)
+        pairs = cand_logits[:, 1:].unsqueeze(-2) + torch.einsum(
+            "mjpr,mjcr->mjpc", sel.pred[cand[:, :-1]] * a[:, 1:].unsqueeze(-2), sel.succ[cand[:, 1:]]).float()
+        s, pick = first.float(), anchor
         ids, qs = [], []
         for j in range(k):
-            s = self.selector.scores(prev, cand[:, j], cand_logits[:, j], h[:, j])   # [M, K]
+            if j:
+                s = pairs[:, j - 1].gather(1, pick.view(-1, 1, 1).expand(-1, 1, pairs.shape[-1])).squeeze(1)
             best = s.argmax(-1)
             if temperature is not None:
                 t = temperature.float().clamp_min(1e-6).unsqueeze(-1)
@@ -182,8 +198,7 @@ class DFlashDrafter(nn.Module):
                 qs.append(torch.zeros(q.shape[0], logits.shape[-1], device=q.device).scatter_(1, cand[:, j], q))
             else:
                 pick = best
-            prev = cand[:, j].gather(1, pick.unsqueeze(-1)).squeeze(-1)
-            ids.append(prev)
+            ids.append(cand[:, j].gather(1, pick.unsqueeze(-1)).squeeze(-1))
         return torch.stack(ids, 1), (torch.stack(qs, 1) if qs else None)
 
     # -- checkpoints ----------------------------------------------------------------------------------

@@ -83,8 +83,10 @@ class DFlashProposer:
         # Slot j of the table holds position j; only positions before the anchor are context (later ones
         # are rejected drafts or table padding).
         visible = torch.arange(slots.shape[1], device=slots.device) < anchor_pos.unsqueeze(-1)
-        ctx = [(self.cache[li, 0][slots].transpose(1, 2), self.cache[li, 1][slots].transpose(1, 2))
-               for li in range(self.cfg.num_layers)]
+        ctx = []
+        for li in range(self.cfg.num_layers):
+            kv = self.cache[li][:, slots].transpose(2, 3)                   # keys and values in one gather
+            ctx.append((kv[0], kv[1]))
         h = self.model.forward_blocks(anchor, anchor_pos, ctx, visible, self.embed)[:, :k]
         return anchor, anchor_pos, h, torch.nn.functional.linear(h, self.lm_head)
 

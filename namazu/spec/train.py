@@ -87,9 +87,10 @@ def corpus_examples(tokenizer, n: int, max_len: int, seed: int = 0) -> list[Exam
 
 # -- the loss --------------------------------------------------------------------------------------------
 class Target:
-    """The frozen target: hidden states of the drafter's layers, its embedding and lm_head."""
+    """The frozen target: hidden states of the drafter's layers, its next-token distributions, its embedding
+    and lm_head."""
 
-    def __init__(self, path: str, layers: list[int], cache_dir: str | None = None):
+    def __init__(self, path: str, layers: list[int], cache_dir: str | None = None, soft_top: int = 0):
         from namazu.models.loader import load_model
 
         self.model = load_model(path, dtype="float32", progress=False).eval()
@@ -98,56 +99,171 @@ class Target:
         self.layers = layers
         self.embed = self.model.model.embed_tokens.weight
         self.lm_head = self.model.lm_head.weight
-        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.soft_top = soft_top
+        # "memory": computed once per sequence and kept for later epochs (fp32, as served); a directory:
+        # the same on disk.
+        self.memory: dict[str, TargetOutputs] | None = {} if cache_dir == "memory" else None
+        self.cache_dir = Path(cache_dir) if cache_dir and cache_dir != "memory" else None
         if self.cache_dir:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
 
     @torch.no_grad()
-    def hidden(self, ids: list[int], key: str | None = None) -> list[torch.Tensor]:
+    def outputs(self, ids: list[int], key: str | None = None) -> TargetOutputs:
+        if self.memory is not None and key in self.memory:
+            return self.memory[key]
         path = self.cache_dir / f"{key}.pt" if self.cache_dir and key else None
         if path is not None and path.exists():
-            return [h.float() for h in torch.load(path)]
-        _, captured = self.model(torch.tensor([ids]), capture_layers=self.layers)
-        hs = [captured[i][0] for i in self.layers]
+            return TargetOutputs(*torch.load(path))
+        final, captured = self.model(torch.tensor([ids]), capture_layers=self.layers)
+        out = TargetOutputs([captured[i][0] for i in self.layers])
+        if self.soft_top:
+            # The target's next-token distribution at every position, kept as its top entries (renormalised).
+            probs = self.model.compute_logits(final[0]).softmax(-1)
+            top_p, top_i = probs.topk(self.soft_top, dim=-1)
+            out.soft_ids, out.soft_p = top_i, top_p / top_p.sum(-1, keepdim=True)
         if path is not None:
-            torch.save([h.bfloat16() for h in hs], path)
-        return hs
+            torch.save((out.hidden, out.soft_ids, out.soft_p), path)
+        if self.memory is not None and key is not None:
+            self.memory[key] = out
+        return out
+
+    def hidden(self, ids: list[int], key: str | None = None) -> list[torch.Tensor]:
+        return self.outputs(ids, key).hidden
 
 
-def sequence_loss(drafter: DFlashDrafter, target: Target, ex: Example, hs: list[torch.Tensor], anchors: int,
-                  rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(block loss, selector loss, number of trained positions) of random anchors of one sequence."""
+@dataclass
+class TargetOutputs:
+    hidden: list[torch.Tensor]                 # [T, H] per drafter target layer
+    soft_ids: torch.Tensor | None = None       # [T, top]: the target's likeliest next tokens after position t
+    soft_p: torch.Tensor | None = None         # [T, top]: their probabilities (renormalised)
+
+
+def context_kv(drafter: DFlashDrafter, hs: list[torch.Tensor], pos: torch.Tensor | None = None
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every draft layer's injected keys/values ([1, heads, N, head_dim]) of N positions: one sequence's
+    (pos None: 0 .. N-1), or several packed end to end (pos: each one's position in its sequence)."""
+    feat = drafter.fuse(hs)
+    pos = torch.arange(feat.shape[0]) if pos is None else pos
+    return [tuple(x.unsqueeze(0) for x in layer.context_kv(feat, pos)) for layer in drafter.layers]
+
+
+def draft_hidden(drafter: DFlashDrafter, embed: torch.Tensor, ids: torch.Tensor,
+                 ctx: list[tuple[torch.Tensor, torch.Tensor]], anchors: torch.Tensor,
+                 pos: torch.Tensor | None = None, seq: torch.Tensor | None = None) -> torch.Tensor:
+    """The drafter's final hidden states [M, B-1, H] of the blocks anchored at indices `anchors` of `ids`,
+    each seeing the context strictly before its anchor in its own sequence (pos/seq: position and sequence
+    of each index when several sequences are packed; None: one sequence). The same forward the engine runs
+    from its paged cache (tests/test_dflash.py checks that they agree)."""
+    n = ctx[0][0].shape[2]
+    pos = torch.arange(n) if pos is None else pos
+    visible = pos.unsqueeze(0) < pos[anchors].unsqueeze(1)
+    if seq is not None:
+        visible &= seq.unsqueeze(0) == seq[anchors].unsqueeze(1)
+    return drafter.forward_blocks(ids[anchors], pos[anchors], ctx, visible, embed)
+
+
+def batch_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], outs: list[TargetOutputs],
+               anchors: int, rng: np.random.Generator, soft_weight: float = 0.0
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(block loss, selector loss, number of trained positions) of random anchors of several sequences,
+    packed end to end into one forward (each block sees its own sequence's context only). With
+    soft_weight > 0 the block loss mixes the captured token's cross-entropy with the cross-entropy against
+    the target's own next-token distribution at that position (its top entries): at T > 0 drafts are
+    accepted with probability sum min(p, q), so the drafter's whole distribution matters, not only its top."""
     cfg = drafter.cfg
-    ids = torch.tensor(ex.ids)
-    t, b = len(ex.ids), cfg.block_size
-    lo, hi = max(1, ex.loss_from - 1), t - 2           # an anchor needs at least one label after it
-    if hi < lo:
-        return torch.zeros(()), torch.zeros(()), 0
-    cand_pos = np.arange(lo, hi + 1)
-    a = torch.from_numpy(np.sort(rng.choice(cand_pos, size=min(anchors, len(cand_pos)), replace=False)))
-    feat = drafter.fuse(hs)                                              # [T, H]
-    pos = torch.arange(t)
-    ctx = [tuple(x.unsqueeze(0) for x in layer.context_kv(feat, pos)) for layer in drafter.layers]
-    visible = pos.unsqueeze(0) < a.unsqueeze(1)                           # strictly before the anchor
-    h = drafter.forward_blocks(ids[a], a, ctx, visible, target.embed)    # [M, B-1, H]
+    b = cfg.block_size
     k = torch.arange(1, b)
-    at = a.unsqueeze(1) + k                                              # [M, B-1]
-    valid = (at < t) & (at >= ex.loss_from)
-    labels = ids[at.clamp(max=t - 1)]
+    ids, pos, seq, hid, anc, at, valid = [], [], [], [], [], [], []
+    soft_ids, soft_p = [], []
+    off = 0
+    for i, (ex, out) in enumerate(zip(examples, outs)):
+        t = len(ex.ids)
+        lo, hi = max(1, ex.loss_from - 1), t - 2       # an anchor needs at least one label after it
+        if hi < lo:
+            continue
+        cand_pos = np.arange(lo, hi + 1)
+        a = torch.from_numpy(np.sort(rng.choice(cand_pos, size=min(anchors, len(cand_pos)), replace=False)))
+        local = a.unsqueeze(1) + k                                       # [m, B-1] positions of the labels
+        valid.append((local < t) & (local >= ex.loss_from))
+        at.append(off + local.clamp(max=t - 1))
+        anc.append(off + a)
+        ids.append(torch.tensor(ex.ids))
+        pos.append(torch.arange(t))
+        seq.append(torch.full((t,), i))
+        hid.append(out.hidden)
+        if soft_weight > 0 and out.soft_p is not None:
+            soft_ids.append(out.soft_ids)
+            soft_p.append(out.soft_p)
+        off += t
+    if not anc:
+        return torch.zeros(()), torch.zeros(()), 0
+    ids, pos, seq = torch.cat(ids), torch.cat(pos), torch.cat(seq)
+    anc, at, valid = torch.cat(anc), torch.cat(at), torch.cat(valid)
+    hidden = [torch.cat([h[j] for h in hid]) for j in range(len(hid[0]))]
+    h = draft_hidden(drafter, target.embed, ids, context_kv(drafter, hidden, pos), anc, pos, seq)   # [M, B-1, H]
+    labels = ids[at]
     w = torch.exp(-(k - 1).float() / cfg.loss_gamma).expand_as(labels) * valid
     logits = (h @ target.lm_head.T.to(h.dtype)).float()                  # [M, B-1, V]
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-    block = (ce * w).sum() / w.sum().clamp_min(1e-6)
-    # Selector: K-way choice among the drafter's top-K, the gold token put in the last slot if missing.
+    # Selector candidates: the drafter's top-K, the gold token put in the last slot if missing.
     cand = logits.detach().topk(cfg.selector_k, dim=-1).indices          # [M, B-1, K]
-    has = (cand == labels.unsqueeze(-1))
+    has = cand == labels.unsqueeze(-1)
     cand[..., -1] = torch.where(has.any(-1), cand[..., -1], labels)
     gold = (cand == labels.unsqueeze(-1)).float().argmax(-1)
-    prev = torch.cat([ids[a].unsqueeze(1), labels[:, :-1]], dim=1)
-    scores = drafter.selector.scores(prev, cand, logits.gather(-1, cand), h)
+    # One log-softmax and one gather for every term (each gather's backward is a dense [M, B-1, V]).
+    # The selector's softmax over its K candidates is shift-invariant, so log-probabilities serve as U.
+    use_soft = bool(soft_ids)
+    cols = [labels.unsqueeze(-1)]
+    if use_soft:
+        src = at - 1                                                     # token `at` follows position at-1
+        sid, sp = torch.cat(soft_ids)[src], torch.cat(soft_p)[src]
+        cols.append(sid)
+    cols.append(cand)
+    g = logits.log_softmax(-1).gather(-1, torch.cat(cols, -1))
+    ce = -g[..., 0]
+    if use_soft:
+        ce = (1 - soft_weight) * ce - soft_weight * (sp * g[..., 1:1 + sid.shape[-1]]).sum(-1)
+    block = (ce * w).sum() / w.sum().clamp_min(1e-6)
+    prev = torch.cat([ids[anc].unsqueeze(1), labels[:, :-1]], dim=1)
+    scores = drafter.selector.scores(prev, cand, g[..., -cfg.selector_k:], h)
     sce = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view_as(labels)
     sel = (sce * w).sum() / w.sum().clamp_min(1e-6)
     return block, sel, int(valid.sum())
+
+
+def sequence_loss(drafter: DFlashDrafter, target: Target, ex: Example, hs: list[torch.Tensor] | TargetOutputs,
+                  anchors: int, rng: np.random.Generator, soft_weight: float = 0.0
+                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """batch_loss of one sequence."""
+    tout = hs if isinstance(hs, TargetOutputs) else TargetOutputs(hs)
+    return batch_loss(drafter, target, [ex], [tout], anchors, rng, soft_weight)
+
+
+@torch.no_grad()
+def heldout_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], anchors: int = 64) -> dict:
+    """Mean block loss (captured tokens, position-decayed, as trained) and the drafter's top-1 accuracy
+    per block position (given the true tokens before it) over held-out sequences: the curve that says
+    whether more steps still help."""
+    drafter.eval()
+    rng = np.random.default_rng(0)
+    losses, hits, counts = [], np.zeros(drafter.cfg.block_size - 1), np.zeros(drafter.cfg.block_size - 1)
+    for i, ex in enumerate(examples):
+        tout = target.outputs(ex.ids, key=f"heldout-{i}")
+        block, _, n = sequence_loss(drafter, target, ex, tout, anchors, rng)
+        if not n:
+            continue
+        losses.append(float(block))
+        ids = torch.tensor(ex.ids)
+        t = len(ex.ids)
+        a = torch.arange(max(1, ex.loss_from - 1), t - 1)
+        h = draft_hidden(drafter, target.embed, ids, context_kv(drafter, tout.hidden), a)
+        at = a.unsqueeze(1) + torch.arange(1, drafter.cfg.block_size)
+        valid = (at < t) & (at >= ex.loss_from)
+        top1 = (h @ target.lm_head.T).argmax(-1) == ids[at.clamp(max=t - 1)]
+        hits += (top1 & valid).sum(0).numpy()
+        counts += valid.sum(0).numpy()
+    drafter.train()
+    return {"heldout_loss": float(np.mean(losses)) if losses else float("nan"),
+            "heldout_top1": (hits / np.maximum(counts, 1)).round(4).tolist()}
 
 
 # -- held-out acceptance ---------------------------------------------------------------------------------
@@ -156,32 +272,35 @@ def acceptance_length(drafter: DFlashDrafter, target: Target, examples: list[Exa
                       max_examples: int = 200) -> dict:
     """Decoding simulated over each held-out output: from the first output token on, draft k greedily from
     the context before the anchor, accept the prefix equal to the captured tokens, move by accepted + 1.
-    Against greedy (T=0) captures this is exactly what the engine's verify step counts."""
+    Against greedy (T=0) captures this is exactly what the engine's verify step counts. Also the
+    acceptance rate of each draft position given the ones before it were accepted."""
     drafter.eval()
     taus: dict[str, list[int]] = {"greedy": [], "sampled": []}
+    tried = {kind: np.zeros(k) for kind in taus}
+    took = {kind: np.zeros(k) for kind in taus}
     for ex in examples[:max_examples]:
-        hs = target.hidden(ex.ids)
-        feat = drafter.fuse(hs)
+        kind = "greedy" if ex.greedy else "sampled"
+        ctx = context_kv(drafter, target.hidden(ex.ids))
         t = len(ex.ids)
-        pos = torch.arange(t)
-        ctx = [tuple(x.unsqueeze(0) for x in layer.context_kv(feat, pos)) for layer in drafter.layers]
         ids = torch.tensor(ex.ids)
         a = ex.loss_from
         while a < t - 1:
             kk = min(k, t - 1 - a, drafter.cfg.num_draft_tokens)
-            visible = (pos < a).unsqueeze(0)
-            h = drafter.forward_blocks(ids[a:a + 1], torch.tensor([a]), ctx, visible, target.embed)[:, :kk]
+            h = draft_hidden(drafter, target.embed, ids, ctx, torch.tensor([a]))[:, :kk]
             drafts, _ = drafter.walk(ids[a:a + 1], h, h @ target.lm_head.T, kk)
             match = (drafts[0] == ids[a + 1:a + 1 + kk]).long()
             acc = int(torch.cumprod(match, 0).sum())
-            taus["greedy" if ex.greedy else "sampled"].append(acc + 1)
+            taus[kind].append(acc + 1)
+            tried[kind][:min(acc + 1, kk)] += 1
+            took[kind][:acc] += 1
             a += acc + 1
     drafter.train()
     out = {}
     for kind, v in taus.items():
         if v:
             out[kind] = {"mean_acceptance_length": float(np.mean(v)), "verify_steps": len(v),
-                         "histogram": np.bincount(v, minlength=k + 2)[1:].tolist()}
+                         "histogram": np.bincount(v, minlength=k + 2)[1:].tolist(),
+                         "position_acceptance": (took[kind] / np.maximum(tried[kind], 1)).round(4).tolist()}
     return out
 
 
@@ -218,7 +337,7 @@ def train(args: argparse.Namespace) -> dict:
                        block_size=args.block_size, num_layers=args.num_layers, num_heads=args.num_heads,
                        head_dim=args.head_dim, intermediate_size=args.intermediate_size,
                        selector_k=args.selector_k, selector_rank=args.selector_rank, trained_on=args.text_mode)
-    target = Target(target_path, layers, args.hidden_cache)
+    target = Target(target_path, layers, args.hidden_cache, soft_top=args.soft_top if args.soft_weight > 0 else 0)
     drafter = DFlashDrafter(cfg)
     n_params, budget = num_parameters(drafter), non_embedding_parameters(target.model)
     log.info("drafter: %d parameters = %.1f%% of the target's %d non-embedding parameters", n_params,
@@ -232,6 +351,8 @@ def train(args: argparse.Namespace) -> dict:
         examples = load_examples(args.data, args.max_len, args.text_mode, tok, stats)
     if args.max_sequences:
         examples = examples[:args.max_sequences]
+    if args.reload_data and not args.heldout:
+        raise SystemExit("--reload-data needs --heldout (the held-out share of --data would leak into training)")
     heldout: list[Example] = []
     if not args.heldout:
         random.Random(args.seed).shuffle(examples)
@@ -248,6 +369,8 @@ def train(args: argparse.Namespace) -> dict:
                             lr=args.lr, betas=(0.9, 0.95))
     from tqdm import tqdm
 
+    # The held-out loss curve: a fixed few held-out sequences (the 5% split, or the --heldout captures).
+    curve_set = (heldout or load_examples(args.heldout, args.max_len))[:args.eval_sequences] if args.eval_every else []
     t0 = time.time()
     budget_s = args.time_budget * 60
     order = rng.permutation(len(examples))
@@ -261,28 +384,35 @@ def train(args: argparse.Namespace) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        tot_b = tot_s = 0.0
-        n_tok = 0
+        batch_ex, batch_out = [], []
         for _ in range(args.batch):
             if cursor == len(order):
+                if args.reload_data and args.text_mode != "corpus":
+                    # A capture still being written: records only ever append, so the indices (the
+                    # target-output cache keys) of the sequences already seen stay the same.
+                    examples = load_examples(args.data, args.max_len, args.text_mode, tok, stats)
+                    examples = examples[:args.max_sequences] if args.max_sequences else examples
+                    log.info("epoch: %d training sequences", len(examples))
                 order, cursor = rng.permutation(len(examples)), 0
             i = int(order[cursor])
             cursor += 1
-            ex = examples[i]
-            hs = target.hidden(ex.ids, key=f"{args.text_mode}-{i}")
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-                block, sel, n = sequence_loss(drafter, target, ex, hs, args.anchors, rng)
-                loss = (block + cfg.selector_alpha * sel) / args.batch
-            if n:
-                loss.backward()
-            tot_b += float(block.detach()) / args.batch
-            tot_s += float(sel.detach()) / args.batch
-            n_tok += n
+            batch_ex.append(examples[i])
+            batch_out.append(target.outputs(examples[i].ids, key=f"{args.text_mode}-{i}"))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            block, sel, n_tok = batch_loss(drafter, target, batch_ex, batch_out, args.anchors, rng, args.soft_weight)
+            loss = block + cfg.selector_alpha * sel
+        if n_tok:
+            loss.backward()
+        tot_b, tot_s = float(block.detach()), float(sel.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         history.append({"step": step, "loss": tot_b, "selector_loss": tot_s, "lr": lr, "tokens": n_tok,
                         "elapsed_s": time.time() - t0})
+        if args.eval_every and (step % args.eval_every == 0) and curve_set:
+            history[-1].update(heldout_loss(drafter, target, curve_set))
+            log.info("step %d: train loss %.3f, %s", step, tot_b, json.dumps(
+                {k: v for k, v in history[-1].items() if k.startswith("heldout")}))
         bar.update(1)
         if args.snapshot_at and step == int(args.snapshot_at[0]):
             drafter.save(args.snapshot_at[1])     # for comparisons at an equal step count
@@ -296,7 +426,8 @@ def train(args: argparse.Namespace) -> dict:
     result = {"steps": step, "train_seconds": train_s, "sequences": len(examples), "heldout": len(heldout),
               "parameters": n_params, "target_non_embedding_parameters": budget,
               "parameter_share": n_params / budget, "text_mode": args.text_mode, "eval_k": args.eval_k,
-              "heldout_acceptance": acc, **stats, "history": history[:: max(1, len(history) // 200)]}
+              "heldout_acceptance": acc, **stats, "history": [h for i, h in enumerate(history)
+                                                   if "heldout_loss" in h or i % max(1, len(history) // 200) == 0]}
     (Path(args.out) / "train_log.json").write_text(json.dumps(result, indent=1) + "\n")
     summary = {k: v for k, v in result.items() if k != "history"}
     log.info("done: %s", json.dumps(summary))
@@ -311,7 +442,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="drafter checkpoint directory to write")
     ap.add_argument("--text-mode", default="raw", choices=("raw", "retokenize", "corpus"),
                     help="raw captured ids; the outputs decoded and re-tokenized; or corpus text")
-    ap.add_argument("--hidden-cache", default=None, help="keep the target's hidden states here (bf16) for reuse")
+    ap.add_argument("--hidden-cache", default=None,
+                    help="keep the target's outputs per sequence for later epochs: a directory, or 'memory'")
+    ap.add_argument("--soft-weight", type=float, default=0.0,
+                    help="share of the block loss taken against the target's own next-token distribution")
+    ap.add_argument("--soft-top", type=int, default=32, help="entries kept of that distribution")
+    ap.add_argument("--reload-data", action="store_true",
+                    help="read --data again at every epoch (a capture that is still growing)")
+    ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: never)")
+    ap.add_argument("--eval-sequences", type=int, default=24, help="held-out sequences of that loss")
     ap.add_argument("--steps", type=int, default=100000)
     ap.add_argument("--time-budget", type=float, default=20.0, help="minutes of training at most")
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")

@@ -101,7 +101,7 @@ def lower_formats(schema: Any) -> Any:
         return schema
     out = {k: lower_formats(v) for k, v in schema.items()}
     fmt = schema.get("format")
-    if fmt in FORMAT_PATTERNS:
+    if isinstance(fmt, str) and fmt in FORMAT_PATTERNS:     # not a property named "format"
         if "pattern" in schema:
             raise ValueError(f"the JSON schema combines format {fmt!r} with a pattern; namazu enforces "
                              "one of them: drop the other")

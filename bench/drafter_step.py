@@ -1,0 +1,89 @@
+"""The DFlash drafter's cost per engine step, and decode speed with it, against speculation off, in one run.
+
+    python bench/drafter_step.py --drafters shipped=namazu/assets/namazu-tiny/drafter [NAME=DIR ...]
+                                 [--requests CAPTURE_DIR] [--batch 1 16] [--rounds 3] [--output-len 48]
+
+Every setup (speculation off, then one per drafter at --k draft tokens) is an inline engine kept for the
+whole run; the rounds interleave the setups so that a shared machine's load falls on all of them alike.
+Per setup and batch (median over rounds): drafter ms per step (`drafter_seconds` / steps: extending the
+context cache and drafting), engine ms per step, output tokens/s, mean acceptance length. Greedy, EOS
+ignored; prompts are held-out captured prompts (--requests) or random token ids.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafters", nargs="+", required=True, metavar="NAME=DIR")
+    ap.add_argument("--requests", nargs="*", default=None, help="capture dirs whose prompts to use")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+
+    from namazu import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    if args.requests:
+        from namazu.spec.capture import read_records
+
+        prompts = [r.prompt_token_ids for r in read_records(args.requests)]
+    else:
+        prompts = [rng.integers(100, 12000, 64).tolist() for _ in range(64)]
+    setups = [("off", None)] + [tuple(d.split("=", 1)) for d in args.drafters]
+    llms = {}
+    for name, path in setups:
+        kw = dict(speculative_model=path, num_speculative_tokens=args.k) if path else {}
+        llms[name] = LLM(None, executor="inline", threads=args.threads, **kw)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    rows: dict[tuple[str, int], list[dict]] = {}
+    print(f"load average before: {os.getloadavg()[0]:.1f}")
+    for r in range(args.rounds):
+        for bsz in args.batch:
+            batch = [prompts[(r * bsz + i) % len(prompts)] for i in range(bsz)]
+            for name, _ in setups:
+                llm = llms[name]
+                s0 = llm.engine.get_stats()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+                wall = time.perf_counter() - t0
+                s1 = llm.engine.get_stats()
+                steps = s1.num_steps - s0.num_steps
+                hist = np.array(s1.acceptance_length_histogram or [0]) - np.array(s0.acceptance_length_histogram or [0])
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                rows.setdefault((name, bsz), []).append({
+                    "drafter_ms": 1e3 * (s1.drafter_seconds - s0.drafter_seconds) / max(1, steps),
+                    "step_ms": 1e3 * wall / max(1, steps), "tok_s": tokens / wall,
+                    "tau": float((hist * np.arange(1, len(hist) + 1)).sum() / hist.sum()) if hist.sum() else 0.0})
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    print("| setup | batch | drafter ms/step | engine ms/step | output tok/s | vs off | mean acceptance length |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for bsz in args.batch:
+        off = statistics.median(x["tok_s"] for x in rows[("off", bsz)])
+        for name, _ in setups:
+            xs = rows[(name, bsz)]
+
+            def med(key: str, xs=xs) -> float:
+                return statistics.median(x[key] for x in xs)
+            tau = f"{med('tau'):.2f}" if name != "off" else "-"
+            print(f"| {name} | {bsz} | {med('drafter_ms'):.2f} | {med('step_ms'):.2f} | {med('tok_s'):.1f} | "
+                  f"{med('tok_s') / off:.2f}x | {tau} |")
+    for llm in llms.values():
+        llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
