@@ -31,7 +31,7 @@ from namazu.models.loader import load_model
 from namazu.nosync import no_host_sync
 from namazu.spec.proposer import DraftBuffer, Proposer, ProposerInput
 from namazu.spec.verify import verify_deterministic, verify_stochastic
-from namazu.step_batch import StepBatch, StepResult, pack, unpack
+from namazu.step_batch import StepBatch, StepResult, pack, result_layout, unpack
 from namazu.step_graphs import StepGraphs
 from namazu.worker_seqs import PreparedStep, WorkerSeqTable
 
@@ -239,7 +239,6 @@ class ModelRunner:
         freed = [self.seqs.seqs[sid].slot for sid in b.finished_seq_ids if sid in self.seqs.seqs]
         for slot in freed:
             self.drafts.forget(slot)
-        self.seqs.fill_pending(b)
         prep = self.seqs.prepare(b, self.block_size, self.drafts.width, self.drafts.counts)
         self.drafts.ensure(self.seqs.num_slots)
         T, a = self._tensor, b.attn
@@ -331,12 +330,13 @@ class ModelRunner:
                 values["prompt_logprobs"] = lp
                 if top_ids is not None:
                     values.update(prompt_top_ids=top_ids, prompt_top_logprobs=top_lp)
-            flat_i, flat_f = pack(b, values, torch.cat, self._empty_i, self._empty_f)
+            layout_out = result_layout(b)
+            flat_i, flat_f = pack(layout_out, values, torch.cat, self._empty_i, self._empty_f)
             flat_f = flat_f.float()
         if events is not None:
             events[1].record()
         # The step's one host read.
-        result = unpack(b, flat_i.cpu().numpy(), flat_f.cpu().numpy())
+        result = unpack(layout_out, flat_i.cpu().numpy(), flat_f.cpu().numpy())
         t_computed = time.perf_counter()
         if result.tokens is not None:
             self.seqs.record(b, prep, result.tokens, result.accepted)

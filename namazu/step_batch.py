@@ -124,6 +124,7 @@ class StepBatch:
 _PARTS = (AttentionInputs, SeqInputs, SamplingInputs, SpecInputs, PromptLogprobInputs)
 _ALIGN = 8   # every array starts 8-byte aligned in the blob (unaligned views are slow to compute on)
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_DTYPES: dict[str, np.dtype] = {}
 
 
 def _names(cls: type) -> tuple[str, ...]:
@@ -157,7 +158,7 @@ def _decode(classes: tuple[type, ...], values: tuple, arrays: tuple, blob: bytes
     raw = np.frombuffer(bytearray(blob), dtype=np.uint8)
     offset = 0
     for i, dtype, shape in arrays:
-        dt = np.dtype(dtype)
+        dt = _DTYPES.get(dtype) or _DTYPES.setdefault(dtype, np.dtype(dtype))
         n = math.prod(shape) * dt.itemsize
         values[i] = raw[offset:offset + n].view(dt).reshape(shape)
         offset += n + (-n % _ALIGN)
@@ -250,14 +251,25 @@ RESULT_FIELDS: tuple[ResultField, ...] = (
 )
 
 
-def pack(batch: StepBatch, values: dict, cat: Callable, empty_int, empty_float) -> tuple:
-    """Flattens the step's result tensors, in declaration order, into one int and one float tensor.
-    `values` must hold exactly the fields this batch declares (a mismatch is a bug, raised here)."""
-    ints, floats = [], []
+ResultLayout = tuple[tuple[ResultField, tuple[int, ...]], ...]
+
+
+def result_layout(batch: StepBatch) -> ResultLayout:
+    """The fields this batch's result holds, with their shapes (computed once per step, used by both
+    `pack` and `unpack`)."""
+    layout = []
     for f in RESULT_FIELDS:
         shape = f.shape(batch)
-        if shape is None:
-            continue
+        if shape is not None:
+            layout.append((f, shape))
+    return tuple(layout)
+
+
+def pack(layout: ResultLayout, values: dict, cat: Callable, empty_int, empty_float) -> tuple:
+    """Flattens the step's result tensors, in declaration order, into one int and one float tensor.
+    `values` must hold exactly the fields the layout declares (a mismatch is a bug, raised here)."""
+    ints, floats = [], []
+    for f, shape in layout:
         t = values[f.name]
         if tuple(t.shape) != shape:
             raise AssertionError(f"result field {f.name}: shape {tuple(t.shape)}, declared {shape}")
@@ -265,17 +277,16 @@ def pack(batch: StepBatch, values: dict, cat: Callable, empty_int, empty_float) 
     return (cat(ints) if ints else empty_int), (cat(floats) if floats else empty_float)
 
 
-def unpack(batch: StepBatch, ints: np.ndarray, floats: np.ndarray) -> StepResult:
+def unpack(layout: ResultLayout, ints: np.ndarray, floats: np.ndarray) -> StepResult:
     """The inverse of `pack`, on the host."""
     res = StepResult()
-    offsets = {"i": 0, "f": 0}
-    for f in RESULT_FIELDS:
-        shape = f.shape(batch)
-        if shape is None:
-            continue
-        src = ints if f.kind == "i" else floats
+    oi = of = 0
+    for f, shape in layout:
         n = math.prod(shape)
-        o = offsets[f.kind]
-        setattr(res, f.name, src[o:o + n].reshape(shape))
-        offsets[f.kind] = o + n
+        if f.kind == "i":
+            setattr(res, f.name, ints[oi:oi + n].reshape(shape))
+            oi += n
+        else:
+            setattr(res, f.name, floats[of:of + n].reshape(shape))
+            of += n
     return res

@@ -62,8 +62,10 @@ class WorkerSeqTable:
 
     def prepare(self, b: StepBatch, block_size: int, buffer_width: int, available: dict[int, int]
                 ) -> PreparedStep:
-        """Applies async corrections in place, records the step's known inputs, and returns what the
-        runner needs. `available[slot]` is how many drafts the buffer holds for a slot."""
+        """Fills pending inputs (the last sampled token of a decode) with this worker's value, applies
+        async corrections in place, records the step's known inputs, and returns what the runner needs.
+        `available[slot]` is how many drafts the buffer holds for a slot. Draft positions stay PENDING in
+        the batch: the runner reads them from the device draft buffer."""
         self.forget(b.finished_seq_ids)
         a, sq = b.attn, b.seqs
         # Python lists once: per-element numpy access would dominate a small step's host time.
@@ -92,11 +94,15 @@ class WorkerSeqTable:
                     row = a.q_pos[i]
                     row[row >= 0] -= delta
             start = int(positions[flat0]) if n else 0
-            del ws.tokens[start:]   # anything past the first position computed now is superseded
             known = inputs[flat0:flat0 + new]
             if PENDING in known:
-                raise AssertionError(f"seq {seq_ids[i]}: pending input at position {start + known.index(PENDING)} "
-                                     "the worker never saw")
+                # Only a decode's single input can be pending: the token this worker sampled last.
+                if new != 1 or not ws.tokens:
+                    raise AssertionError(f"seq {seq_ids[i]}: pending input at position "
+                                         f"{start + known.index(PENDING)} the worker never saw")
+                known = [ws.tokens[-1]]
+                a.input_ids[flat0] = known[0]
+            del ws.tokens[start:]   # anything past the first position computed now is superseded
             ws.tokens.extend(known)
             if k:
                 have = available.get(ws.slot, 0)
@@ -118,27 +124,6 @@ class WorkerSeqTable:
                             np.asarray([actual[i] for i in samplers], dtype=np.int64),
                             [ws.tokens for ws in seqs], np.asarray([first_row_pos[i] for i in samplers],
                                                                    dtype=np.int64))
-
-    def fill_pending(self, b: StepBatch) -> None:
-        """Replaces PENDING inputs (the last sampled token of a decode) with the worker's value. Runs
-        before `prepare`, which then treats every new input as known."""
-        a, sq = b.attn, b.seqs
-        pending = np.flatnonzero(a.input_ids == PENDING)
-        if not len(pending):
-            return
-        # Which sequence each flat token belongs to, and whether it is one of its known (non-draft) inputs.
-        n_per = sq.num_new + sq.num_drafts
-        owner = np.repeat(np.arange(len(n_per)), n_per)
-        offset = np.arange(len(owner)) - np.repeat(np.cumsum(n_per) - n_per, n_per)
-        seq_ids = sq.seq_ids.tolist()
-        for f in pending.tolist():
-            i = int(owner[f])
-            if offset[f] >= sq.num_new[i]:
-                continue        # a draft position: filled from the draft buffer on the device
-            ws = self.seqs.get(seq_ids[i])
-            if ws is None or not ws.tokens:
-                raise AssertionError(f"seq {seq_ids[i]}: pending input but no sampled token")
-            a.input_ids[f] = ws.tokens[-1]
 
     def record(self, b: StepBatch, prep: PreparedStep, tokens: np.ndarray, accepted: np.ndarray) -> None:
         """After the step: each sampling sequence's emitted tokens join its history."""

@@ -16,7 +16,7 @@ from namazu.engine import LLMEngine
 from namazu.engine_config import EngineConfig
 from namazu.scheduler.scheduler import ScheduledSeq
 from namazu.scheduler.sequence import Sequence
-from namazu.step_batch import RESULT_FIELDS, StepResult, pack, unpack
+from namazu.step_batch import RESULT_FIELDS, StepResult, pack, result_layout, unpack
 from namazu.worker import InlineExecutor
 
 
@@ -68,8 +68,9 @@ def test_result_declaration_round_trips():
                 continue
             values[f.name] = (torch.from_numpy(rng.integers(0, 100, shape)) if f.kind == "i"
                               else torch.from_numpy(rng.random(shape).astype(np.float32)))
-        ints, floats = pack(batch, values, torch.cat, torch.zeros(0, dtype=torch.long), torch.zeros(0))
-        res = unpack(batch, ints.numpy(), floats.numpy())
+        layout = result_layout(batch)
+        ints, floats = pack(layout, values, torch.cat, torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        res = unpack(layout, ints.numpy(), floats.numpy())
         for name, t in values.items():
             assert np.array_equal(getattr(res, name), t.numpy()), name
         assert ("logprobs" in values) == with_lp and "prompt_logprobs" in values
