@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from namazu.kernels.moe_types import sort_by_expert
 from namazu.kernels.moe_workspace import MoEWorkspace, moe_grouped_mm_into
 from namazu.layers.paged_mla import paged_latent_attention, write_latents
 
@@ -53,8 +54,6 @@ def _write_latents_fake(kv_cache, slot_mapping, c_kv, k_pe):
 def moe_grouped_mm_eager(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                          w2: torch.Tensor) -> torch.Tensor:
     """x [N, H], topk_ids [N, k], topk_weights [N, k], w13 [E, 2I, H], w2 [E, H, I] -> [N, H] in x's dtype."""
-    from namazu.kernels.moe_types import sort_by_expert
-
     n, k = topk_ids.shape
     order, _, offsets = sort_by_expert(topk_ids, w13.shape[0])
     offs = offsets[1:].to(torch.int32)

@@ -73,7 +73,7 @@ class RowParallelLinear(_ShardedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(x)
+            return F.linear(x, self.weight, self.bias)   # not super().forward: one Python frame less per call
         out = F.linear(x, self.weight)
         if self.reduce_results:
             out = all_reduce(out, self.tp.size)

@@ -138,4 +138,4 @@ class MoE(nn.Module):
         out = self.experts(flat, topk_ids, topk_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        return all_reduce(out, self.tp.size).view(shape)
+        return (all_reduce(out, self.tp.size) if self.tp.size > 1 else out).view(shape)

@@ -52,7 +52,8 @@ class VocabParallelEmbedding(nn.Embedding, _VocabRange):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(ids)
+            return F.embedding(ids, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                               self.scale_grad_by_freq, self.sparse)
         mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local = torch.where(mine, ids - self.vocab_start, torch.zeros_like(ids))
         out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
@@ -68,7 +69,7 @@ class ParallelLMHead(nn.Linear, _VocabRange):
         self._set_range(vocab_size, tp)
 
     def gather_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = self(hidden)
+        local = F.linear(hidden, self.weight)   # no module call: this runs once per step on the hot path
         if self.tp.size == 1:
             return local
         return all_gather(local, self.tp.size, dim=-1)[..., :self.vocab_size]
