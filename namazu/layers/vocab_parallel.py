@@ -69,7 +69,7 @@ class ParallelLMHead(nn.Linear, _VocabRange):
         self._set_range(vocab_size, tp)
 
     def gather_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)   # no module call: this runs once per step on the hot path
+        local = self(hidden)   # through the module call: calibration hooks on lm_head observe its input
         if self.tp.size == 1:
             return local
         return all_gather(local, self.tp.size, dim=-1)[..., :self.vocab_size]
