@@ -71,7 +71,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = _f(True, "split long prompts over steps and mix them with decodes")
     scheduling_policy: str = _f("fcfs", "fcfs, or priority (lower SamplingParams priority value first, "
                                         "then arrival)", choices=("fcfs", "priority"))
-    async_scheduling: bool = _f(False, "plan and launch step N+1 before step N's results reach the host, "
+    async_scheduling: bool = _f(True, "plan and launch step N+1 before step N's results reach the host, "
                                        "so scheduling overlaps the forward (with speculation too: the plan "
                                        "assumes the drafts in flight are accepted; the worker corrects it)")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs a request may ask for")
