@@ -33,6 +33,8 @@ import numpy as np
 from results_md import write_section  # bench/ is on sys.path when run as `python bench/X.py`
 from serve import PromptMaker, Result, arrivals, stream_request
 
+from server.health_wait import wait_healthy as health_wait
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 START, END = "<!-- bench-router:start -->", "<!-- bench-router:end -->"
@@ -46,18 +48,11 @@ def free_port() -> int:
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.terminate()
-    raise SystemExit(f"{what} did not become healthy in {timeout:.0f} s")
+    try:
+        health_wait(url, timeout, what, proc, interval=0.3)
+    except (RuntimeError, TimeoutError) as err:
+        proc.terminate()
+        raise SystemExit(str(err).strip()) from None
 
 
 def spawn(args: list[str], log: Path, threads: int) -> subprocess.Popen:

@@ -33,6 +33,8 @@ from pathlib import Path
 import httpx
 from results_md import write_section  # bench/ is on sys.path when run as `python bench/X.py`
 
+from server.health_wait import wait_healthy
+
 REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 WORDS = "the quick brown fox jumps over a lazy dog while 鯰 swims in the river under 東京 skies".split()
@@ -192,16 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, cwd=REPO)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start (exit code {proc.returncode})")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        try:
+            wait_healthy(url, 600, "the server", proc, interval=0.3)
+        except (RuntimeError, TimeoutError) as err:
+            raise SystemExit(f"the server did not start: {err}") from None
         rows = []
         rss0 = _rss_mib(proc.pid)
         t0 = time.monotonic()

@@ -7,11 +7,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
+from server.health_wait import wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,22 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout: float, what: str, proc: subprocess.Popen | None = None,
-                 output: Callable[[], str] = lambda: "", interval: float = 0.1) -> None:
-    """Polls `url`/health until it answers 200; fails early, with the process's output, if `proc` exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{output()}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(interval)
-    raise TimeoutError(f"{what} did not become healthy in {timeout:.0f}s:\n{output()}")
 
 
 class LiveProcess:
