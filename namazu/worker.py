@@ -351,8 +351,14 @@ class MultiprocExecutor(Executor):
         """The message for an error reported by `rank`. When a peer dies, the survivors' collectives fail
         too ("connection closed by peer"), often before the engine sees the death; the dead rank is the
         one to name, so wait briefly for a sentinel before blaming the reporter."""
-        mp_connection.wait([p.sentinel for p in self.procs], timeout=3.0)
+        deadline = time.monotonic() + 3.0
+        ready = mp_connection.wait([p.sentinel for p in self.procs], timeout=3.0)
         problem = self._problem()
+        # A killed process's sentinel is readable a moment before waitpid reports it (its files close
+        # before it becomes a zombie): until then is_alive() still says True, and the reporter was blamed.
+        while problem is None and ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+            problem = self._problem()
         # A rank that reported its error and returned exits with 0: that is not a death to blame.
         if problem is not None and not any(p.exitcode == 0 for p in self.procs):
             return f"{problem} (rank {rank} then failed: {traceback_text.strip().splitlines()[-1]})"
