@@ -20,6 +20,7 @@ pickle and unpickle, a twentieth of a batch-1 decode step of namazu-tiny.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,15 +124,12 @@ class StepBatch:
 
 _PARTS = (AttentionInputs, SeqInputs, SamplingInputs, SpecInputs, PromptLogprobInputs)
 _ALIGN = 8   # every array starts 8-byte aligned in the blob (unaligned views are slow to compute on)
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-_DTYPES: dict[str, np.dtype] = {}
+_dtype = functools.cache(np.dtype)
 
 
+@functools.cache
 def _names(cls: type) -> tuple[str, ...]:
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return names
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _encode(parts: tuple) -> tuple:
@@ -158,7 +156,7 @@ def _decode(classes: tuple[type, ...], values: tuple, arrays: tuple, blob: bytes
     raw = np.frombuffer(bytearray(blob), dtype=np.uint8)
     offset = 0
     for i, dtype, shape in arrays:
-        dt = _DTYPES.get(dtype) or _DTYPES.setdefault(dtype, np.dtype(dtype))
+        dt = _dtype(dtype)
         n = math.prod(shape) * dt.itemsize
         values[i] = raw[offset:offset + n].view(dt).reshape(shape)
         offset += n + (-n % _ALIGN)
@@ -171,7 +169,8 @@ def _decode(classes: tuple[type, ...], values: tuple, arrays: tuple, blob: bytes
 
 
 def _encode_batch(b: StepBatch) -> tuple:
-    return (*_encode((b.attn, b.seqs, b.sampling, b.spec, b.prompt_lp)), b.finished_seq_ids)
+    parts = tuple(getattr(b, name) for name in _names(StepBatch)[:len(_PARTS)])
+    return (*_encode(parts), b.finished_seq_ids)
 
 
 def _decode_batch(values: tuple, arrays: tuple, blob: bytes, finished_seq_ids: list[int]) -> StepBatch:
