@@ -108,22 +108,28 @@ def _wait_in_flight(router, url: str) -> None:
     raise AssertionError(f"no request reached {url}")
 
 
+def _through_fault(router, victim, n: int, max_tokens: int, seed: int, fault) -> list:
+    """`n` completions through the router; `fault()` strikes `victim` once one of them runs there."""
+    rng = random.Random(seed)
+    bodies = [{"prompt": _words(rng, 30), "max_tokens": max_tokens, "ignore_eos": True} for _ in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(_complete, router.url, b) for b in bodies]
+        _wait_in_flight(router, victim.url)
+        fault()
+        return [f.result(timeout=60) for f in futures]
+
+
 def test_hung_replica_fails_health_checks_and_its_waiting_requests_move(cluster):
     """A replica that stops answering (SIGSTOP) keeps its connections open: only the health checks
     notice. Its requests that had not received a byte must finish elsewhere; once it answers again it
     returns to rotation with an empty index."""
     router, replicas = cluster
     victim = replicas[1]
-    rng = random.Random(4)
-    bodies = [{"prompt": _words(rng, 30), "max_tokens": 32, "ignore_eos": True} for _ in range(6)]
-    with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(_complete, router.url, b) for b in bodies]
-        _wait_in_flight(router, victim.url)
-        os.kill(victim.proc.pid, signal.SIGSTOP)
-        try:
-            responses = [f.result(timeout=60) for f in futures]
-        finally:
-            os.kill(victim.proc.pid, signal.SIGCONT)
+    try:
+        responses = _through_fault(router, victim, 6, 32, seed=4,
+                                   fault=lambda: os.kill(victim.proc.pid, signal.SIGSTOP))
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
     assert [r.status_code for r in responses] == [200] * 6, [r.text for r in responses]
     assert all(r.headers["x-namazu-replica"] != victim.url for r in responses)
     deadline = time.monotonic() + 20
@@ -139,13 +145,7 @@ def test_killed_replica_loses_no_request_and_leaves_the_index(cluster):
     """Runs last in this module: it kills one replica for good."""
     router, replicas = cluster
     victim = replicas[2]
-    rng = random.Random(3)
-    bodies = [{"prompt": _words(rng, 30), "max_tokens": 48, "ignore_eos": True} for _ in range(9)]
-    with ThreadPoolExecutor(9) as pool:
-        futures = [pool.submit(_complete, router.url, b) for b in bodies]
-        _wait_in_flight(router, victim.url)
-        victim.proc.kill()
-        responses = [f.result() for f in futures]
+    responses = _through_fault(router, victim, 9, 48, seed=3, fault=victim.proc.kill)
     assert [r.status_code for r in responses] == [200] * 9, [r.text for r in responses]
     assert all(r.json()["usage"]["completion_tokens"] == 48 for r in responses)
     assert all(r.headers["x-namazu-replica"] != victim.url for r in responses)
