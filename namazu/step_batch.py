@@ -55,6 +55,7 @@ class SeqInputs:
     assumed_drafts: np.ndarray     # [B]
     prompt_lens: np.ndarray        # [B]
     samples: np.ndarray            # [B] bool: the step ends at the sequence's last token (it samples)
+    num_blocks: np.ndarray         # [B] entries of block_tables[b] that are the sequence's (the rest pad)
 
 
 @dataclass
