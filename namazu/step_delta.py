@@ -36,21 +36,28 @@ from namazu.step_batch import (
 )
 
 _MAGIC = 0x4E415A5544454C31   # "NAZUDEL1"
-_I64, _F32, _I32, _BOOL = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.int32), np.dtype(bool)
-_FIELDS: tuple[tuple[str, np.dtype], ...] = (
-    ("seq_ids", _I64), ("starts", _I64), ("num_new", _I64), ("num_drafts", _I64), ("assumed_drafts", _I64),
-    ("samples", _BOOL), ("input_ids", _I64),
-    ("table_keep", _I64), ("table_added", _I64), ("table_ids", _I64),     # per sequence; ids flat
-    ("new_seq_ids", _I64), ("new_prompt_lens", _I64),
-    ("param_seq_ids", _I64), ("param_floats", _F32), ("param_ints", _I64),   # [P, 6] and [P, 2] flat
-    ("counters", _I64), ("return_drafts", _BOOL),                           # per sampling sequence
-    ("bitmask", _I32),                                                       # [R, W] flat
-    ("plp_rows", _I64), ("plp_targets", _I64), ("finished", _I64),
-)
 MAGIC_BYTES = np.int64(_MAGIC).tobytes()   # a step message starts with these (a pickle never does)
+_I64, _F32, _I32 = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.int32)
+# Per-sequence values travel as the rows of one [6, B] array: one field to cut instead of six.
+_SEQ_ROWS = ("seq_ids", "starts", "num_new", "num_drafts", "assumed_drafts", "samples")
+_FIELDS: tuple[tuple[str, np.dtype], ...] = (
+    ("seq", _I64),              # [6, B], rows _SEQ_ROWS
+    ("input_ids", _I64),        # [N], PENDING where only the worker knows the value
+    ("table_change", _I64),     # [3, C] for the C tables that changed: batch row, entries kept, entries appended
+    ("table_ids", _I64),        # the appended block ids, sequence after sequence
+    ("new", _I64),              # [2, n]: ids and prompt lengths of sequences scheduled for the first time
+    ("param_ids", _I64),        # [P] sequences sampling for the first time, then their settings:
+    ("param_floats", _F32),     # [P, 6] _PARAM_FLOATS
+    ("param_ints", _I64),       # [P, 2] top_k, seed
+    ("sampler", _I64),          # [2, S]: output counter of the first row, return_drafts
+    ("bitmask", _I32),          # [R, W]
+    ("prompt_lp", _I64),        # [2, P]: rows, targets
+    ("finished", _I64),         # the worker forgets these first
+)
 _SCALARS = ("num_logprobs", "max_drafts_next", "plp_num", "flags", "bitmask_width")
 _HEADER = 1 + len(_SCALARS) + len(_FIELDS)
 _FLAGS = ("any_penalty", "any_repetition_penalty", "any_top_k_top_p", "any_min_p", "all_greedy")
+_PLAIN_DECODE = 1 << len(_FLAGS)    # flag: every sequence decodes one token without drafts and samples
 _PARAM_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -58,112 +65,182 @@ class StepFormatError(ValueError):
     """Bytes that are not a step message of this format (or refer to a sequence the worker never saw)."""
 
 
-def _pack(scalars: list[int], arrays: list[np.ndarray]) -> bytes:
+def _pack(scalars: list[int], arrays: list) -> bytes:
     header = np.empty(_HEADER, dtype=np.int64)
     header[0] = _MAGIC
     header[1:1 + len(_SCALARS)] = scalars
     chunks = [b""]
-    for j, ((name, dtype), a) in enumerate(zip(_FIELDS, arrays, strict=True)):
-        a = np.ascontiguousarray(a, dtype=dtype)
-        header[1 + len(_SCALARS) + j] = a.size
-        raw = a.tobytes()
-        chunks.append(raw + bytes(-len(raw) % 8))
+    for j, ((_, dtype), a) in enumerate(zip(_FIELDS, arrays, strict=True)):
+        raw = a.tobytes() if type(a) is np.ndarray and a.dtype == dtype else np.asarray(a, dtype=dtype).tobytes()
+        header[1 + len(_SCALARS) + j] = len(raw) // dtype.itemsize
+        chunks.append(raw)
+        if len(raw) % 8:
+            chunks.append(bytes(-len(raw) % 8))
     chunks[0] = header.tobytes()
     return b"".join(chunks)
 
 
-def _unpack(buf) -> tuple[list[int], dict[str, np.ndarray]]:
+def _unpack(buf: bytearray) -> tuple[list[int], list[np.ndarray]]:
     if len(buf) < _HEADER * 8:
         raise StepFormatError(f"step message of {len(buf)} bytes: shorter than its header")
-    header = np.frombuffer(buf, dtype=np.int64, count=_HEADER)
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    header = raw[:_HEADER * 8].view(np.int64)
     if int(header[0]) != _MAGIC:
         raise StepFormatError("not a step message (bad magic)")
     scalars = header[1:1 + len(_SCALARS)].tolist()
-    counts = header[1 + len(_SCALARS):].tolist()
-    offset, fields = _HEADER * 8, {}
-    for (name, dtype), n in zip(_FIELDS, counts):
+    offset, fields = _HEADER * 8, []
+    for (name, dtype), n in zip(_FIELDS, header[1 + len(_SCALARS):].tolist()):
         size = n * dtype.itemsize
         if n < 0 or offset + size > len(buf):
             raise StepFormatError(f"step message truncated at field {name}")
-        fields[name] = np.frombuffer(buf, dtype=dtype, count=n, offset=offset)
+        fields.append(raw[offset:offset + size].view(dtype))
         offset += size + (-size % 8)
     return scalars, fields
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+class _Tables:
+    """Each known sequence's block table in a slot-indexed array (0 past a table's end: the padding the
+    batch builder uses) plus per-slot columns; both ends keep one and change it the same way."""
+
+    def __init__(self, columns: dict[str, tuple[tuple[int, ...], np.dtype]]):
+        self.slot: dict[int, int] = {}
+        self._free: list[int] = []
+        self.tables = np.zeros((8, 8), np.int64)
+        self.lens = np.zeros(8, np.int64)
+        self.cols = {name: np.zeros((8, *shape), dtype) for name, (shape, dtype) in columns.items()}
+
+    def add(self, sid: int) -> int:
+        if sid in self.slot:
+            raise StepFormatError(f"sequence {sid} sent as new twice")
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = len(self.slot)
+            if slot >= len(self.lens):
+                self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
+                self.lens = np.concatenate([self.lens, np.zeros_like(self.lens)])
+                self.cols = {k: np.concatenate([a, np.zeros_like(a)]) for k, a in self.cols.items()}
+        self.slot[sid] = slot
+        return slot
+
+    def forget(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            slot = self.slot.pop(sid, None)
+            if slot is not None:
+                self.tables[slot, :self.lens[slot]] = 0
+                self.lens[slot] = 0
+                for a in self.cols.values():
+                    a[slot] = 0
+                self._free.append(slot)
+
+    def slots_of(self, seq_ids: list[int]) -> np.ndarray:
+        try:
+            return np.fromiter((self.slot[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+        except KeyError as e:
+            raise StepFormatError(f"step refers to sequence {e.args[0]}, which this worker never received") from None
+
+    def _fit(self, width: int) -> None:
+        if width > self.tables.shape[1]:
+            grown = np.zeros((self.tables.shape[0], max(width, 2 * self.tables.shape[1])), np.int64)
+            grown[:, :self.tables.shape[1]] = self.tables
+            self.tables = grown
+
+    def diff(self, slots: np.ndarray, tables: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([3, C] batch row, entries of the held table to keep, entries appended; the appended ids) for the
+        C tables of `slots` that differ from `tables[b, :lens[b]]`: a vectorised comparison."""
+        self._fit(tables.shape[1])
+        held = self.tables[slots, :tables.shape[1]]
+        old = self.lens[slots]
+        # Past its end a held table is 0, like the batch's padding: equal rows and lengths are equal tables.
+        if np.array_equal(held, tables) and np.array_equal(old, lens):
+            return _NO_CHANGE, _NO_IDS
+        mismatch = held != tables
+        first = np.where(mismatch.any(axis=1), mismatch.argmax(axis=1), tables.shape[1])
+        keep = np.minimum(first, np.minimum(old, lens))
+        rows = np.flatnonzero((keep != old) | (keep != lens))
+        keep, lens = keep[rows], lens[rows]
+        cols = np.arange(tables.shape[1])
+        ids = tables[rows][(cols >= keep[:, None]) & (cols < lens[:, None])]
+        return np.stack([rows, keep, lens - keep]), ids
+
+    def apply(self, slots: np.ndarray, change: np.ndarray, ids: np.ndarray) -> None:
+        """Applies `diff`'s answer (a [3, C] change, the appended ids) to the tables of `slots`."""
+        if not change.size:
+            return
+        rows, keep, added = change.reshape(3, -1)
+        if rows.min() < 0 or rows.max() >= len(slots):
+            raise StepFormatError("a table change names a sequence outside the step")
+        slots = slots[rows]
+        old = self.lens[slots]
+        if (keep > old).any():
+            raise StepFormatError("a step keeps more of a block table than was sent")
+        new = keep + added
+        if len(ids) != int(added.sum()):
+            raise StepFormatError(f"{len(ids)} block ids for {int(added.sum())} appended entries")
+        width = int(max(new.max(), old.max()))
+        self._fit(width)
+        cols = np.arange(width)
+        rows, at = np.nonzero((cols >= keep[:, None]) & (cols < np.maximum(old, new)[:, None]))
+        self.tables[slots[rows], at] = 0                    # a shrunk or replaced table's tail
+        rows, at = np.nonzero((cols >= keep[:, None]) & (cols < new[:, None]))
+        self.tables[slots[rows], at] = ids                  # row-major: each sequence's ids in order
+        self.lens[slots] = new
+
+
+_NO_CHANGE = np.zeros((3, 0), np.int64)
+_NO_IDS = np.zeros(0, np.int64)
+_NO_ROWS = np.zeros((2, 0), np.int64)
 
 
 class StepEncoder:
-    """Engine side: remembers what the worker holds (each sequence's block table, whose settings it has)."""
+    """Engine side: a copy of what the worker holds (each sequence's block table, whose settings it has)."""
 
     def __init__(self) -> None:
-        self._tables: dict[int, list[int]] = {}
-        self._has_params: set[int] = set()
+        self._t = _Tables({"has_params": ((), np.dtype(bool))})
 
     @property
     def num_known(self) -> int:
-        return len(self._tables)
+        return len(self._t.slot)
 
     def encode(self, b: StepBatch) -> bytes:
-        for sid in b.finished_seq_ids:
-            self._tables.pop(sid, None)
-            self._has_params.discard(sid)
-        sq, sp, spec = b.seqs, b.sampling, b.spec
+        t, sq, sp, spec = self._t, b.seqs, b.sampling, b.spec
+        t.forget(b.finished_seq_ids)
         seq_ids = sq.seq_ids.tolist()
-        lens = sq.num_blocks.tolist()
-        keep: list[int] = []
-        added: list[int] = []
-        ids: list[int] = []
-        new_ids: list[int] = []
-        new_plens: list[int] = []
-        tables = b.attn.block_tables
-        prompt_lens = sq.prompt_lens.tolist()
-        for i, sid in enumerate(seq_ids):
-            old = self._tables.get(sid)
-            n = lens[i]
-            if old is None:
-                new_ids.append(sid)
-                new_plens.append(prompt_lens[i])
-                k = 0
-                cur = tables[i, :n].tolist()
-            elif n >= len(old) and (len(old) == 0 or tables[i, len(old) - 1] == old[-1]) \
-                    and tables[i, :len(old)].tolist() == old:
-                k = len(old)
-                cur = old + tables[i, k:n].tolist() if n > k else old
-            else:   # shrunk (rejected drafts' blocks freed) or replaced (preempted, then scheduled again)
-                cur = tables[i, :n].tolist()
-                k = _common_prefix(old, cur)
-            keep.append(k)
-            added.append(n - k)
-            ids += cur[k:]
-            self._tables[sid] = cur
-        samplers = spec.batch_index.tolist()
-        first_rows = spec.row_layout[:, 0] if len(samplers) else np.zeros(0, np.int64)
-        p_ids: list[int] = []
-        p_rows: list[int] = []
-        for s, i in enumerate(samplers):
-            sid = seq_ids[i]
-            if sid not in self._has_params:
-                self._has_params.add(sid)
-                p_ids.append(sid)
-                p_rows.append(int(first_rows[s]))
-        floats = np.stack([getattr(sp, f)[p_rows] for f in _PARAM_FLOATS], axis=1) if p_rows \
-            else np.zeros((0, 6), np.float32)
-        ints = np.stack([sp.top_k[p_rows], sp.seeds[p_rows]], axis=1) if p_rows else np.zeros((0, 2), np.int64)
+        new_at = [i for i, sid in enumerate(seq_ids) if sid not in t.slot]
+        for i in new_at:
+            t.add(seq_ids[i])
+        slots = t.slots_of(seq_ids)
+        change, ids = t.diff(slots, b.attn.block_tables, sq.num_blocks)
+        t.apply(slots, change, ids)
+        first_rows = spec.row_layout[:, 0]
+        s_slots = slots[spec.batch_index]
+        fresh = ~t.cols["has_params"][s_slots]
+        p_rows = first_rows[fresh]
+        if len(p_rows):
+            t.cols["has_params"][s_slots] = True
+            p_floats = np.stack([getattr(sp, f)[p_rows] for f in _PARAM_FLOATS], axis=1)
+            p_ints = np.stack([sp.top_k[p_rows], sp.seeds[p_rows]], axis=1)
+            p_ids = sq.seq_ids[spec.batch_index][fresh]
+        else:
+            p_floats = p_ints = p_ids = _NO_IDS
+        plp = b.prompt_lp
+        seq = np.empty((len(_SEQ_ROWS), len(seq_ids)), np.int64)
+        for j, name in enumerate(_SEQ_ROWS):
+            seq[j] = getattr(sq, name)
+        sampler = np.empty((2, len(first_rows)), np.int64)
+        sampler[0] = sp.counters[first_rows]
+        sampler[1] = spec.return_drafts
         flags = sum(1 << j for j, f in enumerate(_FLAGS) if getattr(sp, f))
+        if len(first_rows) == len(seq_ids) == b.num_tokens and not spec.max_drafts and sq.num_new.min() == 1:
+            flags |= _PLAIN_DECODE
         mask = sp.bitmask
         scalars = [sp.num_logprobs, spec.max_drafts_next, b.prompt_lp.num, flags,
                    -1 if mask is None else mask.shape[1]]
-        arrays = [sq.seq_ids, sq.starts, sq.num_new, sq.num_drafts, sq.assumed_drafts, sq.samples,
-                  b.attn.input_ids, keep, added, ids, new_ids, new_plens, p_ids, floats, ints,
-                  sp.counters[first_rows], spec.return_drafts,
-                  np.zeros(0, np.int32) if mask is None else mask,
-                  b.prompt_lp.rows, b.prompt_lp.targets, b.finished_seq_ids]
+        arrays = [
+            seq, b.attn.input_ids, change, ids,
+            np.stack([sq.seq_ids[new_at], sq.prompt_lens[new_at]]) if new_at else _NO_ROWS,
+            p_ids, p_floats, p_ints, sampler, _NO_IDS if mask is None else mask,
+            np.stack([plp.rows, plp.targets]) if len(plp.rows) else _NO_ROWS, b.finished_seq_ids]
         return _pack(scalars, arrays)
 
 
@@ -172,113 +249,74 @@ class StepDecoder:
     arrays indexed by a slot per sequence, so a step's per-sequence parts are a few fancy indexings."""
 
     def __init__(self) -> None:
-        self._slot: dict[int, int] = {}
-        self._free: list[int] = []
-        self._tables = np.zeros((8, 8), np.int64)      # [slots, width]; 0 past each table's end (padding)
-        self._lens = np.zeros(8, np.int64)
-        self._prompt_lens = np.zeros(8, np.int64)
-        self._floats = np.zeros((8, len(_PARAM_FLOATS)), np.float32)
-        self._ints = np.zeros((8, 2), np.int64)         # top_k, seed
+        self._t = _Tables({"prompt_len": ((), _I64), "floats": ((len(_PARAM_FLOATS),), _F32), "ints": ((2,), _I64)})
 
     @property
     def num_known(self) -> int:
-        return len(self._slot)
+        return len(self._t.slot)
 
-    def _new_slot(self, sid: int) -> int:
-        if self._free:
-            slot = self._free.pop()
-        else:
-            slot = len(self._slot)
-            if slot >= len(self._lens):
-                grow = len(self._lens)
-                self._tables = np.concatenate([self._tables, np.zeros_like(self._tables)])
-                for name in ("_lens", "_prompt_lens", "_floats", "_ints"):
-                    a = getattr(self, name)
-                    setattr(self, name, np.concatenate([a, np.zeros((grow, *a.shape[1:]), a.dtype)]))
-        self._slot[sid] = slot
-        return slot
-
-    def _slots(self, seq_ids: list[int]) -> np.ndarray:
-        try:
-            return np.fromiter((self._slot[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
-        except KeyError as e:
-            raise StepFormatError(f"step refers to sequence {e.args[0]}, which this worker never received") from None
-
-    def decode(self, buf) -> StepBatch:
+    def decode(self, buf: bytes | bytearray | memoryview) -> StepBatch:
         if not isinstance(buf, bytearray):
             # The runner corrects some inputs in place (the arrays are views of `buf`: it must be writable),
             # and a buffer shared with the sender (shared memory) must not be aliased.
             buf = bytearray(buf)
-        (num_logprobs, max_drafts_next, plp_num, flags, mask_width), f = _unpack(buf)
-        finished = f["finished"].tolist()
-        for sid in finished:
-            slot = self._slot.pop(sid, None)
-            if slot is not None:
-                self._tables[slot, :self._lens[slot]] = 0
-                self._lens[slot] = 0
-                self._free.append(slot)
-        for sid, plen in zip(f["new_seq_ids"].tolist(), f["new_prompt_lens"].tolist()):
-            if sid in self._slot:
-                raise StepFormatError(f"sequence {sid} sent as new twice")
-            slot = self._new_slot(sid)      # first: it may grow the arrays
-            self._prompt_lens[slot] = plen
-        seq_ids = f["seq_ids"].tolist()
-        slots = self._slots(seq_ids)
-        self._apply_tables(slots, f["table_keep"], f["table_added"], f["table_ids"])
-        p_slots = self._slots(f["param_seq_ids"].tolist())
-        if len(p_slots):
-            self._floats[p_slots] = f["param_floats"].reshape(-1, len(_PARAM_FLOATS))
-            self._ints[p_slots] = f["param_ints"].reshape(-1, 2)
-        starts, num_new, num_drafts, samples = f["starts"], f["num_new"], f["num_drafts"], f["samples"]
-        lens = self._lens[slots]
-        width = max(int(lens.max()) if len(lens) else 0, 1)
-        seqs = SeqInputs(seq_ids=f["seq_ids"], starts=starts, num_new=num_new, num_drafts=num_drafts,
-                         assumed_drafts=f["assumed_drafts"], prompt_lens=self._prompt_lens[slots],
-                         samples=samples, num_blocks=lens)
-        attn = _attention(f["input_ids"], starts, num_new, num_drafts, samples, self._tables[slots, :width])
-        batch_index = np.flatnonzero(samples).astype(np.int64)
-        reps = num_drafts[batch_index] + 1
-        kmax = int(reps.max()) - 1 if len(reps) else 0
-        first = np.cumsum(reps) - reps
-        cols = np.arange(kmax + 1)
-        row_layout = np.where(cols[None, :] < reps[:, None], first[:, None] + cols[None, :], first[:, None])
-        spec = SpecInputs(row_layout=row_layout.astype(np.int64).reshape(len(reps), kmax + 1),
-                          batch_index=batch_index, return_drafts=f["return_drafts"],
+        (num_logprobs, max_drafts_next, plp_num, flags, mask_width), fields = _unpack(buf)
+        seq, input_ids, change, table_ids, new, p_ids, p_floats, p_ints, sampler, mask, plp, finished_arr = fields
+        t = self._t
+        finished = finished_arr.tolist()
+        t.forget(finished)
+        new = new.reshape(2, -1)
+        for sid, plen in zip(*new.tolist()):
+            slot = t.add(sid)       # first: it may grow the columns
+            t.cols["prompt_len"][slot] = plen
+        seq = seq.reshape(len(_SEQ_ROWS), -1)
+        seq_ids, starts, num_new, num_drafts, assumed, samples_i = seq
+        slots = t.slots_of(seq_ids.tolist())
+        t.apply(slots, change, table_ids)
+        if len(p_ids):
+            p_slots = t.slots_of(p_ids.tolist())
+            t.cols["floats"][p_slots] = p_floats.reshape(-1, len(_PARAM_FLOATS))
+            t.cols["ints"][p_slots] = p_ints.reshape(-1, 2)
+        count = len(slots)
+        lens = t.lens[slots]
+        block_tables = t.tables[slots, :max(int(lens.max()), 1)]
+        samples = samples_i.astype(bool)
+        sampler = sampler.reshape(2, -1)
+        if flags & _PLAIN_DECODE:
+            # The common step: every sequence decodes one token, no drafts. Its layout is the identity.
+            index = np.arange(count)
+            positions = starts.copy()
+            attn = AttentionInputs(input_ids=input_ids, positions=positions, block_tables=block_tables,
+                                   q_index=index.reshape(count, 1).copy(), q_pos=starts.reshape(count, 1).copy(),
+                                   out_index=index, logit_rows=index.copy())
+            batch_index, row_layout, reps, row_slots = index.copy(), index.reshape(count, 1).copy(), None, slots
+            counters = sampler[0].copy()
+        else:
+            attn = _attention(input_ids, starts, num_new, num_drafts, samples, block_tables)
+            batch_index = np.flatnonzero(samples).astype(np.int64)
+            reps = num_drafts[batch_index] + 1
+            kmax = int(reps.max()) - 1 if len(reps) else 0
+            first = np.cumsum(reps) - reps
+            cols = np.arange(kmax + 1)
+            row_layout = np.where(cols[None, :] < reps[:, None], first[:, None] + cols[None, :],
+                                  first[:, None]).astype(np.int64).reshape(len(reps), kmax + 1)
+            row_slots = np.repeat(slots[batch_index], reps)
+            counters = (np.repeat(sampler[0], reps) + (np.arange(len(row_slots)) - np.repeat(first, reps)))
+        seqs = SeqInputs(seq_ids=seq_ids, starts=starts, num_new=num_new, num_drafts=num_drafts,
+                         assumed_drafts=assumed, prompt_lens=t.cols["prompt_len"][slots], samples=samples,
+                         num_blocks=lens)
+        spec = SpecInputs(row_layout=row_layout, batch_index=batch_index, return_drafts=sampler[1].astype(bool),
                           max_drafts_next=max_drafts_next)
-        row_slots = np.repeat(slots[batch_index], reps)
-        rows = len(row_slots)
-        counters = np.repeat(f["counters"], reps) + (np.arange(rows) - np.repeat(first, reps))
-        fl = self._floats[row_slots]
+        fl = t.cols["floats"][row_slots].T.copy()     # one row per setting, each contiguous
+        ints = t.cols["ints"][row_slots].T.copy()
         sampling = SamplingInputs(
-            **{name: np.ascontiguousarray(fl[:, j]) for j, name in enumerate(_PARAM_FLOATS)},
-            top_k=self._ints[row_slots, 0], seeds=self._ints[row_slots, 1], counters=counters.astype(np.int64),
-            bitmask=None if mask_width < 0 else f["bitmask"].reshape(rows, mask_width),
+            temperature=fl[0], top_p=fl[1], min_p=fl[2], presence_penalty=fl[3], frequency_penalty=fl[4],
+            repetition_penalty=fl[5], top_k=ints[0], seeds=ints[1], counters=counters.astype(np.int64, copy=False),
+            bitmask=None if mask_width < 0 else mask.reshape(len(row_slots), mask_width),
             num_logprobs=num_logprobs, **{name: bool(flags >> j & 1) for j, name in enumerate(_FLAGS)})
-        plp = PromptLogprobInputs(f["plp_rows"], f["plp_targets"], plp_num)
-        return StepBatch(attn=attn, seqs=seqs, sampling=sampling, spec=spec, prompt_lp=plp,
-                         finished_seq_ids=finished)
-
-    def _apply_tables(self, slots: np.ndarray, keep: np.ndarray, added: np.ndarray, ids: np.ndarray) -> None:
-        changed = np.flatnonzero((added > 0) | (keep != self._lens[slots]))
-        if not len(changed):
-            return
-        ends = np.cumsum(added)
-        need = int((keep + added).max())
-        if need > self._tables.shape[1]:
-            width = self._tables.shape[1]
-            while width < need:
-                width *= 2
-            grown = np.zeros((self._tables.shape[0], width), np.int64)
-            grown[:, :self._tables.shape[1]] = self._tables
-            self._tables = grown
-        for i in changed.tolist():
-            slot, k, n = int(slots[i]), int(keep[i]), int(added[i])
-            old = int(self._lens[slot])
-            if k > old:
-                raise StepFormatError(f"step keeps {k} blocks of a table of {old}")
-            self._tables[slot, k:max(old, k + n)] = 0
-            self._tables[slot, k:k + n] = ids[int(ends[i]) - n:int(ends[i])]
-            self._lens[slot] = k + n
+        plp = plp.reshape(2, -1)
+        return StepBatch(attn=attn, seqs=seqs, sampling=sampling, spec=spec,
+                         prompt_lp=PromptLogprobInputs(plp[0], plp[1], plp_num), finished_seq_ids=finished)
 
 
 def _attention(input_ids: np.ndarray, starts: np.ndarray, num_new: np.ndarray, num_drafts: np.ndarray,
