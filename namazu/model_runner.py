@@ -139,6 +139,11 @@ class ModelRunner:
             return None
         if not (np.all(sq.num_new == 1) and np.all(sq.samples)) or int(sq.num_drafts.max()) > g.k:
             return None
+        if b.num_tokens == len(sq.seq_ids):     # a plain decode (no drafts): row b * Tq of the entry
+            e = g.entry_for(b.num_tokens, 1)
+            if e is None or b.attn.block_tables.shape[1] > g.max_width:
+                return None
+            return e, np.arange(b.num_tokens) * e.tq
         n_per = sq.num_new + sq.num_drafts
         e = g.entry_for(len(sq.seq_ids), int(n_per.max()))
         if e is None or b.attn.block_tables.shape[1] > g.max_width:

@@ -24,6 +24,8 @@ bytes with `np.frombuffer`.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from namazu.step_batch import (
@@ -83,18 +85,20 @@ def _pack(scalars: list[int], arrays: list) -> bytes:
 def _unpack(buf: bytearray) -> tuple[list[int], list[np.ndarray]]:
     if len(buf) < _HEADER * 8:
         raise StepFormatError(f"step message of {len(buf)} bytes: shorter than its header")
-    raw = np.frombuffer(buf, dtype=np.uint8)
-    header = raw[:_HEADER * 8].view(np.int64)
-    if int(header[0]) != _MAGIC:
+    if len(buf) % 8:
+        raise StepFormatError(f"step message of {len(buf)} bytes: not a whole number of 8-byte words")
+    # One view of the whole message as int64: most fields are then a slice of it (cheaper than a view each).
+    words = np.frombuffer(buf, dtype=np.int64)
+    if int(words[0]) != _MAGIC:
         raise StepFormatError("not a step message (bad magic)")
-    scalars = header[1:1 + len(_SCALARS)].tolist()
-    offset, fields = _HEADER * 8, []
-    for (name, dtype), n in zip(_FIELDS, header[1 + len(_SCALARS):].tolist()):
-        size = n * dtype.itemsize
-        if n < 0 or offset + size > len(buf):
+    scalars = words[1:1 + len(_SCALARS)].tolist()
+    at, fields = _HEADER, []
+    for (name, dtype), n in zip(_FIELDS, words[1 + len(_SCALARS):_HEADER].tolist()):
+        size = -(-n * dtype.itemsize // 8)     # in words
+        if n < 0 or at + size > len(words):
             raise StepFormatError(f"step message truncated at field {name}")
-        fields.append(raw[offset:offset + size].view(dtype))
-        offset += size + (-size % 8)
+        fields.append(words[at:at + n] if dtype is _I64 else words[at:at + size].view(dtype)[:n])
+        at += size
     return scalars, fields
 
 
@@ -197,6 +201,7 @@ class StepEncoder:
 
     def __init__(self) -> None:
         self._t = _Tables({"has_params": ((), np.dtype(bool))})
+        self._last: tuple[bytes, np.ndarray] | None = None   # the last plain decode's sequences and slots
 
     @property
     def num_known(self) -> int:
@@ -205,17 +210,25 @@ class StepEncoder:
     def encode(self, b: StepBatch) -> bytes:
         t, sq, sp, spec = self._t, b.seqs, b.sampling, b.spec
         t.forget(b.finished_seq_ids)
-        seq_ids = sq.seq_ids.tolist()
-        new_at = [i for i, sid in enumerate(seq_ids) if sid not in t.slot]
-        for i in new_at:
-            t.add(seq_ids[i])
-        slots = t.slots_of(seq_ids)
+        key = sq.seq_ids.tobytes()
+        first_rows = spec.row_layout[:, 0]
+        plain = len(first_rows) == len(sq.seq_ids) == b.num_tokens and not spec.max_drafts and sq.num_new.min() == 1
+        new_at: list[int] = []
+        if self._last is not None and self._last[0] == key and not b.finished_seq_ids:
+            # The same sequences as the last step, every one of which sampled then: all known, settings sent.
+            slots, p_rows = self._last[1], _NO_IDS
+        else:
+            seq_ids = sq.seq_ids.tolist()
+            new_at = [i for i, sid in enumerate(seq_ids) if sid not in t.slot]
+            for i in new_at:
+                t.add(seq_ids[i])
+            slots = t.slots_of(seq_ids)
+            s_slots = slots[spec.batch_index]
+            fresh = ~t.cols["has_params"][s_slots]
+            p_rows = first_rows[fresh]
+        self._last = (key, slots) if plain else None
         change, ids = t.diff(slots, b.attn.block_tables, sq.num_blocks)
         t.apply(slots, change, ids)
-        first_rows = spec.row_layout[:, 0]
-        s_slots = slots[spec.batch_index]
-        fresh = ~t.cols["has_params"][s_slots]
-        p_rows = first_rows[fresh]
         if len(p_rows):
             t.cols["has_params"][s_slots] = True
             p_floats = np.stack([getattr(sp, f)[p_rows] for f in _PARAM_FLOATS], axis=1)
@@ -224,14 +237,14 @@ class StepEncoder:
         else:
             p_floats = p_ints = p_ids = _NO_IDS
         plp = b.prompt_lp
-        seq = np.empty((len(_SEQ_ROWS), len(seq_ids)), np.int64)
+        seq = np.empty((len(_SEQ_ROWS), len(slots)), np.int64)
         for j, name in enumerate(_SEQ_ROWS):
             seq[j] = getattr(sq, name)
         sampler = np.empty((2, len(first_rows)), np.int64)
         sampler[0] = sp.counters[first_rows]
         sampler[1] = spec.return_drafts
         flags = sum(1 << j for j, f in enumerate(_FLAGS) if getattr(sp, f))
-        if len(first_rows) == len(seq_ids) == b.num_tokens and not spec.max_drafts and sq.num_new.min() == 1:
+        if plain:
             flags |= _PLAIN_DECODE
         mask = sp.bitmask
         scalars = [sp.num_logprobs, spec.max_drafts_next, b.prompt_lp.num, flags,
@@ -244,12 +257,23 @@ class StepEncoder:
         return _pack(scalars, arrays)
 
 
+class _PlainParts(NamedTuple):
+    index: np.ndarray           # [B] 0..B-1: flat token, logit row, output column and sampler of sequence b
+    index2d: np.ndarray         # [B, 1] the same (q_index, row_layout)
+    lens: np.ndarray
+    tables: np.ndarray
+    prompt_lens: np.ndarray
+    floats: np.ndarray          # [6, B] _PARAM_FLOATS
+    ints: np.ndarray            # [2, B] top_k, seed
+
+
 class StepDecoder:
     """Worker side (every rank): each sequence's block table, prompt length and sampling settings, in
     arrays indexed by a slot per sequence, so a step's per-sequence parts are a few fancy indexings."""
 
     def __init__(self) -> None:
         self._t = _Tables({"prompt_len": ((), _I64), "floats": ((len(_PARAM_FLOATS),), _F32), "ints": ((2,), _I64)})
+        self._plain: tuple[bytes, tuple] | None = None   # the last plain decode's sequences and lasting parts
 
     @property
     def num_known(self) -> int:
@@ -277,46 +301,82 @@ class StepDecoder:
             p_slots = t.slots_of(p_ids.tolist())
             t.cols["floats"][p_slots] = p_floats.reshape(-1, len(_PARAM_FLOATS))
             t.cols["ints"][p_slots] = p_ints.reshape(-1, 2)
-        count = len(slots)
-        lens = t.lens[slots]
-        block_tables = t.tables[slots, :max(int(lens.max()), 1)]
-        samples = samples_i.astype(bool)
+        if change.size or len(p_ids) or len(finished) or new.size:
+            self._plain = None
         sampler = sampler.reshape(2, -1)
         if flags & _PLAIN_DECODE:
-            # The common step: every sequence decodes one token, no drafts. Its layout is the identity.
-            index = np.arange(count)
-            positions = starts.copy()
-            attn = AttentionInputs(input_ids=input_ids, positions=positions, block_tables=block_tables,
-                                   q_index=index.reshape(count, 1).copy(), q_pos=starts.reshape(count, 1).copy(),
-                                   out_index=index, logit_rows=index.copy())
-            batch_index, row_layout, reps, row_slots = index.copy(), index.reshape(count, 1).copy(), None, slots
-            counters = sampler[0].copy()
+            key = seq_ids.tobytes()
+            if self._plain is None or self._plain[0] != key:
+                self._plain = (key, self._plain_parts(slots))
+            c = self._plain[1]
+            # Only what a plain decode step changes is new; the rest is the last step's (the runner and
+            # the worker's sequence table write into positions, q_pos, counters and input_ids only).
+            seqs = SeqInputs(seq_ids=seq_ids, starts=starts, num_new=num_new, num_drafts=num_drafts,
+                             assumed_drafts=assumed, prompt_lens=c.prompt_lens, samples=samples_i.astype(bool),
+                             num_blocks=c.lens)
+            attn = AttentionInputs(input_ids=input_ids, positions=starts.copy(), block_tables=c.tables,
+                                   q_index=c.index2d, q_pos=starts.reshape(-1, 1).copy(), out_index=c.index,
+                                   logit_rows=c.index)
+            spec = SpecInputs(row_layout=c.index2d, batch_index=c.index, return_drafts=sampler[1].astype(bool),
+                              max_drafts_next=max_drafts_next)
+            sampling = SamplingInputs(
+                temperature=c.floats[0], top_p=c.floats[1], min_p=c.floats[2], presence_penalty=c.floats[3],
+                frequency_penalty=c.floats[4], repetition_penalty=c.floats[5], top_k=c.ints[0], seeds=c.ints[1],
+                counters=sampler[0].copy(), bitmask=None if mask_width < 0 else mask.reshape(len(slots), mask_width),
+                num_logprobs=num_logprobs, **{name: bool(flags >> j & 1) for j, name in enumerate(_FLAGS)})
         else:
-            attn = _attention(input_ids, starts, num_new, num_drafts, samples, block_tables)
-            batch_index = np.flatnonzero(samples).astype(np.int64)
-            reps = num_drafts[batch_index] + 1
-            kmax = int(reps.max()) - 1 if len(reps) else 0
-            first = np.cumsum(reps) - reps
-            cols = np.arange(kmax + 1)
-            row_layout = np.where(cols[None, :] < reps[:, None], first[:, None] + cols[None, :],
-                                  first[:, None]).astype(np.int64).reshape(len(reps), kmax + 1)
-            row_slots = np.repeat(slots[batch_index], reps)
-            counters = (np.repeat(sampler[0], reps) + (np.arange(len(row_slots)) - np.repeat(first, reps)))
+            seqs, attn, spec, sampling = self._general(slots, seq_ids, starts, num_new, num_drafts, assumed,
+                                                       samples_i, input_ids, sampler, mask, mask_width,
+                                                       num_logprobs, max_drafts_next, flags)
+        plp = plp.reshape(2, -1)
+        return StepBatch(attn=attn, seqs=seqs, sampling=sampling, spec=spec,
+                         prompt_lp=PromptLogprobInputs(plp[0], plp[1], plp_num), finished_seq_ids=finished)
+
+    def _plain_parts(self, slots: np.ndarray) -> _PlainParts:
+        """What a plain decode step of these sequences shares with the next while they stay the same: the
+        identity layout, block tables, prompt lengths, sampling settings."""
+        t = self._t
+        lens = t.lens[slots]
+        index = np.arange(len(slots))
+        return _PlainParts(index, index.reshape(-1, 1), lens, t.tables[slots, :max(int(lens.max()), 1)],
+                           t.cols["prompt_len"][slots], t.cols["floats"][slots].T.copy(),
+                           t.cols["ints"][slots].T.copy())
+
+    def _sampling(self, row_slots: np.ndarray, counters: np.ndarray, mask: np.ndarray | None, mask_width: int,
+                  num_logprobs: int, flags: int) -> SamplingInputs:
+        fl = self._t.cols["floats"][row_slots].T.copy()     # one row per setting, each contiguous
+        ints = self._t.cols["ints"][row_slots].T.copy()
+        return SamplingInputs(
+            temperature=fl[0], top_p=fl[1], min_p=fl[2], presence_penalty=fl[3], frequency_penalty=fl[4],
+            repetition_penalty=fl[5], top_k=ints[0], seeds=ints[1], counters=counters,
+            bitmask=None if mask_width < 0 else mask.reshape(len(row_slots), mask_width),
+            num_logprobs=num_logprobs, **{name: bool(flags >> j & 1) for j, name in enumerate(_FLAGS)})
+
+    def _general(self, slots, seq_ids, starts, num_new, num_drafts, assumed, samples_i, input_ids, sampler, mask,
+                 mask_width, num_logprobs, max_drafts_next, flags) -> tuple:
+        """Any step: the attention layout, row layout and per-row sampling arrays rebuilt from the counts."""
+        t = self._t
+        lens = t.lens[slots]
+        samples = samples_i.astype(bool)
+        attn = _attention(input_ids, starts, num_new, num_drafts, samples,
+                          t.tables[slots, :max(int(lens.max()), 1)])
+        batch_index = np.flatnonzero(samples).astype(np.int64)
+        reps = num_drafts[batch_index] + 1
+        kmax = int(reps.max()) - 1 if len(reps) else 0
+        first = np.cumsum(reps) - reps
+        cols = np.arange(kmax + 1)
+        row_layout = np.where(cols[None, :] < reps[:, None], first[:, None] + cols[None, :],
+                              first[:, None]).astype(np.int64).reshape(len(reps), kmax + 1)
+        row_slots = np.repeat(slots[batch_index], reps)
+        counters = (np.repeat(sampler[0], reps) + (np.arange(len(row_slots)) - np.repeat(first, reps)))
         seqs = SeqInputs(seq_ids=seq_ids, starts=starts, num_new=num_new, num_drafts=num_drafts,
                          assumed_drafts=assumed, prompt_lens=t.cols["prompt_len"][slots], samples=samples,
                          num_blocks=lens)
         spec = SpecInputs(row_layout=row_layout, batch_index=batch_index, return_drafts=sampler[1].astype(bool),
                           max_drafts_next=max_drafts_next)
-        fl = t.cols["floats"][row_slots].T.copy()     # one row per setting, each contiguous
-        ints = t.cols["ints"][row_slots].T.copy()
-        sampling = SamplingInputs(
-            temperature=fl[0], top_p=fl[1], min_p=fl[2], presence_penalty=fl[3], frequency_penalty=fl[4],
-            repetition_penalty=fl[5], top_k=ints[0], seeds=ints[1], counters=counters.astype(np.int64, copy=False),
-            bitmask=None if mask_width < 0 else mask.reshape(len(row_slots), mask_width),
-            num_logprobs=num_logprobs, **{name: bool(flags >> j & 1) for j, name in enumerate(_FLAGS)})
-        plp = plp.reshape(2, -1)
-        return StepBatch(attn=attn, seqs=seqs, sampling=sampling, spec=spec,
-                         prompt_lp=PromptLogprobInputs(plp[0], plp[1], plp_num), finished_seq_ids=finished)
+        sampling = self._sampling(row_slots, counters.astype(np.int64, copy=False), mask, mask_width,
+                                  num_logprobs, flags)
+        return seqs, attn, spec, sampling
 
 
 def _attention(input_ids: np.ndarray, starts: np.ndarray, num_new: np.ndarray, num_drafts: np.ndarray,
