@@ -349,6 +349,9 @@ class MultiprocExecutor(Executor):
         self.conns: list[Connection] = []
         self.procs = []
         self.beats = []
+        # Ends the workers and unlinks the ring on close(), when the executor is collected, and at interpreter
+        # exit; registered before any start, so that a failed start (or a failed first answer) cleans up too.
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.ring)
         for rank in layout.local_ranks:
             parent, child = ctx.Pipe()
             beat = ctx.Value("d", 0.0, lock=False)
@@ -362,8 +365,6 @@ class MultiprocExecutor(Executor):
             self.conns.append(parent)
             self.procs.append(proc)
             self.beats.append(beat)
-        # Ends the workers on close(), when the executor is collected, and at interpreter exit.
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.ring)
         self._infos = self._wait_all()
         logger.info("started %d worker process(es), pid %s", len(self.procs), self.pids)
 
