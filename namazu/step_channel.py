@@ -38,7 +38,9 @@ class StepRing:
     def put(self, message: bytes) -> bytes | None:
         """Writes `message` into the ring; returns the notice to send, or None when it does not fit."""
         n = len(message)
-        start = self._head if self._head + n <= self.size else 0
+        # From the start whenever nothing is in flight: the messages then reuse the same few pages, which
+        # stay mapped and cached in both processes (a fresh page costs a fault on each side).
+        start = 0 if not self._live or self._head + n > self.size else self._head
         end = start + n
         if self.closed or end > self.size or any(s < end and start < e for s, e in self._live):
             return None

@@ -199,3 +199,23 @@ def test_shared_memory_is_unlinked_when_the_engine_process_is_killed():
     while _shm(name).exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _shm(name).exists(), "the resource tracker did not unlink the killed engine's segment"
+
+
+def test_the_ring_never_overwrites_a_message_in_flight():
+    from namazu.step_channel import StepReader, StepRing
+
+    ring = StepRing(3000)
+    reader = StepReader(ring.name)
+    try:
+        a, b = ring.put(b"a" * 1000), ring.put(b"b" * 1000)       # async scheduling: two steps in flight
+        assert reader.read(a) == b"a" * 1000 and reader.read(b) == b"b" * 1000
+        ring.release_oldest()                                     # a collected; b still unread
+        assert ring.put(b"c" * 1500) is None, "wrapped over the message in flight"   # goes over the pipe
+        assert reader.read(b) == b"b" * 1000
+        ring.release_oldest()
+        d = ring.put(b"d" * 1500)                                 # nothing in flight: from the start
+        assert reader.read(d) == b"d" * 1500
+        assert ring.put(b"e" * 4000) is None                      # larger than the ring: over the pipe
+    finally:
+        reader.close()
+        ring.close()
