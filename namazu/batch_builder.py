@@ -79,7 +79,8 @@ def build_seq_inputs(scheduled: list[ScheduledSeq]) -> SeqInputs:
         num_new=_i64([it.num_new_tokens for it in scheduled]), num_drafts=_i64([it.num_drafts for it in scheduled]),
         assumed_drafts=_i64([it.assumed_drafts for it in scheduled]),
         prompt_lens=_i64([it.seq.num_prompt_tokens for it in scheduled]),
-        samples=np.asarray([it.samples for it in scheduled], dtype=bool))
+        samples=np.asarray([it.samples for it in scheduled], dtype=bool),
+        num_blocks=_i64([len(it.seq.block_table) for it in scheduled]))
 
 
 def build_sampling(samplers: list[ScheduledSeq], vocab_size: int) -> SamplingInputs:

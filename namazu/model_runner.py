@@ -139,6 +139,11 @@ class ModelRunner:
             return None
         if not (np.all(sq.num_new == 1) and np.all(sq.samples)) or int(sq.num_drafts.max()) > g.k:
             return None
+        if b.num_tokens == len(sq.seq_ids):     # a plain decode (no drafts): row b * Tq of the entry
+            e = g.entry_for(b.num_tokens, 1)
+            if e is None or b.attn.block_tables.shape[1] > g.max_width:
+                return None
+            return e, np.arange(b.num_tokens) * e.tq
         n_per = sq.num_new + sq.num_drafts
         e = g.entry_for(len(sq.seq_ids), int(n_per.max()))
         if e is None or b.attn.block_tables.shape[1] > g.max_width:
@@ -242,17 +247,25 @@ class ModelRunner:
         prep = self.seqs.prepare(b, self.block_size, self.drafts.width, self.drafts.counts)
         self.drafts.ensure(self.seqs.num_slots)
         T, a = self._tensor, b.attn
-        meta = PagedAttentionMetadata(slot_mapping=T(prep.slot_mapping), block_tables=T(a.block_tables),
-                                      q_index=T(a.q_index), q_pos=T(a.q_pos), out_index=T(a.out_index))
-        input_ids, positions, logit_rows = T(a.input_ids), T(a.positions), T(a.logit_rows)
+        device_proposer = self.proposer is not None and self.proposer.on_device
+        layout = self._graph_layout(b, prep)
+        # Each input costs a host-to-device copy (on CPU, a tensor wrapper: still a few microseconds): a graph
+        # step reads its inputs from the entry's buffers, so the flat ones are built only for an eager
+        # forward or a device proposer; speculation-only inputs only when the step verifies.
+        meta = input_ids = positions = None
+        if layout is None or device_proposer:
+            meta = PagedAttentionMetadata(slot_mapping=T(prep.slot_mapping), block_tables=T(a.block_tables),
+                                          q_index=T(a.q_index), q_pos=T(a.q_pos), out_index=T(a.out_index))
+            input_ids, positions = T(a.input_ids), T(a.positions)
+        logit_rows = T(a.logit_rows)
         row_layout = T(b.spec.row_layout)
-        plp_rows, plp_targets = T(b.prompt_lp.rows), T(b.prompt_lp.targets)
+        plp_rows = plp_targets = None
+        if b.prompt_lp.num >= 0 and len(b.prompt_lp.rows):
+            plp_rows, plp_targets = T(b.prompt_lp.rows), T(b.prompt_lp.targets)
         has_drafts = len(prep.draft_flat) > 0
-        # Speculation-only inputs cost a host-to-device copy each: built only when the step verifies.
         num_drafts = T(prep.num_drafts) if b.spec.max_drafts else None
         draft_flat, draft_src = (T(prep.draft_flat), T(prep.draft_src)) if has_drafts else (None, None)
-        want_hidden = self.proposer.hidden_layers if self.proposer is not None and self.proposer.on_device else ()
-        layout = self._graph_layout(b, prep)
+        want_hidden = self.proposer.hidden_layers if device_proposer else ()
         if layout is not None:
             entry, pad_index = layout
             width = self.graphs.load(entry, pad_index, a.input_ids, a.positions, prep.slot_mapping, a.block_tables)
@@ -282,7 +295,7 @@ class ModelRunner:
                     hidden, captured = self.model(input_ids, positions, capture_layers=want_hidden)
             tokens = accepted = None
             where = None
-            if self.proposer is not None and self.proposer.on_device:
+            if device_proposer:
                 where = dict(positions=positions, slot_mapping=meta.slot_mapping, block_tables=meta.block_tables,
                              batch_index=T(b.spec.batch_index))
             if hasattr(self.proposer, "extend_context"):

@@ -13,9 +13,10 @@ say that they need the history, not the history itself.
 `RESULT_FIELDS` is the one declaration of the result: the runner packs the device tensors in that
 order into one int64 and one float32 tensor (one device -> host copy), `unpack` reads them back.
 
-A StepBatch (and a StepResult) pickles as one byte blob holding every array plus a small tuple of
-the other values (`__reduce__`): pickling two dozen small numpy arrays one by one cost about 250 us per step in
-pickle and unpickle, a twentieth of a batch-1 decode step of namazu-tiny.
+A step does not travel as a StepBatch: `step_delta.py` sends what changed since the last step and the
+worker rebuilds the batch. A StepResult (and a StepBatch, should one be pickled) pickles as one byte blob
+holding every array plus a small tuple of the other values (`__reduce__`): pickling two dozen small numpy
+arrays one by one cost about 250 us per step in pickle and unpickle.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class SeqInputs:
     assumed_drafts: np.ndarray     # [B]
     prompt_lens: np.ndarray        # [B]
     samples: np.ndarray            # [B] bool: the step ends at the sequence's last token (it samples)
+    num_blocks: np.ndarray         # [B] entries of block_tables[b] that are the sequence's (the rest pad)
 
 
 @dataclass

@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -40,6 +41,8 @@ from namazu.distributed.sharding import check_shardable
 from namazu.engine_config import EngineConfig
 from namazu.spec.proposer import Proposer
 from namazu.step_batch import StepBatch, StepResult
+from namazu.step_channel import StepReader, StepRing, is_notice, ring_size
+from namazu.step_delta import MAGIC_BYTES, StepDecoder, StepEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ class Worker:
 
         self.rank = rank
         self.runner = ModelRunner(config, model_path, rank, world_size, proposer)
+        self.decoder = StepDecoder()    # this rank's half of the step wire format's state
 
     def info(self) -> WorkerInfo:
         r = self.runner
@@ -75,6 +79,10 @@ class Worker:
     def execute(self, batch: StepBatch) -> StepResult | None:
         result = self.runner.execute(batch)
         return result if self.rank == 0 else None
+
+    def execute_step(self, message: bytes | bytearray) -> StepResult | None:
+        """A step as the engine sent it (`step_delta.py`: only what changed since the last step)."""
+        return self.execute(self.decoder.decode(message))
 
     def resident_memory(self) -> dict[str, int]:
         """This rank's weight bytes (parameters and buffers, each tensor once), KV-cache bytes and resident
@@ -172,7 +180,8 @@ class InlineExecutor(Executor):
 
     def __init__(self, config: EngineConfig, model_path: str | Path, proposer: Proposer | None = None):
         self.worker = Worker(config, model_path, proposer=proposer)
-        self._queued: list[StepBatch] = []
+        self.encoder = StepEncoder()
+        self._queued: list[bytes] = []
 
     def infos(self) -> list[WorkerInfo]:
         return [self.worker.info()]
@@ -181,10 +190,11 @@ class InlineExecutor(Executor):
         self.worker.allocate_kv_cache(num_blocks)
 
     def submit(self, batch: StepBatch) -> None:
-        self._queued.append(batch)
+        # Encoded like a worker process's steps, so that both executors run the same worker-side batch.
+        self._queued.append(self.encoder.encode(batch))
 
     def collect(self) -> StepResult:
-        return self.worker.execute(self._queued.pop(0))
+        return self.worker.execute_step(self._queued.pop(0))
 
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         return [fn(self.worker, *args)]
@@ -197,17 +207,22 @@ class InlineExecutor(Executor):
 
 
 def _worker_main(conn: Connection | None, config: EngineConfig, model_path: str, env: RankEnv, log_level: int,
-                 proposer: Proposer | None, setup: WorkerSetup | None, beat: Any, parent_pid: int) -> None:
-    """One rank's process. Rank 0 reads each command's bytes from the engine's pipe and shares them with
-    the other ranks over the control channel; every rank runs the command and, when the engine started it
-    (a local rank), answers on its own pipe, so an error on any rank reaches the engine."""
+                 proposer: Proposer | None, setup: WorkerSetup | None, beat: Any, parent_pid: int,
+                 ring_name: str | None = None) -> None:
+    """One rank's process. Rank 0 reads each command's bytes from the engine's pipe (a step: a notice
+    pointing into the shared-memory ring `ring_name`, `step_channel.py`) and shares them with the other
+    ranks over the control channel; every rank runs the command and, when the engine started it (a local
+    rank), answers on its own pipe, so an error on any rank reaches the engine."""
     rank, world_size = env.rank, env.world_size
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
     start_parent_watchdog(parent_pid)
     if beat is not None:
         start_heartbeat(beat)
     reply = conn.send if conn is not None else (lambda _msg: None)
+    reader: StepReader | None = None
     try:
+        if ring_name is not None:
+            reader = StepReader(ring_name)
         if world_size > 1:
             from namazu.model_runner import resolve_device
 
@@ -228,6 +243,8 @@ def _worker_main(conn: Connection | None, config: EngineConfig, model_path: str,
         if rank == 0:
             try:
                 raw = conn.recv_bytes()
+                if is_notice(raw):
+                    raw = reader.read(raw)
             except (EOFError, OSError):
                 raw = stop   # the engine is gone: tell the other ranks
         if world_size > 1:
@@ -237,6 +254,12 @@ def _worker_main(conn: Connection | None, config: EngineConfig, model_path: str,
                 reply(("error", f"rank {rank}: the control channel failed (a peer rank is gone)\n"
                                 + traceback.format_exc()))
                 os._exit(1)
+        if raw[:8] == MAGIC_BYTES:
+            try:
+                reply(("ok", worker.execute_step(raw)))
+            except BaseException:
+                reply(("error", traceback.format_exc()))
+            continue
         msg = pickle.loads(raw)
         if msg is None:
             break
@@ -246,6 +269,8 @@ def _worker_main(conn: Connection | None, config: EngineConfig, model_path: str,
             reply(("ok", out))
         except BaseException:
             reply(("error", traceback.format_exc()))
+    if reader is not None:
+        reader.close()
     if world_size > 1:
         shutdown_group()
 
@@ -268,7 +293,7 @@ def _main_module_hidden():
         main.__file__ = path
 
 
-def _shutdown(procs: list[Any], conns: list[Connection]) -> None:
+def _shutdown(procs: list[Any], conns: list[Connection], ring: StepRing | None) -> None:
     try:
         conns[0].send_bytes(pickle.dumps(None))     # rank 0 passes it on to every rank
     except (OSError, ValueError, IndexError):
@@ -276,7 +301,11 @@ def _shutdown(procs: list[Any], conns: list[Connection]) -> None:
     for conn in conns:
         with contextlib.suppress(OSError, ValueError):
             conn.close()
-    _stop(procs, grace=10.0)
+    try:
+        _stop(procs, grace=10.0)
+    finally:
+        if ring is not None:
+            ring.close()
 
 
 def _stop(procs: list[Any], grace: float) -> None:
@@ -294,8 +323,9 @@ def _stop(procs: list[Any], grace: float) -> None:
 
 
 class MultiprocExecutor(Executor):
-    """Each local rank in a spawned process. A batch is pickled once and sent to rank 0, which shares the
-    bytes with the others (`distributed/control.py`). Every wait for the workers also watches their
+    """Each local rank in a spawned process. A batch is encoded once as what changed since the last step
+    (`step_delta.py`) and written to a shared-memory ring that rank 0 reads (`step_channel.py`); rank 0
+    shares the bytes with the others (`distributed/control.py`). Every wait for the workers also watches their
     processes and heartbeats: a rank that dies or hangs fails the wait within seconds with an error
     naming it, and every rank is then ended (`failure` keeps the message)."""
 
@@ -303,7 +333,8 @@ class MultiprocExecutor(Executor):
                  proposer: Proposer | None = None, setup: WorkerSetup | None = None,
                  layout: NodeLayout | None = None):
         self.world_size = world_size
-        check_shardable(ModelConfig.from_pretrained(model_path), world_size)
+        model_config = ModelConfig.from_pretrained(model_path)
+        check_shardable(model_config, world_size)
         layout = layout or (NodeLayout.from_environ(world_size) if world_size > 1 else NodeLayout(1))
         check_devices(config.device, len(layout.local_ranks))
         if layout.node_rank != 0:
@@ -311,25 +342,29 @@ class MultiprocExecutor(Executor):
                              "ranks with `python -m namazu.distributed.node`")
         self.layout = layout
         self._failure: str | None = None
+        self.encoder = StepEncoder()
+        self.ring = _make_ring(config, model_config)
+        self._in_ring: deque[bool] = deque()    # per step submitted and not collected: whether it is in the ring
         ctx = mp.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs = []
         self.beats = []
+        # Ends the workers and unlinks the ring on close(), when the executor is collected, and at interpreter
+        # exit; registered before any start, so that a failed start (or a failed first answer) cleans up too.
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.ring)
         for rank in layout.local_ranks:
             parent, child = ctx.Pipe()
             beat = ctx.Value("d", 0.0, lock=False)
             proc = ctx.Process(target=_worker_main, name=f"namazu-worker-{rank}", daemon=True,
                                args=(child, config, str(model_path), layout.rank_env(rank),
                                      logging.getLogger("namazu").getEffectiveLevel(), proposer, setup, beat,
-                                     os.getpid()))
+                                     os.getpid(), self.ring.name if self.ring is not None and rank == 0 else None))
             with _main_module_hidden():
                 proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
             self.beats.append(beat)
-        # Ends the workers on close(), when the executor is collected, and at interpreter exit.
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
         self._infos = self._wait_all()
         logger.info("started %d worker process(es), pid %s", len(self.procs), self.pids)
 
@@ -373,6 +408,8 @@ class MultiprocExecutor(Executor):
                 if p.is_alive():
                     p.kill()
             _stop(self.procs, grace=0.0)
+            if self.ring is not None:
+                self.ring.close()
         return WorkerError(self._failure)
 
     def check_health(self) -> None:
@@ -407,9 +444,12 @@ class MultiprocExecutor(Executor):
         return [answers[r] for r in range(len(self.conns))]
 
     def _send(self, method: str, *args: Any) -> None:
+        self._send_bytes(pickle.dumps((method, args)))     # pickled once, whatever the ranks
+
+    def _send_bytes(self, raw: bytes) -> None:
         self.check_health()
         try:
-            self.conns[0].send_bytes(pickle.dumps((method, args)))     # pickled once, whatever the ranks
+            self.conns[0].send_bytes(raw)
         except (OSError, ValueError) as err:
             raise self._fail(f"tensor-parallel rank 0 (pid {self.procs[0].pid}) is gone: {err}") from err
 
@@ -424,9 +464,15 @@ class MultiprocExecutor(Executor):
             info.num_kv_blocks = num_blocks
 
     def submit(self, batch: StepBatch) -> None:
-        self._send("execute", batch)
+        message = self.encoder.encode(batch)
+        notice = self.ring.put(message) if self.ring is not None else None
+        self._in_ring.append(notice is not None)
+        self._send_bytes(notice if notice is not None else message)
 
     def collect(self) -> StepResult:
+        # Whatever the wait ends with (result, error, death), the worker is done with the message.
+        if self._in_ring and self._in_ring.popleft():
+            self.ring.release_oldest()
         return self._wait_all()[0]
 
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
@@ -474,6 +520,19 @@ class MultiprocExecutor(Executor):
             if status != "ok":
                 return False
         return True
+
+
+def _make_ring(config: EngineConfig, model: ModelConfig) -> StepRing | None:
+    """The shared-memory ring for step messages, or None (steps then go over the pipe) where the system has
+    no room for one."""
+    size = ring_size(config.max_num_seqs, config.max_num_batched_tokens, config.num_speculative_tokens,
+                     model.vocab_size, -(-model.max_position_embeddings // config.block_size))
+    size = min(size, 32 << 20)      # container /dev/shm is often 64 MiB; a larger step falls back to the pipe
+    try:
+        return StepRing(size)
+    except OSError as err:
+        logger.warning("no shared memory for step messages (%s); steps go over the pipe", err)
+        return None
 
 
 def make_executor(config: EngineConfig, model_path: str | Path, proposer: Proposer | None = None,

@@ -97,7 +97,9 @@ def test_grammar_masks_apply_identically_on_every_rank(tp4, tp1):
     assert logs[0] and all(log == logs[0] for log in logs)
 
 
-def test_a_batch_is_pickled_once_for_all_ranks(tp4, monkeypatch):
+def test_a_batch_is_encoded_once_for_all_ranks(tp4, monkeypatch):
+    """The engine encodes a step once (namazu/step_delta.py) whatever the number of ranks; rank 0 shares
+    the bytes. No step travels as a pickle."""
     import pickle
 
     dumps: list[str] = []
@@ -111,11 +113,13 @@ def test_a_batch_is_pickled_once_for_all_ranks(tp4, monkeypatch):
         loads = staticmethod(pickle.loads)
 
     monkeypatch.setattr(worker_module, "pickle", CountingPickle)
-    submits = []
-    real = tp4.engine.executor.submit
-    monkeypatch.setattr(tp4.engine.executor, "submit", lambda b: (submits.append(1), real(b))[1])
+    ex = tp4.engine.executor
+    submits, encodes = [], []
+    real, real_encode = ex.submit, ex.encoder.encode
+    monkeypatch.setattr(ex, "submit", lambda b: (submits.append(1), real(b))[1])
+    monkeypatch.setattr(ex.encoder, "encode", lambda b: (encodes.append(1), real_encode(b))[1])
     _generate(tp4, [[5, 6, 7], [8, 9]], _greedy(4, spec=False))
-    assert submits and dumps.count("execute") == len(submits)
+    assert submits and len(encodes) == len(submits) and "execute" not in dumps
 
 
 def test_ranks_commit_rank0s_decision_even_when_their_logits_differ(tp4, tp1):
