@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import types
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -79,7 +80,13 @@ class _Entry:
         self.out_index = torch.arange(n, **i64)
         self.cache = cache
         self.moe_workspace = moe_workspace
+        # What `load` writes a step into: on CPU the buffers themselves (numpy views of their memory: no
+        # staging arrays, no copy dispatch per buffer), elsewhere host arrays copied over after each load.
+        bufs = (self.input_ids, self.positions, self.slot_mapping, self.q_pos.view(-1), self.block_tables)
+        self.host_is_buffers = device.type == "cpu"
+        self.host = tuple(t.numpy() if self.host_is_buffers else np.zeros(t.shape, dtype=np.int64) for t in bufs)
         self.compiled: Callable | None = None
+        self.greedy: torch.Tensor | None = None   # [Bp * Tq] the last launch's argmax of every row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}   # width -> (graph, outputs)
 
     def context(self, width: int, traced_attention: bool = False) -> PagedAttentionContext:
@@ -93,12 +100,21 @@ class _TracedAttentionContext(PagedAttentionContext):
     the compiler fuses the gather, masking and softmax around the two matmuls, and no op dispatch runs
     from Python. One softmax over the whole padded table (the width is a dynamic dimension; a loop over
     tiles would be control flow over it), so StepGraphs uses it only where the table's gathered keys
-    stay small (`TRACED_ATTENTION_BYTES`). The latent write stays an op: it mutates the cache in place."""
+    stay small (`TRACED_ATTENTION_BYTES`).
+
+    The latent write is traced too, as one index_put_ into the whole cache tensor (layer, block, offset):
+    the compiler turns a mutation of a graph input into an in-place scatter, where the write_latents op
+    cost a Python dispatch per layer (about a sixth of a batch-1 step). It must index the cache itself:
+    a mutation through a view of it (kv[layer], a flattened view) is functionalized into a copy of the
+    whole cache on every step."""
 
     def attend(self, layer, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
                k_pe: torch.Tensor) -> torch.Tensor:
-        kv, m = self.cache.kv[layer.layer_idx], self.meta
-        torch.ops.namazu.write_latents(kv, m.slot_mapping, c_kv, k_pe)
+        cache, m = self.cache.kv, self.meta
+        bs, slots = cache.shape[2], m.slot_mapping
+        cache.index_put_((torch.full_like(slots, layer.layer_idx), slots // bs, slots % bs),
+                         torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
+        kv = cache[layer.layer_idx]
         o_lat = paged_latent_attention(layer.absorb_q(q_nope), q_pe, kv, m.block_tables, m.q_index, m.q_pos,
                                        m.out_index, layer.kv_lora_rank, layer.softmax_scale, tile_tokens=None)
         return layer.absorb_out(o_lat)
@@ -130,9 +146,13 @@ class StepGraphs:
 
     # -- the forward an entry compiles or captures ---------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor], torch.Tensor]:
         hidden, captured = self.model(input_ids, positions, capture_layers=self.capture_layers)
-        return self.model.compute_logits(hidden), hidden, captured
+        logits = self.model.compute_logits(hidden)
+        # Every row's greedy token, fused after lm_head (an eager argmax over [Bp * Tq, V] costs tens of
+        # microseconds at batch 1 and a third of a millisecond at 32): what the sampler would pick for
+        # a greedy row with no penalty or grammar mask (`greedy_tokens`).
+        return logits, hidden, captured, logits.argmax(dim=-1)
 
     def entry_for(self, num_seqs: int, tq: int) -> _Entry | None:
         tq = 1 if tq == 1 else 1 + self.k
@@ -178,8 +198,17 @@ class StepGraphs:
         return out + [self.max_width]
 
     def _compile(self, e: _Entry) -> None:
-        e.compiled = torch.compile(self._forward, backend=self.backend, dynamic=False, fullgraph=True)
+        e.compiled = torch.compile(self._entry_forward(e), backend=self.backend, dynamic=False, fullgraph=True)
         self._run_compiled(e, 2)   # the first call compiles; padding rows only, nothing is written
+
+    def _entry_forward(self, e: _Entry) -> Callable:
+        """`_forward` under a code object of the entry's own. torch.compile caches compiled code per code
+        object: with one shared by every entry, each call walked the whole ladder's cache entries (about
+        55 us a step at batch 1, even with guard evaluation skipped); one each, a call finds its own."""
+        name = f"_forward_b{e.bp}_q{e.tq}"
+        fwd = StepGraphs._forward
+        code = fwd.__code__.replace(co_name=name, co_qualname=f"StepGraphs.{name}")
+        return types.MethodType(types.FunctionType(code, fwd.__globals__, name), self)
 
     def _traces_attention(self, e: _Entry) -> bool:
         kv = self.cache.kv
@@ -222,32 +251,38 @@ class StepGraphs:
         if block_tables.shape[1] > self.max_width:
             raise AssertionError(f"block table of {block_tables.shape[1]} blocks; the graph ladder holds "
                                  f"{self.max_width}")
-        n, b = e.bp * e.tq, block_tables.shape[0]
-        ids = np.zeros(n, dtype=np.int64)
+        b, m = block_tables.shape
+        ids, pos, slots, q_pos, table = e.host
+        ids.fill(0)
         ids[pad_index] = input_ids
-        pos = np.zeros(n, dtype=np.int64)
+        pos.fill(0)
         pos[pad_index] = positions
-        slots = np.full(n, self.cache.scratch_slot, dtype=np.int64)
+        slots.fill(self.cache.scratch_slot)
         slots[pad_index] = slot_mapping
-        q_pos = np.full(n, -1, dtype=np.int64)
+        q_pos.fill(-1)
         q_pos[pad_index] = positions
-        width = width_for(block_tables.shape[1], self.max_width)
-        table = np.zeros((e.bp, width), dtype=np.int64)
-        table[:b, :block_tables.shape[1]] = block_tables
+        width = width_for(m, self.max_width)
+        table[:, :width] = 0
+        table[:b, :m] = block_tables
+        if e.host_is_buffers:
+            return width
         _write(e.input_ids, ids)
         _write(e.positions, pos)
         _write(e.slot_mapping, slots)
         _write(e.q_pos.view(-1), q_pos)
-        _write(e.block_tables[:, :width], table)
+        _write(e.block_tables[:, :width], table[:, :width])
         return width
 
     def launch(self, e: _Entry, width: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
-        """Runs the entry's forward over its buffers: (logits [Bp * Tq, V] fp32, final hidden, captured)."""
+        """Runs the entry's forward over its buffers: (logits [Bp * Tq, V] fp32, final hidden, captured);
+        each padded row's argmax is `e.greedy` until the next launch."""
         if self.use_cuda_graphs:
             graph, outputs = e.graphs[width]
             graph.replay()
-            return outputs
-        return self._run_compiled(e, width, check_guards=False)
+        else:
+            outputs = self._run_compiled(e, width, check_guards=False)
+        e.greedy = outputs[3]
+        return outputs[:3]
 
 
 def _moe_workspace(model: torch.nn.Module | None, num_tokens: int) -> MoEWorkspace | None:

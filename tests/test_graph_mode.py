@@ -123,6 +123,13 @@ def test_ladder_buffers_hold_a_step_padded():
     assert e.q_pos.tolist() == [[5, 6, 7], [2, -1, -1], [9, 10, -1], [-1, -1, -1]]
     assert e.block_tables[:, :4].tolist() == [[0, 1, 0, 0], [4, 0, 0, 0], [6, 7, 8, 0], [0, 0, 0, 0]]
     assert e.q_index.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    # The next step into the same buffers (written in place on CPU): nothing of the last one is left.
+    assert g.load(e, np.array([0]), np.array([7]), np.array([3]), np.array([9]), np.array([[2]])) == 2
+    assert e.input_ids.tolist() == [7] + [0] * 11
+    assert e.positions.tolist() == [3] + [0] * 11
+    assert e.slot_mapping.tolist() == [9] + [40] * 11
+    assert e.q_pos.tolist() == [[3, -1, -1]] + [[-1, -1, -1]] * 3
+    assert e.block_tables[:, :2].tolist() == [[2, 0], [0, 0], [0, 0], [0, 0]]
     with pytest.raises(AssertionError, match="ladder holds 8"):
         g.load(e, pad_index, ids, pos, slots, np.zeros((3, 9), dtype=np.int64))
 
