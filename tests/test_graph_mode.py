@@ -189,3 +189,39 @@ def test_aot_traced_graph_matches_eager(monkeypatch):
             outs.append(llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)[0]
                         .outputs[0].token_ids)
     assert outs[0] == outs[1]
+
+
+def test_direct_call_returns_logits_argmax_and_captured_layers():
+    """A launch (the compiled graph called directly) returns what the eager forward computes over the same
+    step: logits, final hidden state, each row's argmax and the hidden states of the captured layers (a
+    device drafter's input), each under its own layer."""
+    import numpy as np
+
+    from namazu.context import forward_context
+    from namazu.kv_cache_paged import PagedLatentCache
+    from namazu.models.loader import load_model
+    from namazu.step_graphs import StepGraphs
+
+    model = load_model(tiny_checkpoint(), dtype=torch.float32, device="cpu").eval()
+    cache = PagedLatentCache(model.config, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu")
+    layers = (1, 0)   # (the test checkpoint has two layers)
+    g = StepGraphs(model, cache, torch.device("cpu"), max_num_seqs=2, num_speculative_tokens=0,
+                   max_blocks_per_seq=4, capture_layers=layers, backend="eager")
+    with torch.inference_mode():
+        g.warm_up(progress=False)
+        e = g.entry_for(2, 1)
+        assert e.direct is not None
+        # Two sequences decoding their first token (position 0) into blocks 3 and 5.
+        width = g.load(e, np.array([0, 1]), np.array([17, 42]), np.array([0, 0]), np.array([12, 20]),
+                       np.array([[3], [5]]))
+        logits, hidden, captured = g.launch(e, width)
+        with forward_context(e.context(width)):
+            want_hidden, want_captured = model(e.input_ids, e.positions, capture_layers=layers)
+        want_logits = model.compute_logits(want_hidden)
+    # (Up to summation order: the traced forward runs gathered experts where eager runs grouped GEMMs.)
+    assert list(captured) == list(layers)
+    for i in layers:
+        torch.testing.assert_close(captured[i], want_captured[i], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(e.greedy, logits.argmax(-1))
