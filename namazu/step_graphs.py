@@ -225,7 +225,7 @@ class StepGraphs:
         e.compiled = torch.compile(self._entry_forward(e), backend=backend, dynamic=False, fullgraph=True)
         table = e.block_tables[:, :2]
         ref = self._run_compiled(e, 2, table=table)   # the first call compiles; padding rows only
-        e.direct = _DirectCall.of(compiled, table, ref, self.capture_layers)
+        e.direct = _DirectCall.of(compiled, table, ref)
         if e.direct is None:
             logger.warning("graph mode: entry (%d, %d) is called through torch.compile's frame (its compiled "
                            "graph did not reproduce the traced call)", e.bp, e.tq)
@@ -328,8 +328,8 @@ class _DirectCall:
         self.fn, self.args, self.table_at, self.width_at = fn, args, table_at, width_at
 
     @classmethod
-    def of(cls, compiled: list[tuple[Callable, list]], table: torch.Tensor, ref: tuple[torch.Tensor, ...],
-           capture_layers: tuple[int, ...]) -> _DirectCall | None:
+    def of(cls, compiled: list[tuple[Callable, list]], table: torch.Tensor, ref: tuple[torch.Tensor, ...]
+           ) -> _DirectCall | None:
         """From the one graph the traced call compiled, if its inputs hold the table view `table` once and
         its width once among their integers (the others, such as the view's row stride, which the
         dynamic width makes symbolic too, are constants of the entry), and a direct call returns what
