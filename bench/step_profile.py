@@ -13,6 +13,8 @@ prompts, with the runner recording each step (ModelRunner.profile). Per decode s
               output processing and the hand-off between processes)
   step        arrival to next arrival; per token = step / batch (batch-1: the decode latency)
   device idle 1 - device time / step (GPU: the share of a decode step the GPU waits for the host)
+  cpu         inline executor: this process's CPU time per step (arrival to next arrival), which other
+              processes' load barely moves with --threads 1; "x eager (cpu)" is the ratio of these
 Also: start-up seconds (graph mode: compile / capture time included), and whether the greedy tokens of
 every mode equal eager's. The machine may be shared: the load average is printed before and after, and
 the ratio graph/eager within one run is the number to compare. With --executor mp the worker is another
@@ -50,8 +52,20 @@ def _one(llm, b: int, prompts: list[list[int]], output_len: int) -> tuple[dict, 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     # In-process graph mode: the compiled forward's own time, the rest of "compute" being sampling, the
     # acceptance rule, the result pack and the host read.
-    graphs = getattr(getattr(getattr(llm.engine.executor, "worker", None), "runner", None), "graphs", None)
+    runner = getattr(getattr(llm.engine.executor, "worker", None), "runner", None)
+    graphs = getattr(runner, "graphs", None)
     forward: list[float] = []
+    # Inline executor: this process's CPU time at each step's arrival. Per step it is what the step cost
+    # the machine, nearly independent of other processes' load (with 1 thread; more threads add their
+    # OpenMP spinning), where the wall-clock columns swing with it.
+    cpu_marks: list[float] = []
+    if runner is not None:
+        real_execute = runner.execute
+
+        def execute(b):
+            cpu_marks.append(time.process_time())
+            return real_execute(b)
+        runner.execute = execute
     if graphs is not None:
         real = graphs.launch
 
@@ -68,6 +82,8 @@ def _one(llm, b: int, prompts: list[list[int]], output_len: int) -> tuple[dict, 
     finally:
         if graphs is not None:
             del graphs.launch            # the class's method again
+        if runner is not None:
+            del runner.execute
     wall = time.perf_counter() - t
     steps = llm.engine.executor.stop_profile()
     # Decode / verify steps only (every sequence computes its last token and drafts).
@@ -82,6 +98,7 @@ def _one(llm, b: int, prompts: list[list[int]], output_len: int) -> tuple[dict, 
         "post": _median_ms([steps[i].end - steps[i].computed for i in dec]),
         "gap": _median_ms([steps[i + 1].arrive - steps[i].end for i in dec if i + 1 < len(steps)]),
         "step": _median_ms(cyc), "tok_s": b * output_len / wall,
+        "cpu": _median_ms([cpu_marks[i + 1] - cpu_marks[i] for i in dec if i + 1 < len(cpu_marks)]),
     }
     return row, [o.outputs[0].token_ids for o in outs]
 
@@ -169,18 +186,21 @@ def main() -> None:
     print(f"\nmodel: {desc}; float32; {args.threads} thread(s); spec: {args.spec or 'off'}; "
           f"load average before {load0[0]:.2f}, after {load1[0]:.2f} (1 min)\n")
     print("| mode | executor | batch | steps (graph) | host prep ms | compute ms | (compiled forward ms) "
-          "| device ms | device idle % | host post ms | gap ms | step ms | ms/token | tok/s | x eager |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| device ms | device idle % | host post ms | gap ms | step ms | ms/token | tok/s | x eager "
+          "| cpu ms/step | x eager (cpu) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {(ex, r["batch"]): r["step"] for m, ex, _, rows, _ in results if m == "eager" for r in rows}
+    base_cpu = {(ex, r["batch"]): r["cpu"] for m, ex, _, rows, _ in results if m == "eager" for r in rows}
     for mode, executor, _, rows, _ in results:
         for r in rows:
             speed = base.get((executor, r["batch"]), float("nan")) / r["step"]
+            speed_cpu = base_cpu.get((executor, r["batch"]), float("nan")) / r["cpu"]
             idle = 100 * (1 - r["device"] / r["step"])    # NaN on CPU (no device timer)
             print(f"| {mode} | {executor} | {r['batch']} | {r['steps']} ({r['graph_steps']}) | {r['prep']:.2f} | "
                   f"{r['compute']:.2f} | {r['forward']:.2f} | {r['device']:.2f} | {idle:.1f} | {r['post']:.2f} | "
                   f"{r['gap']:.2f} | "
                   f"{r['step']:.2f} | "
-                  f"{r['step'] / r['batch']:.3f} | {r['tok_s']:.1f} | {speed:.2f} |")
+                  f"{r['step'] / r['batch']:.3f} | {r['tok_s']:.1f} | {speed:.2f} | {r['cpu']:.2f} | {speed_cpu:.2f} |")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,13 @@ from namazu.distributed.decisions import share_decision, share_device_proposal
 from namazu.engine_config import EngineConfig
 from namazu.kernels.backends import resolve_moe_runtime
 from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache, kv_bytes_per_block
-from namazu.layers.sampler import SamplingTensors, gather_logprobs, process_logits, sample_from_processed
+from namazu.layers.sampler import (
+    SamplingTensors,
+    gather_logprobs,
+    leaves_logits_raw,
+    process_logits,
+    sample_from_processed,
+)
 from namazu.layers.weight_loading import TPShard
 from namazu.models.loader import load_model
 from namazu.nosync import no_host_sync
@@ -301,10 +307,13 @@ class ModelRunner:
             if hasattr(self.proposer, "extend_context"):
                 self.proposer.extend_context(self._proposer_input(b, hidden, captured, None, None, None, where))
             if len(a.logit_rows):
-                logits = all_logits[logit_rows] if layout is not None else \
+                # Graph mode computed every row's argmax in the compiled forward: the greedy rows' samples.
+                greedy = entry.greedy[logit_rows] if layout is not None and leaves_logits_raw(st) else None
+                logits = None if greedy is not None and k == 0 and b.sampling.num_logprobs < 0 else \
+                    all_logits[logit_rows] if layout is not None else \
                     self.model.compute_logits(hidden[logit_rows])                 # [R, V] fp32
-                processed = process_logits(logits, st)
-                target = sample_from_processed(processed, st)[row_layout]         # [S, K+1]
+                processed = logits if greedy is not None else process_logits(logits, st)
+                target = (greedy if greedy is not None else sample_from_processed(processed, st))[row_layout]
                 if k == 0:
                     tokens, accepted = target, torch.zeros_like(target[:, 0])
                     num_drafts = accepted

@@ -14,10 +14,12 @@ unused), position 0, and writes its latent to a scratch slot outside the blocks 
 (`PagedLatentCache.scratch_slot`), so it never touches a sequence's cache. Padded rows are computed and
 dropped; the rows the step samples are gathered from the real ones.
 
-On CPU each entry is one torch.compile of the forward (plus the logits of every row); the block-table
-width is a dynamic dimension there, so an entry compiles once. Attention is traced into the graph (one
-softmax over the padded table) where the gathered keys stay small, else it is the paged_mla op; the
-routed experts run traced (few pairs per expert) or in the entry's MoE workspace (kernels/moe_workspace.py).
+On CPU each entry is one torch.compile of the forward (plus the logits of every row and their argmax,
+inductor's C++ wrapper calling the kernels); the block-table width is a dynamic dimension there, so an
+entry compiles once, and after warm-up its compiled graph is called directly (`_DirectCall`). Attention
+is traced into the graph (one softmax over the padded table) where the gathered keys stay small, else it
+is the paged_mla op; the routed experts run traced (few pairs per expert) or in the entry's MoE
+workspace (kernels/moe_workspace.py).
 On GPU an entry is captured per (Bp, width) with torch.cuda.graph over the same buffers and replayed
 with no host synchronisation; a step outside the ladder runs eagerly.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import types
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -79,11 +82,20 @@ class _Entry:
         self.out_index = torch.arange(n, **i64)
         self.cache = cache
         self.moe_workspace = moe_workspace
+        # What `load` writes a step into: on CPU the buffers themselves (numpy views of their memory: no
+        # staging arrays, no copy dispatch per buffer), elsewhere host arrays copied over after each load.
+        bufs = (self.input_ids, self.positions, self.slot_mapping, self.q_pos.view(-1), self.block_tables)
+        self.host_is_buffers = device.type == "cpu"
+        self.host = tuple(t.numpy() if self.host_is_buffers else np.zeros(t.shape, dtype=np.int64) for t in bufs)
         self.compiled: Callable | None = None
+        self.direct: _DirectCall | None = None
+        self.greedy: torch.Tensor | None = None   # [Bp * Tq] the last launch's argmax of every row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}   # width -> (graph, outputs)
 
-    def context(self, width: int, traced_attention: bool = False) -> PagedAttentionContext:
-        meta = PagedAttentionMetadata(slot_mapping=self.slot_mapping, block_tables=self.block_tables[:, :width],
+    def context(self, width: int, traced_attention: bool = False, table: torch.Tensor | None = None
+                ) -> PagedAttentionContext:
+        table = self.block_tables[:, :width] if table is None else table
+        meta = PagedAttentionMetadata(slot_mapping=self.slot_mapping, block_tables=table,
                                       q_index=self.q_index, q_pos=self.q_pos, out_index=self.out_index)
         return (_TracedAttentionContext if traced_attention else PagedAttentionContext)(self.cache, meta)
 
@@ -93,12 +105,21 @@ class _TracedAttentionContext(PagedAttentionContext):
     the compiler fuses the gather, masking and softmax around the two matmuls, and no op dispatch runs
     from Python. One softmax over the whole padded table (the width is a dynamic dimension; a loop over
     tiles would be control flow over it), so StepGraphs uses it only where the table's gathered keys
-    stay small (`TRACED_ATTENTION_BYTES`). The latent write stays an op: it mutates the cache in place."""
+    stay small (`TRACED_ATTENTION_BYTES`).
+
+    The latent write is traced too, as one index_put_ into the whole cache tensor (layer, block, offset):
+    the compiler turns a mutation of a graph input into an in-place scatter, where the write_latents op
+    cost a Python dispatch per layer (about a sixth of a batch-1 step). It must index the cache itself:
+    a mutation through a view of it (kv[layer], a flattened view) is functionalized into a copy of the
+    whole cache on every step."""
 
     def attend(self, layer, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
                k_pe: torch.Tensor) -> torch.Tensor:
-        kv, m = self.cache.kv[layer.layer_idx], self.meta
-        torch.ops.namazu.write_latents(kv, m.slot_mapping, c_kv, k_pe)
+        cache, m = self.cache.kv, self.meta
+        bs, slots = cache.shape[2], m.slot_mapping
+        cache.index_put_((torch.full_like(slots, layer.layer_idx), slots // bs, slots % bs),
+                         torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
+        kv = cache[layer.layer_idx]
         o_lat = paged_latent_attention(layer.absorb_q(q_nope), q_pe, kv, m.block_tables, m.q_index, m.q_pos,
                                        m.out_index, layer.kv_lora_rank, layer.softmax_scale, tile_tokens=None)
         return layer.absorb_out(o_lat)
@@ -129,10 +150,15 @@ class StepGraphs:
         self.graph_bytes = 0
 
     # -- the forward an entry compiles or captures ---------------------------------------------------
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(logits [Bp * Tq, V] fp32, final hidden, each row's argmax, the captured layers' hidden in
+        capture_layers order): flat, so that a direct call of the compiled graph returns the same list."""
         hidden, captured = self.model(input_ids, positions, capture_layers=self.capture_layers)
-        return self.model.compute_logits(hidden), hidden, captured
+        logits = self.model.compute_logits(hidden)
+        # Every row's greedy token, fused after lm_head (an eager argmax over [Bp * Tq, V] costs tens of
+        # microseconds at batch 1 and a third of a millisecond at 32): the sample of a greedy row with no
+        # penalty or grammar mask (sampler.leaves_logits_raw).
+        return (logits, hidden, logits.argmax(dim=-1), *(captured[i] for i in self.capture_layers))
 
     def entry_for(self, num_seqs: int, tq: int) -> _Entry | None:
         tq = 1 if tq == 1 else 1 + self.k
@@ -178,15 +204,50 @@ class StepGraphs:
         return out + [self.max_width]
 
     def _compile(self, e: _Entry) -> None:
-        e.compiled = torch.compile(self._forward, backend=self.backend, dynamic=False, fullgraph=True)
-        self._run_compiled(e, 2)   # the first call compiles; padding rows only, nothing is written
+        compiled: list[tuple[Callable, list]] = []
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            inputs = list(example_inputs)   # (before compiling: the compiler may consume the list)
+            if self.backend == "inductor":
+                from torch._inductor import config as inductor_config
+                from torch._inductor.compile_fx import compile_fx
+
+                # The C++ wrapper: the compiled step calls its ~50 kernels and GEMMs from generated C++
+                # instead of a Python function (batch 1: 1.68 vs 1.89 ms a step, CPU time, 1 thread); it
+                # costs a longer cold compile, which inductor's cache keeps for the next start.
+                with inductor_config.patch(cpp_wrapper=True):
+                    fn = compile_fx(gm, example_inputs)
+            else:
+                fn = torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+            compiled.append((fn, inputs))
+            return fn
+
+        e.compiled = torch.compile(self._entry_forward(e), backend=backend, dynamic=False, fullgraph=True)
+        table = e.block_tables[:, :2]
+        ref = self._run_compiled(e, 2, table=table)   # the first call compiles; padding rows only
+        e.direct = _DirectCall.of(compiled, table, ref)
+        if e.direct is None:
+            logger.warning("graph mode: entry (%d, %d) is called through torch.compile's frame (its compiled "
+                           "graph did not reproduce the traced call)", e.bp, e.tq)
+
+    def _entry_forward(self, e: _Entry) -> Callable:
+        """`_forward` under a code object of the entry's own. torch.compile caches compiled code per code
+        object: with one shared by every entry, each call walked the whole ladder's cache entries (about
+        55 us a step at batch 1, even with guard evaluation skipped); one each, a call finds its own."""
+        name = f"_forward_b{e.bp}_q{e.tq}"
+        fwd = StepGraphs._forward
+        code = fwd.__code__.replace(co_name=name, co_qualname=f"StepGraphs.{name}")
+        return types.MethodType(types.FunctionType(code, fwd.__globals__, name), self)
 
     def _traces_attention(self, e: _Entry) -> bool:
         kv = self.cache.kv
         return e.bp * self.max_width * kv.shape[2] * kv.shape[3] * 4 <= TRACED_ATTENTION_BYTES
 
-    def _run_compiled(self, e: _Entry, width: int, check_guards: bool = True):
-        ctx = e.context(width, traced_attention=self._traces_attention(e))
+    def _run_compiled(self, e: _Entry, width: int, check_guards: bool = True, table: torch.Tensor | None = None):
+        if e.direct is not None:
+            with _disable_current_modes():   # (as below)
+                return e.direct(e.block_tables[:, :width], width)
+        ctx = e.context(width, traced_attention=self._traces_attention(e), table=table)
         torch._dynamo.mark_dynamic(ctx.meta.block_tables, 1, min=2, max=max(3, self.max_width))
         # torch.compile does not run under a dispatch mode, which is how --debug-no-host-sync watches
         # eager ops; the compiled forward needs no watching: it was traced with fullgraph=True, which
@@ -222,32 +283,78 @@ class StepGraphs:
         if block_tables.shape[1] > self.max_width:
             raise AssertionError(f"block table of {block_tables.shape[1]} blocks; the graph ladder holds "
                                  f"{self.max_width}")
-        n, b = e.bp * e.tq, block_tables.shape[0]
-        ids = np.zeros(n, dtype=np.int64)
+        b, m = block_tables.shape
+        ids, pos, slots, q_pos, table = e.host
+        ids.fill(0)
         ids[pad_index] = input_ids
-        pos = np.zeros(n, dtype=np.int64)
+        pos.fill(0)
         pos[pad_index] = positions
-        slots = np.full(n, self.cache.scratch_slot, dtype=np.int64)
+        slots.fill(self.cache.scratch_slot)
         slots[pad_index] = slot_mapping
-        q_pos = np.full(n, -1, dtype=np.int64)
+        q_pos.fill(-1)
         q_pos[pad_index] = positions
-        width = width_for(block_tables.shape[1], self.max_width)
-        table = np.zeros((e.bp, width), dtype=np.int64)
-        table[:b, :block_tables.shape[1]] = block_tables
+        width = width_for(m, self.max_width)
+        table[:, :width] = 0
+        table[:b, :m] = block_tables
+        if e.host_is_buffers:
+            return width
         _write(e.input_ids, ids)
         _write(e.positions, pos)
         _write(e.slot_mapping, slots)
         _write(e.q_pos.view(-1), q_pos)
-        _write(e.block_tables[:, :width], table)
+        _write(e.block_tables[:, :width], table[:, :width])
         return width
 
     def launch(self, e: _Entry, width: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
-        """Runs the entry's forward over its buffers: (logits [Bp * Tq, V] fp32, final hidden, captured)."""
+        """Runs the entry's forward over its buffers: (logits [Bp * Tq, V] fp32, final hidden, captured);
+        each padded row's argmax is `e.greedy` until the next launch."""
         if self.use_cuda_graphs:
             graph, outputs = e.graphs[width]
             graph.replay()
-            return outputs
-        return self._run_compiled(e, width, check_guards=False)
+        else:
+            outputs = self._run_compiled(e, width, check_guards=False)
+        e.greedy = outputs[2]
+        return outputs[0], outputs[1], dict(zip(self.capture_layers, outputs[3:]))
+
+
+class _DirectCall:
+    """An entry's compiled graph called with its argument list built once, past torch.compile's frame
+    machinery: its cache lookup and the bytecode that gathers the graph's inputs (every parameter, by
+    attribute) cost about 0.1 ms of a 1.7 ms batch-1 step. Every input but the block table's width and
+    its view at that width is the same tensor on every call (the entry's buffers, the parameters, the
+    cache), so only those two are replaced."""
+
+    def __init__(self, fn: Callable, args: list, table_at: int, width_at: list[int]):
+        self.fn, self.args, self.table_at, self.width_at = fn, args, table_at, width_at
+
+    @classmethod
+    def of(cls, compiled: list[tuple[Callable, list]], table: torch.Tensor, ref: tuple[torch.Tensor, ...]
+           ) -> _DirectCall | None:
+        """From the one graph the traced call compiled, if its inputs hold the table view `table` once and
+        its width once among their integers (the others, such as the view's row stride, which the
+        dynamic width makes symbolic too, are constants of the entry), and a direct call returns what
+        the traced call returned (`ref`: the same tensors in the same order); else None (the entry
+        keeps the traced call)."""
+        if len(compiled) != 1:
+            return None
+        fn, args = compiled[0]
+        args = [int(a) if isinstance(a, torch.SymInt) else a for a in args]
+        tables = [i for i, a in enumerate(args) if a is table]
+        widths = [i for i, a in enumerate(args) if isinstance(a, int) and a == table.shape[1]]
+        # (a table of the widest width 2 has a row stride of 2 too: every such integer is the width)
+        if len(tables) != 1 or not widths or (len(widths) > 1 and table.stride(0) != table.shape[1]):
+            return None
+        direct = cls(fn, args, tables[0], widths)
+        out = direct(table, table.shape[1])
+        same = len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref))
+        return direct if same else None
+
+    def __call__(self, table: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+        args = list(self.args)
+        args[self.table_at] = table
+        for i in self.width_at:
+            args[i] = width
+        return tuple(self.fn(*args))
 
 
 def _moe_workspace(model: torch.nn.Module | None, num_tokens: int) -> MoEWorkspace | None:

@@ -31,6 +31,8 @@ def _generate(batch: list[list[int]], enforce_eager: bool, drafter_mode: str | N
         graphs = llm.engine.executor.worker.runner.graphs
         launched = []
         if graphs is not None:
+            # Every entry's compiled graph is called directly (argument list built once at start-up).
+            assert all(e.direct is not None for e in graphs.entries.values())
             real = graphs.launch
             graphs.launch = lambda e, w: launched.append((e.bp, e.tq, w)) or real(e, w)
         outs = llm.generate(prompt_token_ids=batch, use_tqdm=False,
@@ -123,6 +125,13 @@ def test_ladder_buffers_hold_a_step_padded():
     assert e.q_pos.tolist() == [[5, 6, 7], [2, -1, -1], [9, 10, -1], [-1, -1, -1]]
     assert e.block_tables[:, :4].tolist() == [[0, 1, 0, 0], [4, 0, 0, 0], [6, 7, 8, 0], [0, 0, 0, 0]]
     assert e.q_index.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    # The next step into the same buffers (written in place on CPU): nothing of the last one is left.
+    assert g.load(e, np.array([0]), np.array([7]), np.array([3]), np.array([9]), np.array([[2]])) == 2
+    assert e.input_ids.tolist() == [7] + [0] * 11
+    assert e.positions.tolist() == [3] + [0] * 11
+    assert e.slot_mapping.tolist() == [9] + [40] * 11
+    assert e.q_pos.tolist() == [[3, -1, -1]] + [[-1, -1, -1]] * 3
+    assert e.block_tables[:, :2].tolist() == [[2, 0], [0, 0], [0, 0], [0, 0]]
     with pytest.raises(AssertionError, match="ladder holds 8"):
         g.load(e, pad_index, ids, pos, slots, np.zeros((3, 9), dtype=np.int64))
 
@@ -180,3 +189,39 @@ def test_aot_traced_graph_matches_eager(monkeypatch):
             outs.append(llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)[0]
                         .outputs[0].token_ids)
     assert outs[0] == outs[1]
+
+
+def test_direct_call_returns_logits_argmax_and_captured_layers():
+    """A launch (the compiled graph called directly) returns what the eager forward computes over the same
+    step: logits, final hidden state, each row's argmax and the hidden states of the captured layers (a
+    device drafter's input), each under its own layer."""
+    import numpy as np
+
+    from namazu.context import forward_context
+    from namazu.kv_cache_paged import PagedLatentCache
+    from namazu.models.loader import load_model
+    from namazu.step_graphs import StepGraphs
+
+    model = load_model(tiny_checkpoint(), dtype=torch.float32, device="cpu").eval()
+    cache = PagedLatentCache(model.config, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu")
+    layers = (1, 0)   # (the test checkpoint has two layers)
+    g = StepGraphs(model, cache, torch.device("cpu"), max_num_seqs=2, num_speculative_tokens=0,
+                   max_blocks_per_seq=4, capture_layers=layers, backend="eager")
+    with torch.inference_mode():
+        g.warm_up(progress=False)
+        e = g.entry_for(2, 1)
+        assert e.direct is not None
+        # Two sequences decoding their first token (position 0) into blocks 3 and 5.
+        width = g.load(e, np.array([0, 1]), np.array([17, 42]), np.array([0, 0]), np.array([12, 20]),
+                       np.array([[3], [5]]))
+        logits, hidden, captured = g.launch(e, width)
+        with forward_context(e.context(width)):
+            want_hidden, want_captured = model(e.input_ids, e.positions, capture_layers=layers)
+        want_logits = model.compute_logits(want_hidden)
+    # (Up to summation order: the traced forward runs gathered experts where eager runs grouped GEMMs.)
+    assert list(captured) == list(layers)
+    for i in layers:
+        torch.testing.assert_close(captured[i], want_captured[i], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(e.greedy, logits.argmax(-1))

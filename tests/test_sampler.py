@@ -8,6 +8,7 @@ from namazu.layers.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     hash_uniform,
+    leaves_logits_raw,
     pack_bitmask,
     process_logits,
     unpack_bitmask,
@@ -41,6 +42,28 @@ def test_greedy_is_argmax():
     logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0))
     out = Sampler()(logits, tensors(8, 50, temperature=torch.zeros(8), all_greedy=True))
     assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+def test_leaves_logits_raw_exactly_when_processing_is_the_identity():
+    """Graph mode samples rows `leaves_logits_raw` accepts by the raw logits' argmax (computed in its
+    compiled forward): it must accept only settings under which processing changes nothing."""
+    s, v = 3, 40
+    logits = torch.randn(s, v, generator=torch.Generator().manual_seed(1))
+    allowed = torch.zeros(s, v, dtype=torch.bool)
+    allowed[:, ::3] = True
+    greedy = dict(temperature=torch.zeros(s), all_greedy=True)
+    cases = {
+        "greedy": (tensors(s, v, **greedy), True),
+        "greedy + penalty": (tensors(s, v, **greedy, presence_penalty=torch.ones(s), any_penalty=True,
+                                     output_counts=(torch.arange(v) % 2).float().expand(s, v)), False),
+        "greedy + grammar": (tensors(s, v, **greedy, bitmask=pack_bitmask(allowed)), False),
+        "temperature": (tensors(s, v, temperature=torch.full((s,), 0.5)), False),
+    }
+    for name, (t, raw) in cases.items():
+        assert leaves_logits_raw(t) == raw, name
+        assert torch.equal(process_logits(logits, t), logits) == raw, name
+        if raw:
+            assert torch.equal(Sampler()(logits, t).token_ids, logits.argmax(-1)), name
 
 
 def test_temperature_sampling_matches_softmax():

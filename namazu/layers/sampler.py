@@ -131,6 +131,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def leaves_logits_raw(t: SamplingTensors) -> bool:
+    """Whether `process_logits` returns the raw logits unchanged (every row greedy, no penalty, no grammar
+    mask): each row's sample is then their argmax, which graph mode computes inside its compiled forward."""
+    return t.all_greedy and not t.any_penalty and t.bitmask is None
+
+
 def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Raw fp32 logits [S, V] -> the logits of each row's sampling distribution (temperature applied;
     greedy rows keep scale 1, their argmax is unchanged by every filter)."""
