@@ -411,7 +411,15 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(lines))
     plot(runs, rows, Path(args.plot))
     if args.write:
-        command = "python bench/router.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+        shown, skip = [], False     # --log-dir names a folder of this machine: not part of the record
+        for a in (argv if argv is not None else sys.argv[1:]):
+            if skip or a.startswith("--log-dir="):
+                skip = False
+                continue
+            skip = a == "--log-dir"
+            if not skip:
+                shown.append(a)
+        command = "python bench/router.py " + shlex.join(shown)
         extra = f" `{args.replica_args}`" if args.replica_args else ""
         setup = (f"Model `{tok_dir.name}`, 3 replicas{extra}, each `OMP_NUM_THREADS=1`; "
                  f"{os.cpu_count()} CPU cores ({platform.machine()}) shared with the router, the client and other "
