@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 START, END = "<!-- bench-router:start -->", "<!-- bench-router:end -->"
 POLICIES = ("round_robin", "p2c", "affinity", "kv")
+SUSTAINED = 0.95      # a rate is sustained when requests finish at >= 95% of the rate they arrived at
 
 
 def free_port() -> int:
@@ -82,6 +83,7 @@ class Run:
     wall: float
     shares: dict[str, int]         # requests per replica during the run
     queue: list[tuple[float, int, int, int]] = field(default_factory=list)   # (t, replica, waiting, running)
+    offered: float = float("nan")  # the realized arrival rate: requests / last scheduled arrival (s)
 
 
 async def sample_queues(urls: list[str], out: list, stop_event: asyncio.Event, t0: float) -> None:
@@ -99,7 +101,9 @@ async def sample_queues(urls: list[str], out: list, stop_event: asyncio.Event, t
                 pass
 
 
-async def conversations(client: httpx.AsyncClient, pm: PromptMaker, rate: float, args, seed: int) -> list[Result]:
+async def conversations(client: httpx.AsyncClient, pm: PromptMaker, rate: float, args, seed: int
+                        ) -> tuple[list[Result], float]:
+    """The conversation turns at `rate`; returns their results and the realized offered rate."""
     rng = np.random.default_rng(seed)
     n = args.users * args.turns
     times = arrivals(rate, n, rng)
@@ -131,7 +135,7 @@ async def conversations(client: httpx.AsyncClient, pm: PromptMaker, rate: float,
         done = asyncio.get_running_loop().create_future()
         tasks.append(one(i, user, previous[user], done))
         previous[user] = done
-    return list(await asyncio.gather(*tasks))
+    return list(await asyncio.gather(*tasks)), n / float(times[-1])
 
 
 async def burst(client: httpx.AsyncClient, pm: PromptMaker, args) -> list[Result]:
@@ -170,14 +174,15 @@ async def measure(front: str, url: str, policy: str, rate: float, pm: PromptMake
         stop_event = asyncio.Event()
         t0 = time.perf_counter()
         sampler = asyncio.create_task(sample_queues(replica_urls, queue, stop_event, t0))
+        offered = float("nan")
         if np.isnan(rate):
             results = await burst(c, pm, args)
         else:
-            results = await conversations(c, pm, rate, args, seed)
+            results, offered = await conversations(c, pm, rate, args, seed)
         wall = time.perf_counter() - t0
         stop_event.set()
         await sampler
-        return Run(front, policy, rate, results, wall, diff(shares(url), before, 3), queue)
+        return Run(front, policy, rate, results, wall, diff(shares(url), before, 3), queue, offered)
 
 
 def summarize(run: Run) -> dict:
@@ -187,26 +192,35 @@ def summarize(run: Run) -> dict:
     cached = sum(r.cached_tokens for r in ok)
     total = sum(run.shares.values()) or 1
     waits = [w for _, _, w, _ in run.queue]
+    done = len(ok) / run.wall
     return {"front": run.front, "policy": run.policy, "rate": "burst" if np.isnan(run.rate) else f"{run.rate:g}",
             "requests": len(run.results), "failed": len(run.results) - len(ok),
             "ttft_p50": 1000 * float(np.percentile(ttft, 50)) if ttft else float("nan"),
             "ttft_p99": 1000 * float(np.percentile(ttft, 99)) if ttft else float("nan"),
             "computed": prompt - cached, "prompt": prompt, "hit": cached / prompt if prompt else 0.0,
             "min_share": min(run.shares.values()) / total, "shares": "/".join(str(v) for v in run.shares.values()),
-            "max_queue": max(waits) if waits else 0, "req_s": len(ok) / run.wall}
+            # no samples through Ray Serve (its replicas have no HTTP port): blank, not zero
+            "max_queue": max(waits) if waits else None, "mean_queue": float(np.mean(waits)) if waits else None,
+            "offered": run.offered, "req_s": done,
+            # kept up: finished as fast as requests arrived (a run that falls behind ends late)
+            "kept_up": bool(done >= SUSTAINED * run.offered) if not np.isnan(run.offered) else None}
 
 
 COLUMNS = [("front", "front", "{}"), ("policy", "policy", "{}"), ("rate", "rate req/s", "{}"),
            ("requests", "requests", "{}"), ("failed", "failed", "{}"), ("ttft_p50", "TTFT p50 ms", "{:.0f}"),
            ("ttft_p99", "TTFT p99 ms", "{:.0f}"), ("computed", "prompt tokens computed", "{}"),
            ("hit", "prefix hit", "{:.1%}"), ("shares", "requests per replica", "{}"),
-           ("min_share", "min share", "{:.0%}"), ("max_queue", "max queue", "{}"), ("req_s", "req/s done", "{:.2f}")]
+           ("min_share", "min share", "{:.0%}"), ("max_queue", "max queue", "{}"),
+           ("mean_queue", "mean queue", "{:.2f}"),
+           ("offered", "req/s offered", "{:.2f}"), ("req_s", "req/s done", "{:.2f}"), ("kept_up", "kept up", "{}")]
 
 
 def table(rows: list[dict]) -> str:
     head = "| " + " | ".join(c[1] for c in COLUMNS) + " |"
     sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
-    return "\n".join([head, sep] + ["| " + " | ".join(f.format(r[k]) for k, _, f in COLUMNS) + " |" for r in rows])
+    def cell(r: dict, k: str, f: str) -> str:
+        return "" if r[k] is None or (isinstance(r[k], float) and np.isnan(r[k])) else f.format(r[k])
+    return "\n".join([head, sep] + ["| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows])
 
 
 def plot(runs: list[Run], rows: list[dict], path: Path) -> None:
@@ -217,20 +231,28 @@ def plot(runs: list[Run], rows: list[dict], path: Path) -> None:
 
     conv = [r for r in rows if r["front"] == "router" and r["rate"] != "burst"]
     policies = [p for p in POLICIES if any(r["policy"] == p for r in conv)]
-    top = max((float(r["rate"]) for r in conv), default=0.0)
-    fig, axes = plt.subplots(1, 2 + len(policies), figsize=(5 * (2 + len(policies)), 4))
-    for p in policies:
+    # Queues over time at the highest rate the KV-aware router kept up with (where the policies differ most
+    # in queueing); the top rate when it kept up with none.
+    kept = [float(r["rate"]) for r in conv if r["policy"] == "kv" and r["kept_up"]]
+    top = max(kept or [float(r["rate"]) for r in conv] or [0.0])
+    fig, axes = plt.subplots(1, 3 + len(policies), figsize=(5 * (3 + len(policies)), 4))
+    for i, p in enumerate(policies):
         rs = sorted((r for r in conv if r["policy"] == p), key=lambda r: float(r["rate"]))
         x = [float(r["rate"]) for r in rs]
-        axes[0].plot(x, [r["ttft_p99"] for r in rs], "o-", label=f"{p} p99")
-        axes[0].plot(x, [r["ttft_p50"] for r in rs], "s:", label=f"{p} p50")
-        axes[1].plot(x, [r["computed"] for r in rs], "o-", label=p)
+        c = f"C{i}"
+        axes[0].plot(x, [r["ttft_p99"] for r in rs], "o-", color=c, label=f"{p} p99")
+        axes[0].plot(x, [r["ttft_p50"] for r in rs], "s:", color=c, label=f"{p} p50")
+        axes[1].plot(x, [r["computed"] for r in rs], "o-", color=c, label=p)
+        axes[2].plot([r["offered"] for r in rs], [r["req_s"] for r in rs], "o-", color=c, label=p)
     axes[0].set(title="TTFT vs request rate", xlabel="req/s", ylabel="ms", yscale="log")
     axes[1].set(title="prompt tokens computed", xlabel="req/s")
-    for ax in axes[:2]:
+    hi = max((r["offered"] for r in conv), default=1.0)
+    axes[2].plot([0, hi], [0, hi], "k:", lw=0.8, label="offered")
+    axes[2].set(title="throughput: requests done vs offered", xlabel="req/s offered", ylabel="req/s done")
+    for ax in axes[:3]:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    for ax, p in zip(axes[2:], policies):
+    for ax, p in zip(axes[3:], policies):
         run = next((r for r in runs if r.front == "router" and r.policy == p and r.rate == top), None)
         if run is None:
             continue
@@ -245,27 +267,36 @@ def plot(runs: list[Run], rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+async def one_point(args, pm: PromptMaker, replicas: list[str], policy: str, rate: float, seed: int) -> Run:
+    """One router process with `policy` over the replicas, one measured point, the router stopped."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = ["-m", "server.router", "--port", str(port), "--policy", policy, "--log-level", "warning",
+           "--seed", "0", *shlex.split(args.router_args)] + [x for r in replicas for x in ("--replica", r)]
+    if args.model:
+        cmd += ["--tokenizer", args.model]
+    proc = spawn(cmd, Path(args.log_dir) / f"router-{policy}.log", 1)
+    try:
+        wait_healthy(proc, url, 60, "the router")
+        await asyncio.sleep(1.0)             # the first event/load polls landed
+        run = await measure("router", url, policy, rate, pm, args, seed, replicas, router_shares)
+    finally:
+        stop([proc])
+    print(table([summarize(run)]).splitlines()[-1], flush=True)
+    return run
+
+
 async def bench_router(args, pm: PromptMaker, replicas: list[str], runs: list[Run]) -> None:
-    for policy in args.policies.split(","):
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd = ["-m", "server.router", "--port", str(port), "--policy", policy, "--log-level", "warning",
-               "--seed", "0", *shlex.split(args.router_args)] + [x for r in replicas for x in ("--replica", r)]
-        if args.model:
-            cmd += ["--tokenizer", args.model]
-        proc = spawn(cmd, Path(args.log_dir) / f"router-{policy}.log", 1)
-        try:
-            wait_healthy(proc, url, 60, "the router")
-            await asyncio.sleep(1.0)             # the first event/load polls landed
-            for ri, rate in enumerate(args.rate_list):
-                run = await measure("router", url, policy, rate, pm, args, 1000 * ri + 7, replicas, router_shares)
-                runs.append(run)
-                print(table([summarize(run)]).splitlines()[-1], flush=True)
-            run = await measure("router", url, policy, float("nan"), pm, args, 0, replicas, router_shares)
-            runs.append(run)
-            print(table([summarize(run)]).splitlines()[-1], flush=True)
-        finally:
-            stop([proc])
+    # Rate by rate, every policy in turn (the order rotated from one rate to the next), so that a shared
+    # machine's load drifting over the run weighs on all policies alike at each rate; each point gets a
+    # fresh router (its index and estimates start from the replicas' reports) and fresh text.
+    policies = args.policies.split(",")
+    for ri, rate in enumerate(args.rate_list):
+        for k in range(len(policies)):
+            policy = policies[(ri + k) % len(policies)]
+            runs.append(await one_point(args, pm, replicas, policy, rate, 1000 * ri + 7))
+    for policy in policies:
+        runs.append(await one_point(args, pm, replicas, policy, float("nan"), 0))
 
 
 async def bench_ray(args, pm: PromptMaker, runs: list[Run]) -> None:
@@ -281,10 +312,10 @@ async def bench_ray(args, pm: PromptMaker, runs: list[Run]) -> None:
         try:
             wait_healthy(proc, url, 300, "the Ray Serve application")
             await asyncio.sleep(5.0)             # all three replicas up and their routing stats in
-            rate = args.rate_list[0]
-            run = await measure("ray", url, policy, rate, pm, args, 7, [], ray_shares)
-            runs.append(run)
-            print(table([summarize(run)]).splitlines()[-1], flush=True)
+            for ri, rate in enumerate(args.ray_rate_list):
+                run = await measure("ray", url, policy, rate, pm, args, 1000 * ri + 7, [], ray_shares)
+                runs.append(run)
+                print(table([summarize(run)]).splitlines()[-1], flush=True)
             run = await measure("ray", url, policy, float("nan"), pm, args, 0, [], ray_shares)
             runs.append(run)
             print(table([summarize(run)]).splitlines()[-1], flush=True)
@@ -301,7 +332,17 @@ def verdict(rows: list[dict]) -> list[str]:
             kv = next((r for r in conv if r["rate"] == rate and r["policy"] == "kv"), None)
             if rr and kv and rr["computed"]:
                 out.append(f"- {front}, {rate} req/s: kv computes {kv['computed'] / rr['computed']:.2f}x the prompt "
-                           f"tokens of round-robin; TTFT p99 round-robin / kv = {rr['ttft_p99'] / kv['ttft_p99']:.1f}x")
+                           f"tokens of round-robin; TTFT round-robin / kv: p50 {rr['ttft_p50'] / kv['ttft_p50']:.1f}x, "
+                           f"p99 {rr['ttft_p99'] / kv['ttft_p99']:.1f}x (kept up: round-robin {rr['kept_up']}, "
+                           f"kv {kv['kept_up']})")
+        for policy in POLICIES:
+            mine = sorted((r for r in conv if r["policy"] == policy), key=lambda r: float(r["rate"]))
+            if mine:
+                kept = [r for r in mine if r["kept_up"]]
+                best = max(kept, key=lambda r: r["req_s"]) if kept else None
+                out.append(f"- {front}, {policy}: highest rate sustained "
+                           + (f"{best['rate']} req/s ({best['req_s']:.2f} done/s)" if best else "none of those run")
+                           + f"; most done/s at any rate {max(r['req_s'] for r in mine):.2f}")
         b = next((r for r in rows if r["front"] == front and r["rate"] == "burst" and r["policy"] == "kv"), None)
         if b:
             out.append(f"- {front}, burst of {b['requests']} unrelated requests: least-loaded replica got "
@@ -314,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="checkpoint of the replicas (default: embedded namazu-tiny)")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--rates", default="1,2,3", help="conversation request rates (req/s, Poisson)")
-    p.add_argument("--users", type=int, default=24)
+    p.add_argument("--users", type=int, default=80, help="conversations per point (x --turns requests: p99 over "
+                   "320 requests by default, not set by the slowest one or two)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--systems", type=int, default=4, help="distinct system prompts shared by the users")
     p.add_argument("--system-len", type=int, default=384)
@@ -324,12 +366,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replica-args", default="", help="extra flags for each replica")
     p.add_argument("--router-args", default="", help="extra flags for the router, e.g. '--prefix-weight 2'")
     p.add_argument("--ray", action="store_true", help="also run round_robin and kv through --replicas 3:3")
+    p.add_argument("--ray-rates", default=None, help="conversation rates through Ray Serve (default: --rates)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     p.add_argument("--plot", default=str(HERE / "router.png"))
     p.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
     args = p.parse_args(argv)
     args.rate_list = [float(x) for x in args.rates.split(",")]
+    args.ray_rate_list = [float(x) for x in (args.ray_rates or args.rates).split(",")]
 
     from namazu.assets import resolve_model_path
 
@@ -357,6 +401,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.ray:
         asyncio.run(bench_ray(args, pm, runs))
     load_after = os.getloadavg()
+    order = {p: i for i, p in enumerate(POLICIES)}
+    runs.sort(key=lambda r: (r.front != "router", order.get(r.policy, 9), np.isnan(r.rate),
+                             0 if np.isnan(r.rate) else r.rate))
     rows = [summarize(r) for r in runs]
     print()
     print(table(rows))
@@ -364,7 +411,15 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(lines))
     plot(runs, rows, Path(args.plot))
     if args.write:
-        command = "python bench/router.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+        shown, skip = [], False     # --log-dir names a folder of this machine: not part of the record
+        for a in (argv if argv is not None else sys.argv[1:]):
+            if skip or a.startswith("--log-dir="):
+                skip = False
+                continue
+            skip = a == "--log-dir"
+            if not skip:
+                shown.append(a)
+        command = "python bench/router.py " + shlex.join(shown)
         extra = f" `{args.replica_args}`" if args.replica_args else ""
         setup = (f"Model `{tok_dir.name}`, 3 replicas{extra}, each `OMP_NUM_THREADS=1`; "
                  f"{os.cpu_count()} CPU cores ({platform.machine()}) shared with the router, the client and other "

@@ -128,3 +128,19 @@ def test_event_index_applies_deltas_and_resets_on_a_new_replica_life():
     idx.apply({"replica_id": "r2", "last_id": 9, "snapshot": [5, 6], "events": [], "more": False}, now=3.0)
     assert idx.hashes == {5, 6} and idx.cursor == 9
     assert idx.fresh(1.0, now=3.5) and not idx.fresh(1.0, now=5.0)
+
+
+def test_recomputing_a_prefix_on_a_busy_replica_is_charged_for_the_queue_behind_it():
+    """A follow-up turn (30 blocks, 26 cached on `hot`, five turns queued there) against `busy` (two
+    queued, nothing cached): by this request's wait alone `busy` is cheaper, but recomputing 26 blocks
+    there delays the requests that queue behind it, about as many as queue ahead now: it waits on `hot`.
+    An idle replica has nobody behind: the spill goes there as before."""
+    p = KVAwarePolicy(seed=0)     # w = 4, q = 1
+    hot = view("hot", cached=26, active=60, queued=5, waiting=[(4, 30)] * 5)
+    busy = view("busy", active=60, queued=2, waiting=[(4, 30)] * 2)
+    assert p.cost(busy, 30) < p.cost(hot, 30)
+    d = p.choose([hot, busy], 30)
+    assert d.replica == "hot" and d.costs["busy"] - p.cost(busy, 30) == 4 * 26 * 2 and d.costs["hot"] == p.cost(hot, 30)
+    assert p.choose([hot, view("idle", active=60)], 30).replica == "idle"
+    # Unrelated prompts (nothing cached anywhere) are not charged: a burst still spreads by load.
+    assert p.choose([view("a", queued=2, waiting=[(4, 4)] * 2), view("b")], 4).replica == "b"

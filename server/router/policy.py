@@ -2,6 +2,7 @@
 
     cost = w * (prompt blocks not cached there) + (active KV blocks there, the new request's included)
            + q * sum over the requests queued there of (w * their uncached blocks + their blocks)
+           + q * w * (prompt blocks not cached there - the fewest not cached on any replica) * (queued there)
 
 lowest cost wins, ties broken at random. A queued request is priced in the same unit as the new one: the
 prompt it will compute and the blocks it will hold before the new request gets its turn; one the router
@@ -85,8 +86,19 @@ class KVAwarePolicy:
         return known + unknown * (self.w + 1) * prompt_blocks
 
     def choose(self, views: list[ReplicaView], prompt_blocks: int) -> Decision:
-        costs = {v.name: self.cost(v, prompt_blocks) for v in views}
+        least = min((max(0, prompt_blocks - v.cached_blocks) for v in views), default=0)
+        costs = {v.name: self.cost(v, prompt_blocks) + self.recompute_cost(v, prompt_blocks, least) for v in views}
         return Decision(_pick_min(costs, self.rng), costs)
+
+    def recompute_cost(self, view: ReplicaView, prompt_blocks: int, least_uncached: int) -> float:
+        """What recomputing a prefix cached elsewhere costs the others on a busy replica. The first terms
+        price only this request's own wait; the extra prefill also delays every request that queues behind
+        it there, in a stationary queue about as many as queue ahead of it now. Without this, past
+        saturation a hot prefix spread to every replica as soon as its home queued a little, and the fleet
+        recomputed it everywhere and served fewer requests (tests/test_router_capacity.py). An idle
+        replica has nobody behind: spilling there is free, so the queue at a prefix's home stays bounded."""
+        extra = max(0, prompt_blocks - view.cached_blocks) - least_uncached
+        return self.q * self.w * extra * view.queued
 
 
 class RoundRobinPolicy:
