@@ -35,15 +35,19 @@ def test_trainer_learns_and_writes_a_servable_checkpoint(captured, tmp_path):
         "--target", tiny_checkpoint(), "--data", str(captured / "train"), "--heldout", str(captured / "heldout"),
         "--out", str(out), "--steps", "300", "--time-budget", "3", "--batch", "2", "--anchors", "16",
         "--block-size", "5", "--num-heads", "2", "--head-dim", "16", "--intermediate-size", "64",
-        "--selector-k", "4", "--selector-rank", "8", "--lr", "3e-3", "--eval-k", "4"])
+        "--selector-k", "4", "--selector-rank", "8", "--lr", "3e-3", "--eval-k", "4", "--draft-vocab", "200"])
     result = train(args)
     log = json.loads((out / "train_log.json").read_text())
+    # The 200 commonest of the 240 output ids are the draft vocabulary the engine below serves with.
+    from namazu.spec.dflash_config import DFlashConfig
+
+    saved = DFlashConfig.load(out)
+    assert saved.draft_vocab_size == 200
     assert log["steps"] == 300 and log["history"][-1]["loss"] < log["history"][0]["loss"]
     trained = result["heldout_acceptance"]["greedy"]["mean_acceptance_length"]
     # An untrained drafter of the same shape, on the same held-out outputs.
-    from namazu.spec.dflash_config import DFlashConfig
-
-    fresh = DFlashDrafter(DFlashConfig.load(out))
+    saved.draft_vocab_size = 0
+    fresh = DFlashDrafter(saved)
     target = Target(tiny_checkpoint(), fresh.cfg.target_layers)
     base = acceptance_length(fresh, target, load_examples([str(captured / "heldout")], 512), 4)
     # Trained: ~1.2 on this rule; labels shifted by one (a broken trainer): ~1.05; untrained: ~1.0.

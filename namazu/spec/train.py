@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from namazu.spec.capture import read_records
 from namazu.spec.dflash import DFlashDrafter, num_parameters
 from namazu.spec.dflash_config import DFlashConfig
+from namazu.spec.draft_vocab import frequent_tokens
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +276,7 @@ def acceptance_length(drafter: DFlashDrafter, target: Target, examples: list[Exa
     Against greedy (T=0) captures this is exactly what the engine's verify step counts. Also the
     acceptance rate of each draft position given the ones before it were accepted."""
     drafter.eval()
+    head = drafter.draft_head(target.lm_head)
     taus: dict[str, list[int]] = {"greedy": [], "sampled": []}
     tried = {kind: np.zeros(k) for kind in taus}
     took = {kind: np.zeros(k) for kind in taus}
@@ -287,7 +289,7 @@ def acceptance_length(drafter: DFlashDrafter, target: Target, examples: list[Exa
         while a < t - 1:
             kk = min(k, t - 1 - a, drafter.cfg.num_draft_tokens)
             h = draft_hidden(drafter, target.embed, ids, ctx, torch.tensor([a]))[:, :kk]
-            drafts, _ = drafter.walk(ids[a:a + 1], h, h @ target.lm_head.T, kk)
+            drafts, _ = drafter.walk(ids[a:a + 1], h, h @ head.T, kk)
             match = (drafts[0] == ids[a + 1:a + 1 + kk]).long()
             acc = int(torch.cumprod(match, 0).sum())
             taus[kind].append(acc + 1)
@@ -419,6 +421,8 @@ def train(args: argparse.Namespace) -> dict:
         bar.set_postfix(loss=f"{tot_b:.3f}", sel=f"{tot_s:.3f}", lr=f"{lr:.1e}")
     bar.close()
     train_s = time.time() - t0
+    if args.draft_vocab:
+        drafter.set_draft_vocab(frequent_tokens((ex.ids[ex.loss_from:] for ex in examples), args.draft_vocab))
     drafter.save(args.out)
     if args.heldout:    # read only now: a held-out capture may still be in the making while training runs
         heldout = load_examples(args.heldout, args.max_len)
@@ -464,6 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-k", type=int, default=4, help="draft tokens per step of the held-out evaluation")
     ap.add_argument("--mask-token", default="<|mask|>")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="draft only over the N most frequent output tokens of the training data (0: all)")
     ap.add_argument("--snapshot-at", nargs=2, default=None, metavar=("STEP", "DIR"),
                     help="also save the drafter as it is after STEP steps")
     g = ap.add_argument_group("drafter shape")
