@@ -100,14 +100,36 @@ class DraftLayer(nn.Module):
         q = rope(self.q_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2), pos.unsqueeze(1), c.rope_theta)
         k = rope(self.k_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2), pos.unsqueeze(1), c.rope_theta)
         v = self.v_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2)
-        keys = torch.cat([ctx_k.expand(m, -1, -1, -1), k], dim=2)
-        vals = torch.cat([ctx_v.expand(m, -1, -1, -1), v], dim=2)
-        # Bidirectional inside the block: every block query sees all B block keys.
-        visible = torch.cat([ctx_visible, ctx_visible.new_ones(m, b)], dim=1)[:, None, None, :]
-        att = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=visible)
+        if ctx_k.shape[0] == 1 and m > 1:
+            att = _shared_context_attention(q, k, v, ctx_k[0].to(q.dtype), ctx_v[0].to(q.dtype), ctx_visible)
+        else:
+            keys = torch.cat([ctx_k.expand(m, -1, -1, -1), k], dim=2)
+            vals = torch.cat([ctx_v.expand(m, -1, -1, -1), v], dim=2)
+            # Bidirectional inside the block: every block query sees all B block keys.
+            visible = torch.cat([ctx_visible, ctx_visible.new_ones(m, b)], dim=1)[:, None, None, :]
+            att = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=visible)
         x = x + self.o_proj(att.transpose(1, 2).reshape(m, b, -1))
         hn = self.conv_mlp(self.mlp_norm(x))
         return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
+
+
+def _shared_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor,
+                              ctx_v: torch.Tensor, ctx_visible: torch.Tensor) -> torch.Tensor:
+    """The attention of M blocks (q/k/v [M, heads, B, D]) over one context shared by all of them (ctx_k/ctx_v
+    [heads, L, D], ctx_visible [M, L]) and bidirectionally over their own block: one softmax over
+    [context ; block], the same as the concatenated form, but the context keys/values are multiplied as
+    they are rather than copied once per block (training packs hundreds of blocks over one context, where
+    the copies and their gradient sums were most of a step)."""
+    m, heads, b, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    qf = q.transpose(0, 1).reshape(heads, m * b, d)
+    s_ctx = (qf @ ctx_k.transpose(-1, -2)).view(heads, m, b, -1).transpose(0, 1) * scale      # [M, h, B, L]
+    s_ctx = s_ctx.masked_fill(~ctx_visible[:, None, None, :], float("-inf"))
+    s_blk = (q @ k.transpose(-1, -2)) * scale                                                 # [M, h, B, B]
+    p = torch.cat([s_ctx, s_blk], dim=-1).float().softmax(-1).to(q.dtype)
+    n = ctx_k.shape[1]
+    p_ctx = p[..., :n].transpose(0, 1).reshape(heads, m * b, n)
+    return (p_ctx @ ctx_v).view(heads, m, b, d).transpose(0, 1) + p[..., n:] @ v
 
 
 class Selector(nn.Module):
