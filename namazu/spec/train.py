@@ -391,7 +391,11 @@ def train(args: argparse.Namespace) -> dict:
         # The N commonest output tokens of the data so far (a capture that is still growing: again per epoch).
         if not args.draft_vocab:
             return None
-        return frequent_tokens((ex.ids[ex.loss_from:] for ex in examples), args.draft_vocab)
+        ids = frequent_tokens((ex.ids[ex.loss_from:] for ex in examples), args.draft_vocab)
+        if len(ids) < cfg.selector_k:
+            raise SystemExit(f"the training outputs hold {len(ids)} distinct tokens, fewer than the selector's "
+                             f"{cfg.selector_k} candidates: too little data for --draft-vocab")
+        return ids
     vocab = draft_vocabulary()
 
     params = [p for p in drafter.parameters() if p.requires_grad]
