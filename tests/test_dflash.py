@@ -315,3 +315,17 @@ def test_flags_and_their_errors():
     _, stats = run(prompts(2, seed=1), SamplingParams(temperature=0, max_tokens=4), None,
                    speculative_model=random_drafter(tiny_checkpoint()), num_speculative_tokens=0)
     assert stats.num_draft_tokens == 0
+
+
+def test_graph_mode_drafts_and_outputs_equal_eager():
+    """Graph mode pads a verify step's rows to its ladder entry; the drafter must still read the step's own
+    rows (its hidden states, positions and slots), so greedy outputs equal plain decoding and the drafts
+    are the eager mode's."""
+    ps = prompts(2, lo=4, hi=10, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    base, _ = run(ps, params)
+    eager, eager_stats = run(ps, params, make_proposer(), max_num_seqs=2)
+    graph, stats = run(ps, params, make_proposer(), max_num_seqs=2, enforce_eager=False)
+    assert graph == eager == base
+    assert stats.num_draft_tokens > 0
+    assert stats.acceptance_length_histogram == eager_stats.acceptance_length_histogram
