@@ -2,9 +2,12 @@
 
     python bench/drafter_step.py --drafters shipped=namazu/assets/namazu-tiny/drafter [NAME=DIR ...]
                                  [--requests CAPTURE_DIR] [--batch 1 16] [--rounds 3] [--output-len 48]
+                                 [--modes eager graph]
 
-Every setup (speculation off, then one per drafter at --k draft tokens) is an inline engine kept for the
-whole run; the rounds interleave the setups so that a shared machine's load falls on all of them alike.
+Every setup (per mode: speculation off, then one per drafter at --k draft tokens) is an inline engine kept
+for the whole run; the rounds interleave the setups so that a shared machine's load falls on all of them
+alike. A first round at every batch size is run and not counted (graph mode compiles its ladder entries
+there).
 Per setup and batch (median over rounds): drafter ms per step (`drafter_seconds` / steps: extending the
 context cache and drafting), engine ms per step, output tokens/s, mean acceptance length. Greedy, EOS
 ignored; prompts are held-out captured prompts (--requests) or random token ids.
@@ -31,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "graph"],
+                    help="eager steps, and/or decode, verify and draft steps as compiled graphs")
     args = ap.parse_args(argv)
 
     from namazu import LLM, SamplingParams
@@ -42,18 +47,23 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [r.prompt_token_ids for r in read_records(args.requests)]
     else:
         prompts = [rng.integers(100, 12000, 64).tolist() for _ in range(64)]
-    setups = [("off", None)] + [tuple(d.split("=", 1)) for d in args.drafters]
+    drafters = [("off", None)] + [tuple(d.split("=", 1)) for d in args.drafters]
+    setups = [(f"{mode}/{name}" if len(args.modes) > 1 else name, path, mode)
+              for mode in args.modes for name, path in drafters]
     llms = {}
-    for name, path in setups:
+    for name, path, mode in setups:
         kw = dict(speculative_model=path, num_speculative_tokens=args.k) if path else {}
-        llms[name] = LLM(None, executor="inline", threads=args.threads, **kw)
+        t0 = time.perf_counter()
+        llms[name] = LLM(None, executor="inline", threads=args.threads, enforce_eager=mode == "eager",
+                         max_num_seqs=max(args.batch), **kw)
+        print(f"{name}: started in {time.perf_counter() - t0:.1f} s")
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows: dict[tuple[str, int], list[dict]] = {}
     print(f"load average before: {os.getloadavg()[0]:.1f}")
-    for r in range(args.rounds):
+    for r in range(-1, args.rounds):          # round -1: warm-up (graph compilation), not counted
         for bsz in args.batch:
             batch = [prompts[(r * bsz + i) % len(prompts)] for i in range(bsz)]
-            for name, _ in setups:
+            for name, _, _ in setups:
                 llm = llms[name]
                 s0 = llm.engine.get_stats()
                 t0 = time.perf_counter()
@@ -63,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps = s1.num_steps - s0.num_steps
                 hist = np.array(s1.acceptance_length_histogram or [0]) - np.array(s0.acceptance_length_histogram or [0])
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                if r < 0:
+                    continue
                 rows.setdefault((name, bsz), []).append({
                     "drafter_ms": 1e3 * (s1.drafter_seconds - s0.drafter_seconds) / max(1, steps),
                     "step_ms": 1e3 * wall / max(1, steps), "tok_s": tokens / wall,
@@ -71,13 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     print("| setup | batch | drafter ms/step | engine ms/step | output tok/s | vs off | mean acceptance length |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for bsz in args.batch:
-        off = statistics.median(x["tok_s"] for x in rows[("off", bsz)])
-        for name, _ in setups:
+        for name, _, mode in setups:
+            off_name = f"{mode}/off" if len(args.modes) > 1 else "off"
+            off = statistics.median(x["tok_s"] for x in rows[(off_name, bsz)])
             xs = rows[(name, bsz)]
 
             def med(key: str, xs=xs) -> float:
                 return statistics.median(x[key] for x in xs)
-            tau = f"{med('tau'):.2f}" if name != "off" else "-"
+            tau = f"{med('tau'):.2f}" if name != off_name else "-"
             print(f"| {name} | {bsz} | {med('drafter_ms'):.2f} | {med('step_ms'):.2f} | {med('tok_s'):.1f} | "
                   f"{med('tok_s') / off:.2f}x | {tau} |")
     for llm in llms.values():

@@ -292,8 +292,12 @@ class ModelRunner:
                 if drafts_in is not None:
                     entry.input_ids.index_put_((pad[draft_flat],), drafts_in)
                 all_logits, hidden, captured = self.graphs.launch(entry, width)
+                if want_hidden:     # a device proposer reads the step's own rows, as positions and slots are
+                    hidden, captured = hidden[pad], {i: h[pad] for i, h in captured.items()}
+                real_rows = logit_rows
                 input_ids, logit_rows = entry.input_ids, pad[logit_rows]
             else:
+                real_rows = logit_rows
                 if drafts_in is not None:
                     # Verify inputs: the drafts proposed last step, read from the device buffer.
                     input_ids = input_ids.index_put((draft_flat,), drafts_in)
@@ -336,7 +340,7 @@ class ModelRunner:
                     first = row_layout[:, 0]
                     where.update(temperature=st.temperature[first], seeds=st.seeds[first],
                                  counters=st.counters[row_layout], all_greedy=bool(b.sampling.all_greedy))
-                    values.update(self._propose_on_device(b, prep, hidden, captured, logit_rows[row_layout],
+                    values.update(self._propose_on_device(b, prep, hidden, captured, real_rows[row_layout],
                                                           tokens, accepted, where))
                 if b.sampling.num_logprobs >= 0:
                     lp, top_ids, top_lp = gather_logprobs(logits[row_layout].flatten(0, 1), tokens.reshape(-1),

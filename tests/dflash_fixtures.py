@@ -34,3 +34,17 @@ def random_drafter(target_path: str, seed: int = 0, **overrides) -> str:
     path = tempfile.mkdtemp(prefix=f"namazu-dflash-random-{seed}-")
     model.save(path)
     return path
+
+
+@functools.cache
+def shortlisted_drafter(target_path: str, size: int = 120, **overrides) -> str:
+    """random_drafter with a draft vocabulary of `size` random token ids (not a prefix of the vocabulary,
+    so a walk that forgot to map shortlist indices back to token ids would draft other tokens)."""
+    t = ModelConfig.from_pretrained(target_path)
+    model = DFlashDrafter.load(random_drafter(target_path, **overrides), t.vocab_size, t.hidden_size,
+                               t.num_hidden_layers)
+    g = torch.Generator().manual_seed(1)
+    model.set_draft_vocab(torch.randperm(t.vocab_size, generator=g)[:size])
+    path = tempfile.mkdtemp(prefix="namazu-dflash-shortlist-")
+    model.save(path)
+    return path

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from dflash_fixtures import drafter_config, random_drafter
+from dflash_fixtures import drafter_config, random_drafter, shortlisted_drafter
 from engine_helpers import dense_model, prompts, tiny_checkpoint
 
 from namazu import LLM, SamplingParams
@@ -18,10 +18,13 @@ from namazu.spec.train import Target, context_kv, draft_hidden
 K = 3
 
 
-def make_proposer(sample_drafts: bool = True, cls=DFlashProposer, **overrides) -> DFlashProposer:
+def make_proposer(sample_drafts: bool = True, cls=DFlashProposer, shortlist: int = 0,
+                  **overrides) -> DFlashProposer:
+    """shortlist N > 0: the random drafter with a draft vocabulary of N random token ids."""
     t = ModelConfig.from_pretrained(tiny_checkpoint())
-    return cls(random_drafter(tiny_checkpoint(), **overrides), t.vocab_size, t.hidden_size, t.num_hidden_layers,
-               sample_drafts=sample_drafts)
+    path = (shortlisted_drafter(tiny_checkpoint(), shortlist, **overrides) if shortlist
+            else random_drafter(tiny_checkpoint(), **overrides))
+    return cls(path, t.vocab_size, t.hidden_size, t.num_hidden_layers, sample_drafts=sample_drafts)
 
 
 def run(prompt_ids, params, drafter=None, **kw):
@@ -75,6 +78,65 @@ def test_missing_or_misshapen_tensor_is_refused_at_start_up(tmp_path):
         LLM(target, executor="inline", speculative_model=str(tmp_path), num_speculative_tokens=K)
 
 
+def test_draft_vocabulary_round_trip_and_bad_ids_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_checkpoint()
+    t = ModelConfig.from_pretrained(target)
+    src = shortlisted_drafter(target)
+    model = DFlashDrafter.load(src, t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    assert model.cfg.draft_vocab_size == len(model.draft_vocab) > 0
+    assert bool((model.draft_vocab[1:] > model.draft_vocab[:-1]).all())
+    (tmp_path / "config.json").write_text((__import__("pathlib").Path(src) / "config.json").read_text())
+    weights = load_file(f"{src}/model.safetensors")
+    for bad, needle in ((None, "'draft_vocab' is missing"), (weights["draft_vocab"][:-1], "'draft_vocab' has shape"),
+                        (weights["draft_vocab"].clone().fill_(3), "repeated ids"),
+                        (weights["draft_vocab"] + t.vocab_size, "outside the vocabulary")):
+        w = {k: v for k, v in weights.items() if k != "draft_vocab"}
+        if bad is not None:
+            w["draft_vocab"] = bad.contiguous()
+        save_file(w, str(tmp_path / "model.safetensors"))
+        with pytest.raises(DrafterCheckpointError, match=needle):
+            DFlashDrafter.load(tmp_path, t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    with pytest.raises(DrafterCheckpointError, match="'draft_vocab_size'"):
+        drafter_config(target, draft_vocab_size=t.vocab_size + 1)
+
+
+def test_walk_over_a_draft_vocabulary_is_the_full_walk_restricted_to_it():
+    """Scoring only the draft vocabulary's rows drafts exactly what the full walk drafts once every other
+    token's logit is -inf: the same ids, and at T > 0 the same q."""
+    target = tiny_checkpoint()
+    t = ModelConfig.from_pretrained(target)
+    short = DFlashDrafter.load(shortlisted_drafter(target), t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    full = DFlashDrafter.load(random_drafter(target), t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    torch.manual_seed(0)
+    m = 16
+    h = torch.randn(m, K, t.hidden_size)
+    anchor = torch.randint(0, t.vocab_size, (m,))
+    logits = torch.randn(m, K, t.vocab_size) * 3
+    masked = torch.full_like(logits, -math.inf)
+    masked[..., short.draft_vocab] = logits[..., short.draft_vocab]
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.5] * (m // 4))
+    u = torch.rand(m, K, dtype=torch.float64)
+    with torch.no_grad():
+        want_g, _ = full.walk(anchor, h, masked, K)
+        got_g, _ = short.walk(anchor, h, logits[..., short.draft_vocab], K)
+        want_s, want_q = full.walk(anchor, h, masked, K, temperature, u)
+        got_s, got_q = short.walk(anchor, h, logits[..., short.draft_vocab], K, temperature, u)
+    assert torch.equal(got_g, want_g) and torch.equal(got_s, want_s)
+    assert bool(torch.isin(got_s, short.draft_vocab).all())
+    torch.testing.assert_close(got_q, want_q)
+
+
+def test_frequent_tokens_picks_the_commonest_outputs():
+    from namazu.spec.draft_vocab import coverage, frequent_tokens
+
+    outs = [[5, 5, 5, 9, 2], [9, 9, 7, 2, 3], [3, 1]]      # counts: 5:3 9:3 2:2 3:2 7:1 1:1
+    assert frequent_tokens(outs, 3).tolist() == [2, 5, 9]     # 2 and 3 tie: the smaller id
+    assert frequent_tokens(outs, 10).tolist() == [1, 2, 3, 5, 7, 9]
+    assert coverage(frequent_tokens(outs, 2), outs) == 6 / 12
+
+
 # -- the drafts themselves ------------------------------------------------------------------------------
 class RecordingProposer(DFlashProposer):
     def __init__(self, *a, **kw):
@@ -87,13 +149,15 @@ class RecordingProposer(DFlashProposer):
         return anchor, pos, h, logits
 
 
-@pytest.mark.parametrize("engine_kw", [dict(), dict(async_scheduling=True, max_num_batched_tokens=16, max_num_seqs=4)],
-                         ids=["sync", "async-chunked"])
-def test_drafts_equal_a_dense_recomputation(engine_kw):
+@pytest.mark.parametrize("engine_kw, shortlist", [
+    (dict(), 0), (dict(async_scheduling=True, max_num_batched_tokens=16, max_num_seqs=4), 0),
+    (dict(), 120)], ids=["sync", "async-chunked", "draft-vocab"])
+def test_drafts_equal_a_dense_recomputation(engine_kw, shortlist):
     """The paged context cache (extended every step, rejected drafts never visible) gives the block the
-    same context as the drafter run over the target's dense hidden states of the committed tokens."""
+    same context as the drafter run over the target's dense hidden states of the committed tokens; with a
+    draft vocabulary the logits are those of its rows of the lm_head."""
     ps = prompts(3, lo=5, hi=30, seed=11)
-    proposer = make_proposer(cls=RecordingProposer)
+    proposer = make_proposer(cls=RecordingProposer, shortlist=shortlist)
     outs, _ = run(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), proposer, **engine_kw)
     path = tiny_checkpoint()
     target = dense_model(path)
@@ -112,6 +176,8 @@ def test_drafts_equal_a_dense_recomputation(engine_kw):
                 h = drafter.forward_blocks(torch.tensor([anchors[s]]), torch.tensor([pos]), ctx,
                                            torch.ones(1, pos, dtype=torch.bool), target.model.embed_tokens.weight)
                 want = h[:, :logits.shape[1]] @ target.lm_head.weight.T
+                if shortlist:
+                    want = want[..., drafter.draft_vocab]
             torch.testing.assert_close(logits[s], want[0], atol=2e-4, rtol=1e-4)
 
 
@@ -150,12 +216,15 @@ SHARED = prompts(1, lo=20, hi=20, seed=3)[0]
     dict(async_scheduling=True),
     dict(max_num_batched_tokens=8, max_num_seqs=4),          # chunked prefill mixed with verifies
     dict(num_kv_blocks=8, block_size=4, max_num_batched_tokens=16, max_num_seqs=4),  # preemption
-], ids=["sync", "async", "chunked", "preemption"])
+    dict(shortlist=120),
+], ids=["sync", "async", "chunked", "preemption", "draft-vocab"])
 def test_greedy_output_identical_to_no_speculation(engine_kw):
     ps = prompts(5, lo=3, hi=12, seed=5, prefix=SHARED[:8]) + prompts(1, lo=3, hi=12, seed=6)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine_kw = dict(engine_kw)
+    shortlist = engine_kw.pop("shortlist", 0)
     base, _ = run(ps, params, **engine_kw)
-    got, stats = run(ps, params, make_proposer(), debug_no_host_sync=True, **engine_kw)
+    got, stats = run(ps, params, make_proposer(shortlist=shortlist), debug_no_host_sync=True, **engine_kw)
     assert got == base
     assert stats.num_draft_tokens > 0
     hist = stats.acceptance_length_histogram      # index i: i drafts accepted in one verify step
@@ -197,15 +266,17 @@ def _second_token_distribution(prompt: list[int]) -> np.ndarray:
     return (p1 @ p2).numpy()
 
 
-@pytest.mark.parametrize("sample_drafts", [True, False], ids=["selector-q", "greedy-drafts"])
-def test_sampling_distribution_equals_the_targets(sample_drafts):
+@pytest.mark.parametrize("sample_drafts, shortlist", [(True, 0), (False, 0), (True, 220)],
+                         ids=["selector-q", "greedy-drafts", "selector-q-draft-vocab"])
+def test_sampling_distribution_equals_the_targets(sample_drafts, shortlist):
     prompt = prompts(1, lo=6, hi=6, seed=2)[0]
     want = _second_token_distribution(prompt)
     n = 3000          # three requests of n=1000 (a request may have at most 1024 sequences)
     params = SamplingParams(temperature=1.0, n=1000, max_tokens=3, ignore_eos=True)
     # Many candidates: q spreads like the (flat) random target's p, so drafts are often accepted and the
     # acceptance rule shapes a large share of the samples.
-    proposer = make_proposer(sample_drafts=sample_drafts, selector_k=200)
+    # A draft vocabulary leaves q zero on the tokens outside it: the residual p - q must restore them.
+    proposer = make_proposer(sample_drafts=sample_drafts, shortlist=shortlist, selector_k=200)
     got, stats = run([prompt] * 3, params, proposer, max_num_seqs=256,
                      max_num_batched_tokens=2048, seed=1)
     print("accepted", stats.num_accepted_draft_tokens, "of", stats.num_draft_tokens)
@@ -244,3 +315,17 @@ def test_flags_and_their_errors():
     _, stats = run(prompts(2, seed=1), SamplingParams(temperature=0, max_tokens=4), None,
                    speculative_model=random_drafter(tiny_checkpoint()), num_speculative_tokens=0)
     assert stats.num_draft_tokens == 0
+
+
+def test_graph_mode_drafts_and_outputs_equal_eager():
+    """Graph mode pads a verify step's rows to its ladder entry; the drafter must still read the step's own
+    rows (its hidden states, positions and slots), so greedy outputs equal plain decoding and the drafts
+    are the eager mode's."""
+    ps = prompts(2, lo=4, hi=10, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    base, _ = run(ps, params)
+    eager, eager_stats = run(ps, params, make_proposer(), max_num_seqs=2)
+    graph, stats = run(ps, params, make_proposer(), max_num_seqs=2, enforce_eager=False)
+    assert graph == eager == base
+    assert stats.num_draft_tokens > 0
+    assert stats.acceptance_length_histogram == eager_stats.acceptance_length_histogram

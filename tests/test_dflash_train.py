@@ -35,15 +35,19 @@ def test_trainer_learns_and_writes_a_servable_checkpoint(captured, tmp_path):
         "--target", tiny_checkpoint(), "--data", str(captured / "train"), "--heldout", str(captured / "heldout"),
         "--out", str(out), "--steps", "300", "--time-budget", "3", "--batch", "2", "--anchors", "16",
         "--block-size", "5", "--num-heads", "2", "--head-dim", "16", "--intermediate-size", "64",
-        "--selector-k", "4", "--selector-rank", "8", "--lr", "3e-3", "--eval-k", "4"])
+        "--selector-k", "4", "--selector-rank", "8", "--lr", "3e-3", "--eval-k", "4", "--draft-vocab", "200"])
     result = train(args)
     log = json.loads((out / "train_log.json").read_text())
+    # The 200 commonest of the 240 output ids are the draft vocabulary the engine below serves with.
+    from namazu.spec.dflash_config import DFlashConfig
+
+    saved = DFlashConfig.load(out)
+    assert saved.draft_vocab_size == 200
     assert log["steps"] == 300 and log["history"][-1]["loss"] < log["history"][0]["loss"]
     trained = result["heldout_acceptance"]["greedy"]["mean_acceptance_length"]
     # An untrained drafter of the same shape, on the same held-out outputs.
-    from namazu.spec.dflash_config import DFlashConfig
-
-    fresh = DFlashDrafter(DFlashConfig.load(out))
+    saved.draft_vocab_size = 0
+    fresh = DFlashDrafter(saved)
     target = Target(tiny_checkpoint(), fresh.cfg.target_layers)
     base = acceptance_length(fresh, target, load_examples([str(captured / "heldout")], 512), 4)
     # Trained: ~1.2 on this rule; labels shifted by one (a broken trainer): ~1.05; untrained: ~1.0.
@@ -85,3 +89,39 @@ def test_packed_sequences_train_as_if_alone():
         packed = draft_hidden(drafter, target.embed, ids, context_kv(drafter, hidden, pos),
                               torch.cat([anchors[0], anchors[1] + len(seqs[0])]), pos, seq)
     torch.testing.assert_close(packed, torch.cat(alone), atol=2e-4, rtol=1e-4)
+
+
+def test_draft_vocabulary_loss_is_the_softmax_restricted_to_it():
+    """With a draft vocabulary the block loss is the cross-entropy of the softmax over those lm_head rows
+    only (the distribution the serving walk ranks), on the positions whose token lies inside it: checked
+    against the full logits with every other column at -inf, every anchor of one sequence."""
+    import torch
+    from dflash_fixtures import random_drafter
+
+    from namazu.config import ModelConfig
+    from namazu.spec.train import Example, batch_loss, context_kv, draft_hidden
+
+    t = ModelConfig.from_pretrained(tiny_checkpoint())
+    drafter = DFlashDrafter.load(random_drafter(tiny_checkpoint()), t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    target = Target(tiny_checkpoint(), drafter.cfg.target_layers)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 60, 40).tolist()          # tokens 0..59; the draft vocabulary below holds 30 of them
+    vocab = torch.tensor(sorted(rng.choice(60, 30, replace=False).tolist()) + [100, 200])
+    ex = Example(ids, 10)
+    out = target.outputs(ids)
+    with torch.no_grad():
+        block, _, n = batch_loss(drafter, target, [ex], [out], 1000, np.random.default_rng(1), vocab=vocab)
+        # The reference: every anchor 9 .. 38, block positions 1 .. 4.
+        a = torch.arange(9, 39)
+        h = draft_hidden(drafter, target.embed, torch.tensor(ids), context_kv(drafter, out.hidden), a)
+        logits = h @ target.lm_head.T
+        masked = torch.full_like(logits, float("-inf"))
+        masked[..., vocab] = logits[..., vocab]
+        at = a.unsqueeze(1) + torch.arange(1, 5)
+        labels = torch.tensor(ids)[at.clamp(max=39)]
+        valid = (at < 40) & torch.isin(labels, vocab)
+        ce = -masked.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        w = torch.exp(-torch.arange(4).float() / drafter.cfg.loss_gamma).expand_as(ce) * valid
+        want = (torch.where(valid, ce, 0.0) * w).sum() / w.sum()
+    assert n == int(valid.sum()) > 0
+    torch.testing.assert_close(block, want, atol=1e-4, rtol=1e-4)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from namazu.layers.norm import RMSNorm
-from namazu.spec.dflash_config import WEIGHTS_FILE, DFlashConfig, check_drafter_checkpoint
+from namazu.spec.dflash_config import WEIGHTS_FILE, DFlashConfig, DrafterCheckpointError, check_drafter_checkpoint
 
 
 @functools.lru_cache(maxsize=16)
@@ -100,14 +100,36 @@ class DraftLayer(nn.Module):
         q = rope(self.q_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2), pos.unsqueeze(1), c.rope_theta)
         k = rope(self.k_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2), pos.unsqueeze(1), c.rope_theta)
         v = self.v_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2)
-        keys = torch.cat([ctx_k.expand(m, -1, -1, -1), k], dim=2)
-        vals = torch.cat([ctx_v.expand(m, -1, -1, -1), v], dim=2)
-        # Bidirectional inside the block: every block query sees all B block keys.
-        visible = torch.cat([ctx_visible, ctx_visible.new_ones(m, b)], dim=1)[:, None, None, :]
-        att = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=visible)
+        if ctx_k.shape[0] == 1 and m > 1:
+            att = _shared_context_attention(q, k, v, ctx_k[0].to(q.dtype), ctx_v[0].to(q.dtype), ctx_visible)
+        else:
+            keys = torch.cat([ctx_k.expand(m, -1, -1, -1), k], dim=2)
+            vals = torch.cat([ctx_v.expand(m, -1, -1, -1), v], dim=2)
+            # Bidirectional inside the block: every block query sees all B block keys.
+            visible = torch.cat([ctx_visible, ctx_visible.new_ones(m, b)], dim=1)[:, None, None, :]
+            att = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=visible)
         x = x + self.o_proj(att.transpose(1, 2).reshape(m, b, -1))
         hn = self.conv_mlp(self.mlp_norm(x))
         return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
+
+
+def _shared_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor,
+                              ctx_v: torch.Tensor, ctx_visible: torch.Tensor) -> torch.Tensor:
+    """The attention of M blocks (q/k/v [M, heads, B, D]) over one context shared by all of them (ctx_k/ctx_v
+    [heads, L, D], ctx_visible [M, L]) and bidirectionally over their own block: one softmax over
+    [context ; block], the same as the concatenated form, but the context keys/values are multiplied as
+    they are rather than copied once per block (training packs hundreds of blocks over one context, where
+    the copies and their gradient sums were most of a step)."""
+    m, heads, b, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    qf = q.transpose(0, 1).reshape(heads, m * b, d)
+    s_ctx = (qf @ ctx_k.transpose(-1, -2)).view(heads, m, b, -1).transpose(0, 1) * scale      # [M, h, B, L]
+    s_ctx = s_ctx.masked_fill(~ctx_visible[:, None, None, :], float("-inf"))
+    s_blk = (q @ k.transpose(-1, -2)) * scale                                                 # [M, h, B, B]
+    p = torch.cat([s_ctx, s_blk], dim=-1).float().softmax(-1).to(q.dtype)
+    n = ctx_k.shape[1]
+    p_ctx = p[..., :n].transpose(0, 1).reshape(heads, m * b, n)
+    return (p_ctx @ ctx_v).view(heads, m, b, d).transpose(0, 1) + p[..., n:] @ v
 
 
 class Selector(nn.Module):
@@ -137,6 +159,9 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.selector = Selector(cfg)
+        # The draft vocabulary's token ids (sorted), or None: the whole vocabulary.
+        self.draft_vocab: torch.Tensor | None
+        self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size) if cfg.draft_vocab_size else None)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name == "fc.weight":
                 nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[1]))
@@ -166,14 +191,31 @@ class DFlashDrafter(nn.Module):
         return self.norm(x[:, 1:])
 
     # -- drafting -------------------------------------------------------------------------------------
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Drafts only over the token ids `ids` from now on (None: the whole vocabulary)."""
+        if ids is None:
+            self.draft_vocab, self.cfg.draft_vocab_size = None, 0
+            return
+        ids = check_draft_vocab(torch.as_tensor(ids, dtype=torch.long).flatten(), self.cfg, "draft_vocab")
+        self.cfg.draft_vocab_size = len(ids)
+        self.draft_vocab = ids.to(self.fc.weight.device)
+
+    def draft_head(self, lm_head: torch.Tensor) -> torch.Tensor:
+        """The rows of the target's lm_head the drafter scores: the draft vocabulary's, or all of them.
+        The caller keeps the result (a gather of N rows) rather than recomputing it per step."""
+        return lm_head if self.draft_vocab is None else lm_head.index_select(0, self.draft_vocab)
+
     def walk(self, anchor: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, k: int,
              temperature: torch.Tensor | None = None, uniforms: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The selector's walk over the top-K candidates of each position: greedy where temperature is 0
-        (or None), inverse-CDF with `uniforms` [M, k] elsewhere. Returns ids [M, k] and, when sampling,
-        q [M, k, V]: the distribution each draft was drawn from (zero outside the candidates)."""
+        (or None), inverse-CDF with `uniforms` [M, k] elsewhere. `logits` [M, >=k, N] are over the draft
+        vocabulary (`draft_head`). Returns ids [M, k] and, when sampling, q [M, k, V]: the distribution
+        each draft was drawn from (zero outside the candidates)."""
         logits = logits[:, :k].float()
         cand_logits, cand = logits.topk(self.cfg.selector_k, dim=-1)          # [M, k, K]
+        if self.draft_vocab is not None:
+            cand = self.draft_vocab[cand]                                     # shortlist index -> token id
         sel = self.selector
         a = sel.proj(h[:, :k]).to(sel.pred.dtype)                             # [M, k, r]
         # Every pair score at once: position 0 from the anchor; position j >= 1 from each of position
@@ -195,7 +237,7 @@ class DFlashDrafter(nn.Module):
                 cdf = q.double().cumsum(-1)
                 below = (cdf / cdf[:, -1:] <= uniforms[:, j:j + 1]).sum(-1)
                 pick = torch.where(temperature > 0, below, best)
-                qs.append(torch.zeros(q.shape[0], logits.shape[-1], device=q.device).scatter_(1, cand[:, j], q))
+                qs.append(torch.zeros(q.shape[0], self.cfg.vocab_size, device=q.device).scatter_(1, cand[:, j], q))
             else:
                 pick = best
             ids.append(cand[:, j].gather(1, pick.unsqueeze(-1)).squeeze(-1))
@@ -212,8 +254,26 @@ class DFlashDrafter(nn.Module):
              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DFlashDrafter:
         cfg = check_drafter_checkpoint(path, target_vocab_size, target_hidden_size, target_num_layers)
         model = cls(cfg)
-        model.load_state_dict(load_file(str(Path(path) / WEIGHTS_FILE)), strict=True)
+        weights = load_file(str(Path(path) / WEIGHTS_FILE))
+        if cfg.draft_vocab_size:
+            check_draft_vocab(weights["draft_vocab"], cfg, f"drafter {path}: tensor 'draft_vocab'")
+        model.load_state_dict(weights, strict=True)
         return model.to(device=device, dtype=dtype).eval()
+
+
+def check_draft_vocab(ids: torch.Tensor, cfg: DFlashConfig, what: str) -> torch.Tensor:
+    """Draft-vocabulary ids as the walk needs them (integer, distinct, inside the vocabulary, at least
+    selector_k of them), sorted; anything else raises DrafterCheckpointError naming `what`."""
+    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
+        raise DrafterCheckpointError(f"{what}: must be a 1-D integer tensor, got {ids.dtype} {list(ids.shape)}")
+    ids = ids.long().sort().values
+    if len(ids) < cfg.selector_k:
+        raise DrafterCheckpointError(f"{what}: {len(ids)} ids, fewer than selector_k={cfg.selector_k}")
+    if len(ids) and (ids[0] < 0 or ids[-1] >= cfg.vocab_size):
+        raise DrafterCheckpointError(f"{what}: ids outside the vocabulary [0, {cfg.vocab_size})")
+    if bool((ids[1:] == ids[:-1]).any()):
+        raise DrafterCheckpointError(f"{what}: repeated ids")
+    return ids
 
 
 def num_parameters(model: nn.Module) -> int:

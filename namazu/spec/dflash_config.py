@@ -41,6 +41,10 @@ class DFlashConfig:
     conv_groups: int = 8              # channel groups of the dynamic two-tap convolution
     loss_gamma: float = 4.0           # position decay of the block loss, w_k = exp(-(k-1)/gamma)
     selector_alpha: float = 0.5       # weight of the selector's K-way cross-entropy
+    # Draft vocabulary: 0 drafts over the whole vocabulary; N > 0 only over the N token ids in the
+    # checkpoint's `draft_vocab` tensor (the frequent output tokens; a shortlist makes the drafter's
+    # lm_head product N/V as large, and a token outside it is never drafted, only missed).
+    draft_vocab_size: int = 0
     trained_on: str = field(default="")   # provenance note (data kind), informational
 
     def __post_init__(self) -> None:
@@ -55,8 +59,10 @@ class DFlashConfig:
             bad("conv_groups", f"must divide hidden_size={self.hidden_size}")
         if self.head_dim % 2:
             bad("head_dim", "must be even (rotary embedding)")
-        if not 1 <= self.selector_k <= self.vocab_size:
-            bad("selector_k", f"must be in [1, vocab_size={self.vocab_size}]")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            bad("draft_vocab_size", f"must be in [0, vocab_size={self.vocab_size}]")
+        if not 1 <= self.selector_k <= (self.draft_vocab_size or self.vocab_size):
+            bad("selector_k", f"must be in [1, the draft vocabulary's size {self.draft_vocab_size or self.vocab_size}]")
 
     @property
     def num_draft_tokens(self) -> int:
@@ -101,6 +107,8 @@ def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
         "selector.pred": (cfg.vocab_size, cfg.selector_rank), "selector.succ": (cfg.vocab_size, cfg.selector_rank),
         "selector.proj.weight": (cfg.selector_rank, h),
     }
+    if cfg.draft_vocab_size:
+        shapes["draft_vocab"] = (cfg.draft_vocab_size,)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         shapes.update({

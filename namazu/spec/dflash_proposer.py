@@ -53,7 +53,9 @@ class DFlashProposer:
         lm_head, and allocates the context cache with the target's block layout."""
         w = target.model.embed_tokens.weight
         self.model = DFlashDrafter.load(self.path, *self.target_shape, device=w.device, dtype=w.dtype)
-        self.embed, self.lm_head = w, target.lm_head.weight
+        self.embed = w
+        # The rows of the target's lm_head the drafter scores (its draft vocabulary), gathered once.
+        self.head = self.model.draft_head(target.lm_head.weight)
         c = self.cfg
         self.block_size = block_size
         self.cache = torch.zeros(c.num_layers, 2, num_blocks * block_size, c.num_heads, c.head_dim,
@@ -72,8 +74,8 @@ class DFlashProposer:
 
     def draft_block(self, inp: ProposerInput, k: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(anchor [S], anchor position [S], hidden [S, k, H], logits [S, k, V]) of each sampling
-        sequence's block, its context read from the paged cache."""
+        """(anchor [S], anchor position [S], hidden [S, k, H], logits [S, k, N] over the draft vocabulary)
+        of each sampling sequence's block, its context read from the paged cache."""
         acc = inp.accepted.unsqueeze(-1)
         anchor = inp.tokens.gather(1, acc).squeeze(-1)                      # the bonus token
         anchor_pos = inp.positions[inp.rows.gather(1, acc).squeeze(-1)] + 1
@@ -88,7 +90,7 @@ class DFlashProposer:
             kv = self.cache[li][:, slots].transpose(2, 3)                   # keys and values in one gather
             ctx.append((kv[0], kv[1]))
         h = self.model.forward_blocks(anchor, anchor_pos, ctx, visible, self.embed)[:, :k]
-        return anchor, anchor_pos, h, torch.nn.functional.linear(h, self.lm_head)
+        return anchor, anchor_pos, h, torch.nn.functional.linear(h, self.head)
 
     def propose(self, inp: ProposerInput, k: int) -> Proposal:
         t0 = time.perf_counter()

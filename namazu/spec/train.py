@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from namazu.spec.capture import read_records
 from namazu.spec.dflash import DFlashDrafter, num_parameters
 from namazu.spec.dflash_config import DFlashConfig
+from namazu.spec.draft_vocab import frequent_tokens
 
 log = logging.getLogger(__name__)
 
@@ -163,13 +164,16 @@ def draft_hidden(drafter: DFlashDrafter, embed: torch.Tensor, ids: torch.Tensor,
 
 
 def batch_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], outs: list[TargetOutputs],
-               anchors: int, rng: np.random.Generator, soft_weight: float = 0.0
-               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+               anchors: int, rng: np.random.Generator, soft_weight: float = 0.0,
+               vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(block loss, selector loss, number of trained positions) of random anchors of several sequences,
     packed end to end into one forward (each block sees its own sequence's context only). With
     soft_weight > 0 the block loss mixes the captured token's cross-entropy with the cross-entropy against
     the target's own next-token distribution at that position (its top entries): at T > 0 drafts are
-    accepted with probability sum min(p, q), so the drafter's whole distribution matters, not only its top."""
+    accepted with probability sum min(p, q), so the drafter's whole distribution matters, not only its top.
+    vocab (sorted token ids): the draft vocabulary it will serve with; the softmax runs over those rows of
+    the lm_head only (the distribution the serving walk draws from), and a position whose token lies
+    outside it is not trained (it can never be drafted)."""
     cfg = drafter.cfg
     b = cfg.block_size
     k = torch.arange(1, b)
@@ -202,20 +206,35 @@ def batch_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], 
     hidden = [torch.cat([h[j] for h in hid]) for j in range(len(hid[0]))]
     h = draft_hidden(drafter, target.embed, ids, context_kv(drafter, hidden, pos), anc, pos, seq)   # [M, B-1, H]
     labels = ids[at]
+    head = target.lm_head
+    # Columns of the logits: token ids, or with a draft vocabulary indices into it (-1: outside).
+    col_of = None
+    if vocab is not None:
+        head = head.index_select(0, vocab)
+        col_of = torch.full((target.lm_head.shape[0],), -1, dtype=torch.long)
+        col_of[vocab] = torch.arange(len(vocab))
+        valid = valid & (col_of[labels] >= 0)
+    lab = labels if col_of is None else col_of[labels].clamp_min(0)
     w = torch.exp(-(k - 1).float() / cfg.loss_gamma).expand_as(labels) * valid
-    logits = (h @ target.lm_head.T.to(h.dtype)).float()                  # [M, B-1, V]
+    logits = (h @ head.T.to(h.dtype)).float()                            # [M, B-1, V or N]
     # Selector candidates: the drafter's top-K, the gold token put in the last slot if missing.
     cand = logits.detach().topk(cfg.selector_k, dim=-1).indices          # [M, B-1, K]
-    has = cand == labels.unsqueeze(-1)
-    cand[..., -1] = torch.where(has.any(-1), cand[..., -1], labels)
-    gold = (cand == labels.unsqueeze(-1)).float().argmax(-1)
+    has = cand == lab.unsqueeze(-1)
+    cand[..., -1] = torch.where(has.any(-1), cand[..., -1], lab)
+    gold = (cand == lab.unsqueeze(-1)).float().argmax(-1)
     # One log-softmax and one gather for every term (each gather's backward is a dense [M, B-1, V]).
     # The selector's softmax over its K candidates is shift-invariant, so log-probabilities serve as U.
     use_soft = bool(soft_ids)
-    cols = [labels.unsqueeze(-1)]
+    cols = [lab.unsqueeze(-1)]
     if use_soft:
         src = at - 1                                                     # token `at` follows position at-1
         sid, sp = torch.cat(soft_ids)[src], torch.cat(soft_p)[src]
+        if col_of is not None:
+            # The target's distribution restricted to the draft vocabulary, renormalised.
+            sid = col_of[sid]
+            sp = torch.where(sid >= 0, sp, 0.0)
+            sp = sp / sp.sum(-1, keepdim=True).clamp_min(1e-9)
+            sid = sid.clamp_min(0)
         cols.append(sid)
     cols.append(cand)
     g = logits.log_softmax(-1).gather(-1, torch.cat(cols, -1))
@@ -224,31 +243,34 @@ def batch_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], 
         ce = (1 - soft_weight) * ce - soft_weight * (sp * g[..., 1:1 + sid.shape[-1]]).sum(-1)
     block = (ce * w).sum() / w.sum().clamp_min(1e-6)
     prev = torch.cat([ids[anc].unsqueeze(1), labels[:, :-1]], dim=1)
-    scores = drafter.selector.scores(prev, cand, g[..., -cfg.selector_k:], h)
+    cand_ids = cand if vocab is None else vocab[cand]
+    scores = drafter.selector.scores(prev, cand_ids, g[..., -cfg.selector_k:], h)
     sce = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view_as(labels)
     sel = (sce * w).sum() / w.sum().clamp_min(1e-6)
     return block, sel, int(valid.sum())
 
 
 def sequence_loss(drafter: DFlashDrafter, target: Target, ex: Example, hs: list[torch.Tensor] | TargetOutputs,
-                  anchors: int, rng: np.random.Generator, soft_weight: float = 0.0
-                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+                  anchors: int, rng: np.random.Generator, soft_weight: float = 0.0,
+                  vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """batch_loss of one sequence."""
     tout = hs if isinstance(hs, TargetOutputs) else TargetOutputs(hs)
-    return batch_loss(drafter, target, [ex], [tout], anchors, rng, soft_weight)
+    return batch_loss(drafter, target, [ex], [tout], anchors, rng, soft_weight, vocab)
 
 
 @torch.no_grad()
-def heldout_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], anchors: int = 64) -> dict:
-    """Mean block loss (captured tokens, position-decayed, as trained) and the drafter's top-1 accuracy
-    per block position (given the true tokens before it) over held-out sequences: the curve that says
-    whether more steps still help."""
+def heldout_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], anchors: int = 64,
+                 vocab: torch.Tensor | None = None) -> dict:
+    """Mean block loss (captured tokens, position-decayed, as trained: over the draft vocabulary `vocab`
+    when given) and the drafter's top-1 accuracy per block position (given the true tokens before it,
+    among the draft vocabulary) over held-out sequences: the curve that says whether more steps still
+    help."""
     drafter.eval()
     rng = np.random.default_rng(0)
     losses, hits, counts = [], np.zeros(drafter.cfg.block_size - 1), np.zeros(drafter.cfg.block_size - 1)
     for i, ex in enumerate(examples):
         tout = target.outputs(ex.ids, key=f"heldout-{i}")
-        block, _, n = sequence_loss(drafter, target, ex, tout, anchors, rng)
+        block, _, n = sequence_loss(drafter, target, ex, tout, anchors, rng, vocab=vocab)
         if not n:
             continue
         losses.append(float(block))
@@ -258,7 +280,9 @@ def heldout_loss(drafter: DFlashDrafter, target: Target, examples: list[Example]
         h = draft_hidden(drafter, target.embed, ids, context_kv(drafter, tout.hidden), a)
         at = a.unsqueeze(1) + torch.arange(1, drafter.cfg.block_size)
         valid = (at < t) & (at >= ex.loss_from)
-        top1 = (h @ target.lm_head.T).argmax(-1) == ids[at.clamp(max=t - 1)]
+        head = target.lm_head if vocab is None else target.lm_head.index_select(0, vocab)
+        top = (h @ head.T).argmax(-1)
+        top1 = (top if vocab is None else vocab[top]) == ids[at.clamp(max=t - 1)]
         hits += (top1 & valid).sum(0).numpy()
         counts += valid.sum(0).numpy()
     drafter.train()
@@ -275,6 +299,7 @@ def acceptance_length(drafter: DFlashDrafter, target: Target, examples: list[Exa
     Against greedy (T=0) captures this is exactly what the engine's verify step counts. Also the
     acceptance rate of each draft position given the ones before it were accepted."""
     drafter.eval()
+    head = drafter.draft_head(target.lm_head)
     taus: dict[str, list[int]] = {"greedy": [], "sampled": []}
     tried = {kind: np.zeros(k) for kind in taus}
     took = {kind: np.zeros(k) for kind in taus}
@@ -287,7 +312,7 @@ def acceptance_length(drafter: DFlashDrafter, target: Target, examples: list[Exa
         while a < t - 1:
             kk = min(k, t - 1 - a, drafter.cfg.num_draft_tokens)
             h = draft_hidden(drafter, target.embed, ids, ctx, torch.tensor([a]))[:, :kk]
-            drafts, _ = drafter.walk(ids[a:a + 1], h, h @ target.lm_head.T, kk)
+            drafts, _ = drafter.walk(ids[a:a + 1], h, h @ head.T, kk)
             match = (drafts[0] == ids[a + 1:a + 1 + kk]).long()
             acc = int(torch.cumprod(match, 0).sum())
             taus[kind].append(acc + 1)
@@ -362,6 +387,17 @@ def train(args: argparse.Namespace) -> dict:
         raise SystemExit(f"no training sequences in {args.data}")
     log.info("%d training sequences", len(examples))
 
+    def draft_vocabulary() -> torch.Tensor | None:
+        # The N commonest output tokens of the data so far (a capture that is still growing: again per epoch).
+        if not args.draft_vocab:
+            return None
+        ids = frequent_tokens((ex.ids[ex.loss_from:] for ex in examples), args.draft_vocab)
+        if len(ids) < cfg.selector_k:
+            raise SystemExit(f"the training outputs hold {len(ids)} distinct tokens, fewer than the selector's "
+                             f"{cfg.selector_k} candidates: too little data for --draft-vocab")
+        return ids
+    vocab = draft_vocabulary()
+
     params = [p for p in drafter.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -393,13 +429,15 @@ def train(args: argparse.Namespace) -> dict:
                     examples = load_examples(args.data, args.max_len, args.text_mode, tok, stats)
                     examples = examples[:args.max_sequences] if args.max_sequences else examples
                     log.info("epoch: %d training sequences", len(examples))
+                    vocab = draft_vocabulary()
                 order, cursor = rng.permutation(len(examples)), 0
             i = int(order[cursor])
             cursor += 1
             batch_ex.append(examples[i])
             batch_out.append(target.outputs(examples[i].ids, key=f"{args.text_mode}-{i}"))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            block, sel, n_tok = batch_loss(drafter, target, batch_ex, batch_out, args.anchors, rng, args.soft_weight)
+            block, sel, n_tok = batch_loss(drafter, target, batch_ex, batch_out, args.anchors, rng, args.soft_weight,
+                                           vocab)
             loss = block + cfg.selector_alpha * sel
         if n_tok:
             loss.backward()
@@ -410,7 +448,7 @@ def train(args: argparse.Namespace) -> dict:
         history.append({"step": step, "loss": tot_b, "selector_loss": tot_s, "lr": lr, "tokens": n_tok,
                         "elapsed_s": time.time() - t0})
         if args.eval_every and (step % args.eval_every == 0) and curve_set:
-            history[-1].update(heldout_loss(drafter, target, curve_set))
+            history[-1].update(heldout_loss(drafter, target, curve_set, vocab=vocab))
             log.info("step %d: train loss %.3f, %s", step, tot_b, json.dumps(
                 {k: v for k, v in history[-1].items() if k.startswith("heldout")}))
         bar.update(1)
@@ -419,6 +457,7 @@ def train(args: argparse.Namespace) -> dict:
         bar.set_postfix(loss=f"{tot_b:.3f}", sel=f"{tot_s:.3f}", lr=f"{lr:.1e}")
     bar.close()
     train_s = time.time() - t0
+    drafter.set_draft_vocab(vocab)
     drafter.save(args.out)
     if args.heldout:    # read only now: a held-out capture may still be in the making while training runs
         heldout = load_examples(args.heldout, args.max_len)
@@ -464,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-k", type=int, default=4, help="draft tokens per step of the held-out evaluation")
     ap.add_argument("--mask-token", default="<|mask|>")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="draft only over the N most frequent output tokens of the training data, and train the "
+                    "softmax over those N rows of the lm_head (0: the whole vocabulary)")
     ap.add_argument("--snapshot-at", nargs=2, default=None, metavar=("STEP", "DIR"),
                     help="also save the drafter as it is after STEP steps")
     g = ap.add_argument_group("drafter shape")
