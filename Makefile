@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # C++/CUDA kernel sources: editing one rebuilds the extension (pip install -e . runs build_ext).
 CSRC := $(wildcard namazu/csrc/*.cu namazu/csrc/*.h namazu/csrc/*/*.cpp namazu/csrc/*/*.h)
 
-.PHONY: install test lint run bench bench-serve bench-structured bench-tools bench-nvfp4 bench-kernels gpu-check tiny-model drafter-model clean
+.PHONY: install test lint run bench bench-serve bench-structured bench-tools bench-nvfp4 bench-kernels gpu-check gpu-check-dry tiny-model drafter-model clean
 
 $(STAMP): requirements.txt requirements-dev.txt setup.py $(CSRC)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -89,6 +89,15 @@ bench-kernels: $(STAMP)
 # extension, runs the GPU kernel tests, then bench-kernels; staged, under 8 minutes, short final table.
 gpu-check:
 	bash bench/gpu_check.sh
+
+# On a CPU machine, a dry run of the above: PYTHON=<a python with a CUDA build of torch> make gpu-check-dry.
+# Runs on an exported copy of HEAD (the build writes extensions in place, for that python's torch); the
+# CUDA extension must build and import, the GPU tests must fail (not skip), nothing after them runs.
+gpu-check-dry:
+	rm -rf build/gpu-check-dry && mkdir -p build/gpu-check-dry
+	git archive HEAD | tar -x -C build/gpu-check-dry
+	cd build/gpu-check-dry && GPU_CHECK_DRY_RUN=1 OUT=$${OUT:-gpu-check-out} bash bench/gpu_check.sh; \
+	  test -f $${OUT:-gpu-check-out}/build.txt && grep -q "built and imported: namazu._nvfp4_cuda" $${OUT:-gpu-check-out}/build.txt
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check namazu server tests bench

@@ -11,6 +11,9 @@
 #   6 tune    (if time is left) bench/tune_triton.py: candidate Triton tiles at decode and mid sizes
 # One budget (BUDGET_S, 450 s: under 8 minutes by construction, well under the 600 s of one command):
 # each stage gets min(its own cap, what is left of the budget), so the limits can never add up past it.
+# GPU_CHECK_DRY_RUN=1 (on a CPU machine, PYTHON=a python with a CUDA build of torch): after env fails, run
+# build and tests anyway, to see the CUDA extension build and the GPU tests fail loudly; run it on an
+# exported copy of the repo (build writes the extensions in place, for that python's torch).
 # Results go to $OUT (set by the device tool) or ./gpu-check-out, at most 8 files (the device tool returns
 # no more): summary.txt (env + stage lines + final table), build.txt, tests.txt, bench.txt, bench.jsonl,
 # RESULTS.md, tune.txt, tune.json. Every file is written as its stage runs, not at the end.
@@ -79,8 +82,9 @@ build() {
   $PY -c 'import torch; assert torch.version.cuda, f"torch {torch.__version__} is a CPU build: no CUDA extension"' \
     || return 1
   $PY setup.py build_ext --inplace || return 1
-  # setup.py skips the CUDA extension without saying so when it finds no toolkit: it must import here.
-  $PY -c 'import namazu._nvfp4_cuda, namazu._nvfp4_cpu; print("built and imported: namazu._nvfp4_cuda, namazu._nvfp4_cpu")' \
+  # setup.py skips the CUDA extension without saying so when it finds no toolkit: it must import here
+  # (after torch, which loads the libc10 and libtorch it links against).
+  $PY -c 'import torch, namazu._nvfp4_cuda, namazu._nvfp4_cpu; print("built and imported: namazu._nvfp4_cuda, namazu._nvfp4_cpu")' \
     || return 1
   # The cubin of the same kernel, for the cuda-python launch path (kernels/cubin_loader.py).
   $PY -c 'from namazu.kernels.cubin_loader import compile_cubin; print("cubin:", compile_cubin())'
@@ -108,7 +112,13 @@ EOF
 export PY BUDGET_S
 export -f find_cuda_home env_check build gpu_tests
 stage env 30 - env_check
-if [ "${STATUS[env]}" != ok ]; then
+if [ "${STATUS[env]}" != ok ] && [ -n "${GPU_CHECK_DRY_RUN:-}" ]; then
+  # Dry run on a machine without a GPU (a CUDA build of torch and nvcc installed): the build stage must
+  # still build and import the CUDA extension; the GPU tests must fail (not skip); nothing after them runs.
+  echo "dry run: env failed as it must without a GPU; build and tests run, then the check stops" | tee -a "$SUMMARY"
+  stage build 200 build.txt build
+  stage tests 150 tests.txt gpu_tests
+elif [ "${STATUS[env]}" != ok ]; then
   # No GPU (or no toolkit): everything after would fail slowly or, worse, skip; stop loudly now.
   echo "env failed: no GPU stage can run" | tee -a "$SUMMARY"
 else
