@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from namazu.sampling_params import INT64_MAX, TOP_K_MAX
-from server.protocol import MAX_N, MAX_STOP
+from server.protocol import IGNORED_FIELDS, MAX_N, MAX_STOP
 
 _INT64 = {"type": "integer", "minimum": -(2**63), "maximum": INT64_MAX}
 
@@ -27,6 +27,13 @@ def _num(lo: float, hi: float, exclusive_lo: bool = False, **kw: Any) -> dict[st
         d["exclusiveMinimum"] = True
     d.update(kw)
     return d
+
+
+def _ignored_field(json_type: str, item_type: str | None, nullable: bool) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": json_type}
+    if item_type:
+        schema["items"] = {"type": item_type}
+    return _nullable(schema) if nullable else schema
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -90,12 +97,7 @@ def _sampling(vocab_size: int) -> dict[str, Any]:
         "include_stop_str_in_output": {"type": "boolean"},
         "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
         "priority": _INT64,
-        "user": {"type": "string"},
-        "metadata": _nullable({"type": "object"}),
-        "store": _nullable({"type": "boolean"}),
-        "service_tier": _nullable({"type": "string"}),
-        "parallel_tool_calls": _nullable({"type": "boolean"}),
-        "modalities": _nullable({"type": "array", "items": {"type": "string"}}),
+        **{name: _ignored_field(*spec) for name, spec in IGNORED_FIELDS.items()},
     }
 
 

@@ -19,7 +19,18 @@ from server.errors import APIError, invalid, wrong_type
 MAX_N = 128
 INT64_MIN = -(2**63)
 MAX_STOP = 16
-_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "modalities"}
+# Fields OpenAI defines that namazu accepts and does not act on, with their JSON type: each is type-checked
+# like any other field (a request the API document calls invalid is refused), then ignored. The document
+# (server/openapi.py) describes them from this table. (json type, element type of an array, null allowed)
+IGNORED_FIELDS: dict[str, tuple[str, str | None, bool]] = {
+    "user": ("string", None, False),
+    "metadata": ("object", None, True),
+    "store": ("boolean", None, True),
+    "service_tier": ("string", None, True),
+    "parallel_tool_calls": ("boolean", None, True),
+    "modalities": ("array", "string", True),
+}
+_PY_TYPES = {"string": str, "object": dict, "boolean": bool, "array": list}
 
 
 class Fields:
@@ -30,7 +41,10 @@ class Fields:
             raise APIError(422, f"the {what} must be a JSON object, got {type(body).__name__}",
                            code="invalid_type")
         self.body = body
-        self.seen: set[str] = set(_IGNORED)
+        self.seen: set[str] = set(IGNORED_FIELDS)
+        for name, (json_type, item_type, nullable) in IGNORED_FIELDS.items():
+            if name in body:
+                _check_ignored(name, body[name], json_type, item_type, nullable)
 
     def raw(self, name: str) -> Any:
         self.seen.add(name)
@@ -108,6 +122,15 @@ class Fields:
         unknown = sorted(set(self.body) - self.seen)
         if unknown:
             raise invalid(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+
+
+def _check_ignored(name: str, v: Any, json_type: str, item_type: str | None, nullable: bool) -> None:
+    if v is None and nullable:
+        return
+    what = f"an array of {item_type}s" if item_type else f"a {json_type}" if json_type != "object" else "an object"
+    if not isinstance(v, _PY_TYPES[json_type]) or (item_type and not all(isinstance(x, _PY_TYPES[item_type])
+                                                                          for x in v)):
+        raise wrong_type(name, what + (" or null" if nullable else ""), v)
 
 
 def _check_range(name: str, v: float, lo: float | None, hi: float | None) -> None:

@@ -55,6 +55,19 @@ def test_completion_rejects(body, status, param):
     assert e.body()["error"]["message"]
 
 
+@pytest.mark.parametrize("field,bad,good", [
+    ("service_tier", False, "auto"), ("user", None, "u1"), ("user", 3, "u1"), ("metadata", [], {"k": "v"}),
+    ("store", "yes", False), ("parallel_tool_calls", 1, True), ("modalities", ["text", 2], ["text"]),
+])
+def test_fields_accepted_and_ignored_are_still_type_checked(field, bad, good):
+    # Ignored is not unchecked: the API document gives these a type, and a body that breaks it is refused.
+    for parse, body in ((parse_completion, {"prompt": "x"}), (parse_chat, {"messages": [{"role": "user",
+                                                                                        "content": "hi"}]})):
+        e = _err(parse, {**body, field: bad}, 20)
+        assert (e.status, e.param) == (422, field), e.message
+        parse({**body, field: good}, 20)
+
+
 def test_body_must_be_object():
     assert _err(parse_completion, [1], 20).status == 422
     assert _err(parse_chat, "hi", 20).status == 422
