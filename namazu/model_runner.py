@@ -145,15 +145,13 @@ class ModelRunner:
             return None
         if not (np.all(sq.num_new == 1) and np.all(sq.samples)) or int(sq.num_drafts.max()) > g.k:
             return None
-        if b.num_tokens == len(sq.seq_ids):     # a plain decode (no drafts): row b * Tq of the entry
-            e = g.entry_for(b.num_tokens, 1)
-            if e is None or b.attn.block_tables.shape[1] > g.max_width:
-                return None
-            return e, np.arange(b.num_tokens) * e.tq
-        n_per = sq.num_new + sq.num_drafts
-        e = g.entry_for(len(sq.seq_ids), int(n_per.max()))
+        plain = b.num_tokens == len(sq.seq_ids)     # a plain decode (no drafts)
+        n_per = None if plain else sq.num_new + sq.num_drafts
+        e = g.entry_for(len(sq.seq_ids), 1 if plain else int(n_per.max()))
         if e is None or b.attn.block_tables.shape[1] > g.max_width:
             return None
+        if plain:                                    # token b is row b * Tq of the entry
+            return e, np.arange(b.num_tokens) * e.tq
         starts = np.cumsum(n_per) - n_per
         seq_of = np.repeat(np.arange(len(n_per)), n_per)
         pad_index = seq_of * e.tq + (np.arange(len(seq_of)) - starts[seq_of])
@@ -263,7 +261,7 @@ class ModelRunner:
             meta = PagedAttentionMetadata(slot_mapping=T(prep.slot_mapping), block_tables=T(a.block_tables),
                                           q_index=T(a.q_index), q_pos=T(a.q_pos), out_index=T(a.out_index))
             input_ids, positions = T(a.input_ids), T(a.positions)
-        logit_rows = T(a.logit_rows)
+        logit_rows = real_rows = T(a.logit_rows)    # real_rows: the step's own rows, also in graph mode
         row_layout = T(b.spec.row_layout)
         plp_rows = plp_targets = None
         if b.prompt_lp.num >= 0 and len(b.prompt_lp.rows):
@@ -294,10 +292,8 @@ class ModelRunner:
                 all_logits, hidden, captured = self.graphs.launch(entry, width)
                 if want_hidden:     # a device proposer reads the step's own rows, as positions and slots are
                     hidden, captured = hidden[pad], {i: h[pad] for i, h in captured.items()}
-                real_rows = logit_rows
                 input_ids, logit_rows = entry.input_ids, pad[logit_rows]
             else:
-                real_rows = logit_rows
                 if drafts_in is not None:
                     # Verify inputs: the drafts proposed last step, read from the device buffer.
                     input_ids = input_ids.index_put((draft_flat,), drafts_in)
