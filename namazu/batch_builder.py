@@ -16,6 +16,8 @@ from namazu.step_batch import (
     SeqInputs,
     SpecInputs,
     StepBatch,
+    attention_layout,
+    sampled_row_layout,
 )
 
 
@@ -33,44 +35,29 @@ def build_step_batch(scheduled: list[ScheduledSeq], vocab_size: int, finished_se
                      ) -> tuple[StepBatch, list[ScheduledSeq], list[tuple[ScheduledSeq, int]]]:
     """Returns the batch (without grammar bitmask), the sampling sequences in row order, and
     (item, prompt position) per prompt-logprob row."""
-    attn = build_attention(scheduled)
+    seqs = build_seq_inputs(scheduled)
+    attn = build_attention(scheduled, seqs)
     samplers = [item for item in scheduled if item.samples]
     spec = build_spec(scheduled, samplers)
-    batch = StepBatch(attn=attn, seqs=build_seq_inputs(scheduled), sampling=build_sampling(samplers, vocab_size),
+    batch = StepBatch(attn=attn, seqs=seqs, sampling=build_sampling(samplers, vocab_size),
                       spec=spec, prompt_lp=PromptLogprobInputs(np.zeros(0, np.int64), np.zeros(0, np.int64), -1),
                       finished_seq_ids=list(finished_seq_ids or []))
     plp_items = build_prompt_logprobs(batch, scheduled)
     return batch, samplers, plp_items
 
 
-def build_attention(scheduled: list[ScheduledSeq]) -> AttentionInputs:
+def build_attention(scheduled: list[ScheduledSeq], seqs: SeqInputs) -> AttentionInputs:
+    """Token values (PENDING where only the worker knows one, and for drafts) and block tables; the layout
+    is `step_batch.attention_layout`, the one the worker rebuilds from the same counts."""
     input_ids: list[int] = []
-    positions: list[int] = []
-    q_rows: list[list[int]] = []
-    q_pos_rows: list[list[int]] = []
-    out_index: list[int] = []
-    logit_rows: list[int] = []
-    tq = max(item.num_query_tokens for item in scheduled)
-    for b, item in enumerate(scheduled):
-        seq, start = item.seq, item.start
-        known = seq.token_ids[start:start + item.num_new_tokens]
+    for item in scheduled:
+        known = item.seq.token_ids[item.start:item.start + item.num_new_tokens]
         pending = item.num_new_tokens - len(known)
         # Only a decode's single input can be pending: prompt tokens are always known.
         assert pending == 0 or (pending == 1 and item.num_new_tokens == 1), "pending prompt token"
-        toks = known + [PENDING] * pending + [PENDING] * item.num_drafts
-        flat0 = len(input_ids)
-        pos = list(range(start, start + len(toks)))
-        input_ids += toks
-        positions += pos
-        q_rows.append(list(range(flat0, flat0 + len(toks))))
-        q_pos_rows.append(pos)
-        out_index += [b * tq + j for j in range(len(toks))]
-        if item.samples:
-            logit_rows += list(range(flat0 + item.num_new_tokens - 1, flat0 + len(toks)))
-    return AttentionInputs(
-        input_ids=_i64(input_ids), positions=_i64(positions),
-        block_tables=_pad([item.seq.block_table for item in scheduled], 0),
-        q_index=_pad(q_rows, 0), q_pos=_pad(q_pos_rows, -1), out_index=_i64(out_index), logit_rows=_i64(logit_rows))
+        input_ids += known + [PENDING] * (pending + item.num_drafts)
+    return attention_layout(_i64(input_ids), seqs.starts, seqs.num_new, seqs.num_drafts, seqs.samples,
+                            _pad([item.seq.block_table for item in scheduled], 0))
 
 
 def build_seq_inputs(scheduled: list[ScheduledSeq]) -> SeqInputs:
@@ -111,15 +98,8 @@ def build_sampling(samplers: list[ScheduledSeq], vocab_size: int) -> SamplingInp
 
 
 def build_spec(scheduled: list[ScheduledSeq], samplers: list[ScheduledSeq]) -> SpecInputs:
-    kmax = max((it.num_drafts for it in samplers), default=0)
-    layout: list[list[int]] = []
-    first = 0
-    for item in samplers:
-        n = item.num_drafts + 1
-        layout.append(list(range(first, first + n)) + [first] * (kmax + 1 - n))
-        first += n
     index = {id(item): b for b, item in enumerate(scheduled)}
-    return SpecInputs(row_layout=np.asarray(layout, dtype=np.int64).reshape(len(samplers), kmax + 1),
+    return SpecInputs(row_layout=sampled_row_layout(_i64([it.num_drafts for it in samplers])),
                       batch_index=_i64([index[id(it)] for it in samplers]),
                       return_drafts=np.asarray([it.seq.grammar is not None and it.seq.grammar.depends_on_values
                                                 for it in samplers], dtype=bool))

@@ -129,6 +129,47 @@ _ALIGN = 8   # every array starts 8-byte aligned in the blob (unaligned views ar
 _dtype = functools.cache(np.dtype)
 
 
+def attention_layout(input_ids: np.ndarray, starts: np.ndarray, num_new: np.ndarray, num_drafts: np.ndarray,
+                     samples: np.ndarray, block_tables: np.ndarray) -> AttentionInputs:
+    """The attention layout of the module docstring from the per-sequence counts: sequence b's tokens are
+    flat rows flat0_b .. flat0_b + n_b - 1 (n_b = known + drafts), at positions starts_b + j; column j of
+    its [B, Tq] row; sampled from its last known token on. The one definition, used by the engine's batch
+    builder and by the worker's decoder of the step wire format (step_delta.py)."""
+    n = num_new + num_drafts
+    count = len(n)
+    if count and n.min() == n.max() == 1:     # one token each (decodes): the identity layout, cheaply
+        index = np.arange(count, dtype=np.int64)
+        return AttentionInputs(input_ids=input_ids, positions=starts.astype(np.int64), block_tables=block_tables,
+                               q_index=index.reshape(count, 1), q_pos=starts.astype(np.int64).reshape(count, 1),
+                               out_index=index.copy(), logit_rows=np.flatnonzero(samples).astype(np.int64))
+    tq = max(int(n.max()) if count else 0, 1)
+    flat0 = np.cumsum(n) - n
+    seq_of = np.repeat(np.arange(count), n)
+    j = np.arange(len(seq_of)) - flat0[seq_of]
+    positions = starts[seq_of] + j
+    q_index = np.zeros((count, tq), np.int64)
+    q_pos = np.full((count, tq), -1, np.int64)
+    q_index[seq_of, j] = np.arange(len(seq_of))
+    q_pos[seq_of, j] = positions
+    logit_rows = np.flatnonzero(samples[seq_of] & (j >= num_new[seq_of] - 1)).astype(np.int64)
+    return AttentionInputs(input_ids=input_ids, positions=positions.astype(np.int64), block_tables=block_tables,
+                           q_index=q_index, q_pos=q_pos, out_index=(seq_of * tq + j).astype(np.int64),
+                           logit_rows=logit_rows)
+
+
+def sampled_row_layout(num_drafts: np.ndarray) -> np.ndarray:
+    """[S, 1 + max k] row_layout: sampling sequence s owns logit rows first_s .. first_s + k_s (its drafts'
+    count k_s), the rest of its row padded with first_s."""
+    if not num_drafts.any():
+        return np.arange(len(num_drafts), dtype=np.int64).reshape(-1, 1)
+    reps = num_drafts + 1
+    kmax = int(reps.max()) - 1
+    first = np.cumsum(reps) - reps
+    cols = np.arange(kmax + 1)
+    return np.where(cols[None, :] < reps[:, None], first[:, None] + cols[None, :],
+                    first[:, None]).astype(np.int64).reshape(len(reps), kmax + 1)
+
+
 @functools.cache
 def _names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))

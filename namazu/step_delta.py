@@ -35,6 +35,8 @@ from namazu.step_batch import (
     SeqInputs,
     SpecInputs,
     StepBatch,
+    attention_layout,
+    sampled_row_layout,
 )
 
 _MAGIC = 0x4E415A5544454C31   # "NAZUDEL1"
@@ -319,11 +321,7 @@ class StepDecoder:
                                    logit_rows=c.index)
             spec = SpecInputs(row_layout=c.index2d, batch_index=c.index, return_drafts=sampler[1].astype(bool),
                               max_drafts_next=max_drafts_next)
-            sampling = SamplingInputs(
-                temperature=c.floats[0], top_p=c.floats[1], min_p=c.floats[2], presence_penalty=c.floats[3],
-                frequency_penalty=c.floats[4], repetition_penalty=c.floats[5], top_k=c.ints[0], seeds=c.ints[1],
-                counters=sampler[0].copy(), bitmask=None if mask_width < 0 else mask.reshape(len(slots), mask_width),
-                num_logprobs=num_logprobs, **{name: bool(flags >> j & 1) for j, name in enumerate(_FLAGS)})
+            sampling = _sampling(c.floats, c.ints, sampler[0].copy(), mask, mask_width, num_logprobs, flags)
         else:
             seqs, attn, spec, sampling = self._general(slots, seq_ids, starts, num_new, num_drafts, assumed,
                                                        samples_i, input_ids, sampler, mask, mask_width,
@@ -342,31 +340,18 @@ class StepDecoder:
                            t.cols["prompt_len"][slots], t.cols["floats"][slots].T.copy(),
                            t.cols["ints"][slots].T.copy())
 
-    def _sampling(self, row_slots: np.ndarray, counters: np.ndarray, mask: np.ndarray | None, mask_width: int,
-                  num_logprobs: int, flags: int) -> SamplingInputs:
-        fl = self._t.cols["floats"][row_slots].T.copy()     # one row per setting, each contiguous
-        ints = self._t.cols["ints"][row_slots].T.copy()
-        return SamplingInputs(
-            temperature=fl[0], top_p=fl[1], min_p=fl[2], presence_penalty=fl[3], frequency_penalty=fl[4],
-            repetition_penalty=fl[5], top_k=ints[0], seeds=ints[1], counters=counters,
-            bitmask=None if mask_width < 0 else mask.reshape(len(row_slots), mask_width),
-            num_logprobs=num_logprobs, **{name: bool(flags >> j & 1) for j, name in enumerate(_FLAGS)})
-
     def _general(self, slots, seq_ids, starts, num_new, num_drafts, assumed, samples_i, input_ids, sampler, mask,
                  mask_width, num_logprobs, max_drafts_next, flags) -> tuple:
         """Any step: the attention layout, row layout and per-row sampling arrays rebuilt from the counts."""
         t = self._t
         lens = t.lens[slots]
         samples = samples_i.astype(bool)
-        attn = _attention(input_ids, starts, num_new, num_drafts, samples,
-                          t.tables[slots, :max(int(lens.max()), 1)])
+        attn = attention_layout(input_ids, starts, num_new, num_drafts, samples,
+                                t.tables[slots, :max(int(lens.max()), 1)])
         batch_index = np.flatnonzero(samples).astype(np.int64)
+        row_layout = sampled_row_layout(num_drafts[batch_index])
         reps = num_drafts[batch_index] + 1
-        kmax = int(reps.max()) - 1 if len(reps) else 0
-        first = np.cumsum(reps) - reps
-        cols = np.arange(kmax + 1)
-        row_layout = np.where(cols[None, :] < reps[:, None], first[:, None] + cols[None, :],
-                              first[:, None]).astype(np.int64).reshape(len(reps), kmax + 1)
+        first = row_layout[:, 0]
         row_slots = np.repeat(slots[batch_index], reps)
         counters = (np.repeat(sampler[0], reps) + (np.arange(len(row_slots)) - np.repeat(first, reps)))
         seqs = SeqInputs(seq_ids=seq_ids, starts=starts, num_new=num_new, num_drafts=num_drafts,
@@ -374,26 +359,18 @@ class StepDecoder:
                          num_blocks=lens)
         spec = SpecInputs(row_layout=row_layout, batch_index=batch_index, return_drafts=sampler[1].astype(bool),
                           max_drafts_next=max_drafts_next)
-        sampling = self._sampling(row_slots, counters.astype(np.int64, copy=False), mask, mask_width,
-                                  num_logprobs, flags)
+        # One row per setting, each contiguous.
+        sampling = _sampling(t.cols["floats"][row_slots].T.copy(), t.cols["ints"][row_slots].T.copy(),
+                             counters.astype(np.int64, copy=False), mask, mask_width, num_logprobs, flags)
         return seqs, attn, spec, sampling
 
 
-def _attention(input_ids: np.ndarray, starts: np.ndarray, num_new: np.ndarray, num_drafts: np.ndarray,
-               samples: np.ndarray, block_tables: np.ndarray) -> AttentionInputs:
-    """The attention layout `batch_builder.build_attention` lays out, from the per-sequence counts."""
-    n = num_new + num_drafts
-    count = len(n)
-    tq = max(int(n.max()) if count else 0, 1)
-    flat0 = np.cumsum(n) - n
-    seq_of = np.repeat(np.arange(count), n)
-    j = np.arange(len(seq_of)) - flat0[seq_of]
-    positions = starts[seq_of] + j
-    q_index = np.zeros((count, tq), np.int64)
-    q_pos = np.full((count, tq), -1, np.int64)
-    q_index[seq_of, j] = np.arange(len(seq_of))
-    q_pos[seq_of, j] = positions
-    logit_rows = np.flatnonzero(samples[seq_of] & (j >= num_new[seq_of] - 1)).astype(np.int64)
-    return AttentionInputs(input_ids=input_ids, positions=positions.astype(np.int64), block_tables=block_tables,
-                           q_index=q_index, q_pos=q_pos, out_index=(seq_of * tq + j).astype(np.int64),
-                           logit_rows=logit_rows)
+def _sampling(floats: np.ndarray, ints: np.ndarray, counters: np.ndarray, mask: np.ndarray, mask_width: int,
+              num_logprobs: int, flags: int) -> SamplingInputs:
+    """Per-row sampling arrays from the settings ([6, R] _PARAM_FLOATS, [2, R] top_k and seed), the rows'
+    counters, the grammar mask and the step-wide flags."""
+    return SamplingInputs(
+        temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
+        frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seeds=ints[1], counters=counters,
+        bitmask=None if mask_width < 0 else mask.reshape(len(counters), mask_width),
+        num_logprobs=num_logprobs, **{name: bool(flags >> j & 1) for j, name in enumerate(_FLAGS)})

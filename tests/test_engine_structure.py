@@ -5,6 +5,7 @@ import pickle
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from engine_helpers import prompts, tiny_checkpoint
 
@@ -120,3 +121,46 @@ def test_no_empty_packages():
                 continue
             members = [p for p in pkg.iterdir() if p.name != "__init__.py" and p.name != "__pycache__"]
             assert members, f"{pkg} has nothing but its __init__.py"
+
+
+def _layout_reference(starts, num_new, num_drafts, samples):
+    """The layout spelled out sequence by sequence (as the batch builder once built it)."""
+    n = [a + b for a, b in zip(num_new, num_drafts)]
+    tq = max(max(n, default=0), 1)
+    positions, q_index, q_pos, out_index, logit_rows, flat0 = [], [], [], [], [], 0
+    for b, (s, k, d, smp) in enumerate(zip(starts, num_new, num_drafts, samples)):
+        pos = list(range(s, s + k + d))
+        positions += pos
+        q_index.append(list(range(flat0, flat0 + k + d)) + [0] * (tq - k - d))
+        q_pos.append(pos + [-1] * (tq - k - d))
+        out_index += [b * tq + j for j in range(k + d)]
+        if smp:
+            logit_rows += list(range(flat0 + k - 1, flat0 + k + d))
+        flat0 += k + d
+    return positions, q_index, q_pos, out_index, logit_rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_attention_and_row_layouts_equal_the_sequence_by_sequence_definition(seed):
+    from namazu.step_batch import attention_layout, sampled_row_layout
+
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(1, 7))
+    decodes = seed % 2 == 0      # even seeds: one token each (the identity layout's fast path)
+    num_new = np.ones(count, np.int64) if decodes else rng.integers(1, 5, count)
+    num_drafts = np.zeros(count, np.int64) if decodes else np.where(num_new == 1, rng.integers(0, 4, count), 0)
+    samples = np.ones(count, bool) if decodes else rng.random(count) < 0.7
+    starts = rng.integers(0, 50, count)
+    n = int((num_new + num_drafts).sum())
+    a = attention_layout(np.zeros(n, np.int64), starts, num_new, num_drafts, samples, np.zeros((count, 1), np.int64))
+    positions, q_index, q_pos, out_index, logit_rows = _layout_reference(
+        starts.tolist(), num_new.tolist(), num_drafts.tolist(), samples.tolist())
+    assert a.positions.tolist() == positions and a.q_index.tolist() == q_index and a.q_pos.tolist() == q_pos
+    assert a.out_index.tolist() == out_index and a.logit_rows.tolist() == logit_rows
+    k = num_drafts[samples]
+    rows, first = [], 0
+    for d in k.tolist():
+        rows.append(list(range(first, first + d + 1)) + [first] * (int(k.max(initial=0)) - d))
+        first += d + 1
+    assert sampled_row_layout(k).tolist() == rows
+    assert sampled_row_layout(k).shape == (len(k), int(k.max(initial=0)) + 1)
