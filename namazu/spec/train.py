@@ -268,6 +268,7 @@ def heldout_loss(drafter: DFlashDrafter, target: Target, examples: list[Example]
     drafter.eval()
     rng = np.random.default_rng(0)
     losses, hits, counts = [], np.zeros(drafter.cfg.block_size - 1), np.zeros(drafter.cfg.block_size - 1)
+    head = target.lm_head if vocab is None else target.lm_head.index_select(0, vocab)
     for i, ex in enumerate(examples):
         tout = target.outputs(ex.ids, key=f"heldout-{i}")
         block, _, n = sequence_loss(drafter, target, ex, tout, anchors, rng, vocab=vocab)
@@ -280,7 +281,6 @@ def heldout_loss(drafter: DFlashDrafter, target: Target, examples: list[Example]
         h = draft_hidden(drafter, target.embed, ids, context_kv(drafter, tout.hidden), a)
         at = a.unsqueeze(1) + torch.arange(1, drafter.cfg.block_size)
         valid = (at < t) & (at >= ex.loss_from)
-        head = target.lm_head if vocab is None else target.lm_head.index_select(0, vocab)
         top = (h @ head.T).argmax(-1)
         top1 = (top if vocab is None else vocab[top]) == ids[at.clamp(max=t - 1)]
         hits += (top1 & valid).sum(0).numpy()
