@@ -1,7 +1,7 @@
 """Two versions of namazu on the same offline generation work, alternated in one run: is B faster than A?
 
     python bench/ab_trees.py --a REF --b REF [--batch 1 32] [--rounds 3] [--threads 1]
-                             [--scheduling async sync] [--graph] [--plot FILE] [--write]
+                             [--scheduling async sync] [--graph] [--llm-args JSON] [--plot FILE] [--write]
 
 REF is a git commit, branch or tag of this repository, or WORKTREE for the files as they are now
 (uncommitted changes included). Each REF other than WORKTREE is exported with `git archive` into a
@@ -60,6 +60,7 @@ def child(spec: dict) -> dict:
     params = SamplingParams(temperature=0, max_tokens=spec["output_len"], ignore_eos=True)
     kwargs = dict(dtype="float32", max_num_seqs=batch, max_num_batched_tokens=4096, kv_cache_memory="512MiB",
                   async_scheduling=spec["scheduling"] == "async", enforce_eager=not spec["graph"])
+    kwargs.update(spec["llm_args"])
     times, digest = [], None
     t_start = time.perf_counter()
     with LLM(model, **kwargs) as llm:
@@ -121,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llm-args", type=json.loads, default={}, metavar="JSON",
+                   help='more LLM keywords for both sides, e.g. \'{"num_speculative_tokens": 0}\'')
     p.add_argument("--timeout", type=float, default=900, help="seconds per child before it counts as failed")
     p.add_argument("--plot", help="write a plot of every round (PNG)")
     p.add_argument("--write", action="store_true", help="record the table in bench/RESULTS.md")
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                 for batch, sched in configs:
                     spec = dict(batch=batch, scheduling=sched, graph=args.graph, threads=args.threads,
                                 prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed,
-                                repeats=args.repeats)
+                                repeats=args.repeats, llm_args=args.llm_args)
                     for side in order:
                         results[(batch, sched)][side].append(measure(trees[side], spec, args.timeout))
                         bar.update()
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def render(args, configs, results) -> str:
     mode = "graph" if args.graph else "eager"
-    rows = [f"A = `{args.a}`, B = `{args.b}`; {mode}, {args.threads} thread(s), prompt {args.prompt_len}, "
+    extra = f", LLM keywords `{json.dumps(args.llm_args)}`" if args.llm_args else ""
+    rows = [f"A = `{args.a}`, B = `{args.b}`; {mode}{extra}, {args.threads} thread(s), prompt {args.prompt_len}, "
             f"output {args.output_len} tokens, best of {args.repeats} per run, {args.rounds} alternated rounds.",
             "",
             "| batch | scheduling | A tok/s (rounds) | B tok/s (rounds) | median A | median B | B / A | tokens equal |",

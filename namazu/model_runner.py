@@ -25,6 +25,7 @@ from namazu.distributed.decisions import share_decision, share_device_proposal
 from namazu.engine_config import EngineConfig
 from namazu.kernels.backends import resolve_moe_runtime
 from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache, kv_bytes_per_block
+from namazu.layers.cpu_layout import use_k_major_linears
 from namazu.layers.sampler import (
     SamplingTensors,
     gather_logprobs,
@@ -84,6 +85,8 @@ class ModelRunner:
             dtype = "float32"
         self.model = load_model(model_path, dtype=dtype, device=self.device, progress=rank == 0, runtime=moe_runtime,
                                 tp=TPShard(rank, world_size))
+        if self.device.type == "cpu":
+            use_k_major_linears(self.model)
         # Under tensor parallelism the sampled tokens, the acceptance counts and a device proposer's
         # drafts are rank 0's, broadcast: every rank commits the same tokens even if its logits differ
         # in the last bit (tests switch this off to show what it prevents).

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from namazu.layers.cpu_layout import k_major, use_k_major_linears, wants_k_major
 from namazu.layers.sampler import hash_uniform
 from namazu.spec.dflash import DFlashDrafter
 from namazu.spec.dflash_config import check_drafter_checkpoint
@@ -56,6 +57,9 @@ class DFlashProposer:
         self.embed = w
         # The rows of the target's lm_head the drafter scores (its draft vocabulary), gathered once.
         self.head = self.model.draft_head(target.lm_head.weight)
+        if wants_k_major(self.head):
+            use_k_major_linears(self.model)
+            self.head = k_major(self.head)
         c = self.cfg
         self.block_size = block_size
         self.cache = torch.zeros(c.num_layers, 2, num_blocks * block_size, c.num_heads, c.head_dim,
