@@ -201,7 +201,8 @@ def simulate(policy, rate: float, model: FleetModel = FleetModel(), work: Worklo
             "max_queue": max(r.max_queue for r in replicas),
             "offered": len(reqs) / (reqs[-1].scheduled / 1000.0),
             # finished at: requests / the time the last one finished (a fleet that falls behind ends late)
-            "done_per_s": len(reqs) / (last_done / 1000.0), "sent_per_s": len(reqs) / (last_sent / 1000.0)}
+            "done_per_s": len(reqs) / (last_done / 1000.0), "sent_per_s": len(reqs) / (last_sent / 1000.0),
+            "requests": reqs}
 
 
 def sustained(point: dict) -> bool:

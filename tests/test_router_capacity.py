@@ -62,3 +62,25 @@ def test_below_saturation_the_router_keeps_up_and_computes_about_the_floor():
         floor = simulate(make_policy("affinity", seed=seed), 40.0, seed=seed)
         assert kv["done_per_s"] >= 0.99 * rr["done_per_s"], (kv, rr)
         assert kv["computed"] <= 0.6 * rr["computed"] and kv["computed"] <= 1.1 * floor["computed"], (kv, rr, floor)
+
+
+def test_the_model_counts_prompt_blocks_and_time_as_specified():
+    """The simulator against arithmetic: one replica caches everything, so it computes each system prompt
+    once and each turn's new blocks (the question, and the previous answer after the first turn); a lone
+    request's first token comes after one step plus its prefill; a user's turns never overlap."""
+    from router_capacity import FleetModel, Workload, conversation_turns
+
+    work = Workload(users=12, turns=3)
+    one = FleetModel(replicas=1)
+    r = simulate(RoundRobinPolicy(), 5.0, one, work, seed=1)
+    q, a = work.question_blocks, work.answer_blocks
+    assert r["computed"] == work.systems * work.system_blocks + work.users * (q + (work.turns - 1) * (q + a))
+    lone = simulate(RoundRobinPolicy(), 1.0, one, Workload(users=1, turns=1), seed=0)
+    assert lone["ttft_p50"] == one.step_ms + one.prefill_ms * (work.system_blocks + q)
+    turns = conversation_turns(50.0, work, seed=3)
+    assert sorted(t.user for t in turns) == sorted(list(range(work.users)) * work.turns)
+    busy = simulate(RoundRobinPolicy(), 200.0, FleetModel(), work, seed=2)["requests"]
+    for user in range(work.users):
+        mine = [t for t in busy if t.user == user]
+        assert all(later.arrival >= earlier.finished for earlier, later in zip(mine, mine[1:]))
+    assert any(t.arrival > t.scheduled for t in busy)      # at 200 req/s some turns had to wait
