@@ -252,8 +252,9 @@ def report(points: list[dict]) -> list[str]:
     for name, p in at.items():
         if rr is not None and name != "round_robin":
             lines.append(f"- at round-robin's highest sustained rate ({rr['rate']:g} req/s), {name}: prompt blocks "
-                         f"{p['computed'] / rr['computed']:.2f}x round-robin's, TTFT p50 "
-                         f"{rr['ttft_p50'] / p['ttft_p50']:.1f}x and p99 {rr['ttft_p99'] / p['ttft_p99']:.1f}x lower")
+                         f"{p['computed'] / rr['computed']:.2f}x round-robin's; TTFT p50 {p['ttft_p50']:.0f} ms "
+                         f"against {rr['ttft_p50']:.0f}, p99 {p['ttft_p99']:.0f} ms against {rr['ttft_p99']:.0f} "
+                         f"(round-robin / {name}: {rr['ttft_p99'] / p['ttft_p99']:.2f}x)")
     return lines
 
 
@@ -289,7 +290,7 @@ def parse_rates(text: str) -> list[float]:
     if ":" in text:
         start, stop, step = (float(x) for x in text.split(":"))
         if step <= 0 or stop < start:
-            raise ValueError(f"--rates {text!r}: want start:stop:step with step > 0 and stop >= start")
+            raise ValueError("want start:stop:step with step > 0 and stop >= start")
         return [round(start + i * step, 6) for i in range(int(round((stop - start) / step)) + 1)]
     return [float(x) for x in text.split(",")]
 
@@ -304,9 +305,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-seqs", type=int, default=FleetModel.max_seqs)
     p.add_argument("--plot", default=str(HERE / "router_capacity.png"))
     args = p.parse_args(argv)
-    rates = parse_rates(args.rates)
-    if any(r <= 0 for r in rates):
+    try:
+        rates = parse_rates(args.rates)
+    except ValueError as e:
+        raise SystemExit(f"--rates {args.rates!r}: {e}") from None
+    if not rates or any(not r > 0 for r in rates):
         raise SystemExit("--rates must all be > 0")
+    if min(args.seeds, args.users, args.turns, args.max_seqs) < 1:
+        raise SystemExit("--seeds, --users, --turns and --max-seqs must be >= 1")
     points = sweep(args.policies.split(","), rates, args.seeds, FleetModel(max_seqs=args.max_seqs),
                    Workload(users=args.users, turns=args.turns))
     print("\n".join(report(points)))
