@@ -10,6 +10,7 @@ burst of unrelated chat requests (all at once) checks that every replica still g
 
     python bench/router.py                                  # 3 namazu-tiny replicas, 1 thread each
     python bench/router.py --rates 1,2 --policies round_robin,kv --users 12
+    python bench/router.py --rates 12:17:1 --policies round_robin,kv   # each policy's highest sustained rate
     python bench/router.py --ray                            # also through `--replicas 3:3` (Ray Serve)
 
 Writes a table to stdout, a section of bench/RESULTS.md (--write) and bench/router.png.
@@ -323,6 +324,34 @@ async def bench_ray(args, pm: PromptMaker, runs: list[Run]) -> None:
             stop([proc], sig_int=True)
 
 
+def highest_sustained(points: list[dict]) -> dict | None:
+    """The point at the highest rate below which every rate run was sustained (one policy, sorted by
+    rate): a rate kept up above one that was not is noise, not capacity."""
+    best = None
+    for r in points:
+        if not r["kept_up"]:
+            break
+        best = r
+    return best
+
+
+def parse_rates(text: str) -> list[float]:
+    """'10,11,12' or 'start:stop:step' (stop included), e.g. '10:14:0.5' for a fine grid near saturation."""
+    try:
+        if ":" in text:
+            start, stop, step = (float(x) for x in text.split(":"))
+            if step <= 0 or stop < start:
+                raise ValueError
+            rates = [round(start + i * step, 6) for i in range(int(round((stop - start) / step)) + 1)]
+        else:
+            rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--rates {text!r}: want a list (10,11,12) or start:stop:step with step > 0") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise SystemExit(f"--rates {text!r}: every rate must be > 0 req/s")
+    return rates
+
+
 def verdict(rows: list[dict]) -> list[str]:
     out = []
     for front in ("router", "ray"):
@@ -335,14 +364,24 @@ def verdict(rows: list[dict]) -> list[str]:
                            f"tokens of round-robin; TTFT round-robin / kv: p50 {rr['ttft_p50'] / kv['ttft_p50']:.1f}x, "
                            f"p99 {rr['ttft_p99'] / kv['ttft_p99']:.1f}x (kept up: round-robin {rr['kept_up']}, "
                            f"kv {kv['kept_up']})")
+        caps = {}
         for policy in POLICIES:
             mine = sorted((r for r in conv if r["policy"] == policy), key=lambda r: float(r["rate"]))
             if mine:
-                kept = [r for r in mine if r["kept_up"]]
-                best = max(kept, key=lambda r: r["req_s"]) if kept else None
+                best = caps[policy] = highest_sustained(mine)
                 out.append(f"- {front}, {policy}: highest rate sustained "
                            + (f"{best['rate']} req/s ({best['req_s']:.2f} done/s)" if best else "none of those run")
                            + f"; most done/s at any rate {max(r['req_s'] for r in mine):.2f}")
+        for owner in ("round_robin", "kv"):
+            cap = caps.get(owner)
+            rr = cap and next((r for r in conv if r["rate"] == cap["rate"] and r["policy"] == "round_robin"), None)
+            kv = cap and next((r for r in conv if r["rate"] == cap["rate"] and r["policy"] == "kv"), None)
+            if rr and kv:
+                p99_rr, p99_kv = rr["ttft_p99"], kv["ttft_p99"]
+                out.append(f"- {front}, at the highest rate {owner} sustains ({cap['rate']} req/s): TTFT p99 "
+                           f"round-robin {p99_rr:.0f} ms, kv {p99_kv:.0f} ms ({p99_rr / p99_kv:.1f}x lower with kv); "
+                           f"prompt tokens kv/round-robin {kv['computed'] / max(1, rr['computed']):.2f}x "
+                           f"(kept up: round-robin {rr['kept_up']}, kv {kv['kept_up']})")
         b = next((r for r in rows if r["front"] == front and r["rate"] == "burst" and r["policy"] == "kv"), None)
         if b:
             out.append(f"- {front}, burst of {b['requests']} unrelated requests: least-loaded replica got "
@@ -354,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint of the replicas (default: embedded namazu-tiny)")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--rates", default="1,2,3", help="conversation request rates (req/s, Poisson)")
+    p.add_argument("--rates", default="1,2,3", help="conversation request rates (req/s, Poisson): a list, or "
+                   "start:stop:step for a fine grid near saturation")
     p.add_argument("--users", type=int, default=80, help="conversations per point (x --turns requests: p99 over "
                    "320 requests by default, not set by the slowest one or two)")
     p.add_argument("--turns", type=int, default=4)
@@ -372,8 +412,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot", default=str(HERE / "router.png"))
     p.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
     args = p.parse_args(argv)
-    args.rate_list = [float(x) for x in args.rates.split(",")]
-    args.ray_rate_list = [float(x) for x in (args.ray_rates or args.rates).split(",")]
+    args.rate_list = parse_rates(args.rates)
+    args.ray_rate_list = parse_rates(args.ray_rates or args.rates)
 
     from namazu.assets import resolve_model_path
 

@@ -40,18 +40,56 @@ def test_queue_term_counts():
 
 
 def test_queued_work_is_priced_like_the_new_request_and_moves_a_hot_prefix():
-    """A follow-up turn (30 blocks, 26 cached on `hot`): one turn queued there is cheaper to wait for than
-    recomputing 26 blocks elsewhere; three are not. Each queued request costs w x its uncached blocks + its
-    blocks; a queued request of another client's counts as one like the new request, nothing cached."""
-    p = KVAwarePolicy(seed=0)     # w = 4, q = 1
+    """A follow-up turn (30 blocks, 26 cached on `hot`): three turns queued there are cheaper to wait for
+    than recomputing 26 blocks elsewhere (the spill rule: the work waiting at `hot`, 30 more active blocks
+    + 3 x 46, is under 2 x w x 26 = 208); five are not. Each queued request costs w x its uncached blocks
+    + its blocks; a queued request of another client's counts as one like the new request, nothing
+    cached."""
+    p = KVAwarePolicy(seed=0)     # w = 4, q = 1, spill 2
     cold = view("cold", active=30)
-    one = view("hot", cached=26, active=60, queued=1, waiting=[(4, 30)])
     three = view("hot", cached=26, active=60, queued=3, waiting=[(4, 30)] * 3)
-    assert p.choose([one, cold], 30).replica == "hot"
-    assert p.choose([three, cold], 30).replica == "cold"
+    five = view("hot", cached=26, active=60, queued=5, waiting=[(4, 30)] * 5)
+    assert p.choose([three, cold], 30).replica == "hot"
+    assert p.choose([five, cold], 30).replica == "cold"
     assert p.cost(three, 30) - p.cost(view("hot", cached=26, active=60), 30) == 3 * (4 * 4 + 30)
     assert p.queued_work(view("x", queued=3, waiting=[(2, 8)]), 10) == (4 * 2 + 8) + 2 * 5 * 10
     assert KVAwarePolicy(queue_weight=0.0).cost(three, 30) == KVAwarePolicy().cost(view("hot", 26, 60), 30)
+
+
+def test_a_prompt_leaves_its_home_only_when_waiting_there_costs_more_than_the_recompute():
+    """The spill rule on a follow-up turn (30 blocks, 26 cached on `home`): 130 more active blocks at the
+    home than at an idle replica make the plain cost move it (they outweigh w x 26 = 104), the spill rule
+    keeps it home (under 2 x w x 26 = 208); the work waiting there passing 208 over the other's moves it.
+    A replica that caches part of the prompt needs less: the bar is the blocks it would recompute."""
+    p = KVAwarePolicy(seed=0)     # w = 4, spill 2
+    home = view("home", cached=26, active=140)
+    idle = view("idle", active=10)
+    assert p.cost(idle, 30) < p.cost(home, 30)                       # the plain cost would spill
+    assert p.choose([home, idle], 30).replica == "home"
+    assert KVAwarePolicy(seed=0, spill_factor=0.0).choose([home, idle], 30).replica == "idle"
+    queued = view("home", cached=26, active=140, queued=2, waiting=[(4, 30)] * 2)   # 130 + 92 > 208
+    assert p.choose([queued, idle], 30).replica == "idle"
+    # 24 of the 26 blocks cached elsewhere: 2 to recompute, a bar of 16
+    partial = view("partial", cached=24, active=120)
+    assert p.choose([view("home", cached=26, active=140), partial], 30).replica == "partial"
+    assert p.choose([view("home", cached=26, active=130), partial], 30).replica == "home"
+
+
+def test_a_burst_of_unrelated_requests_reaches_every_replica():
+    """30 requests sharing only their first block (a short common system prompt), sent at once to three
+    replicas that run many sequences (nothing counts as queued): the first one makes its replica the home
+    of that block, and the rest spread as the home's active blocks pass the bar of one block (w x 2)."""
+    p = KVAwarePolicy(seed=0)
+    active = {"a": 0.0, "b": 0.0, "c": 0.0}
+    cached = {"a": 0, "b": 0, "c": 0}
+    routed = {"a": 0, "b": 0, "c": 0}
+    for _ in range(30):
+        views = [view(n, cached=cached[n], active=active[n], in_flight=routed[n]) for n in active]
+        d = p.choose(views, 7)
+        active[d.replica] += 7 - cached[d.replica]
+        cached[d.replica] = 1
+        routed[d.replica] += 1
+    assert min(routed.values()) >= 0.15 * 30, routed
 
 
 def test_replica_view_takes_the_newest_open_requests_as_the_waiting_ones():

@@ -16,14 +16,21 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 import server.ray_serve.decisions as decisions
 from server.router.index import EventIndex, RoutingHistory
-from server.router.policy import DEFAULT_PREFIX_WEIGHT, DEFAULT_QUEUE_WEIGHT, ReplicaView, make_policy, queued_estimate
+from server.router.policy import (
+    DEFAULT_PREFIX_WEIGHT,
+    DEFAULT_QUEUE_WEIGHT,
+    DEFAULT_SPILL_FACTOR,
+    ReplicaView,
+    make_policy,
+    queued_estimate,
+)
 
 
 class NamazuRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: str = "kv", prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
                          queue_weight: float = DEFAULT_QUEUE_WEIGHT, history_ttl: float = 120.0, recent_s: float = 5.0,
-                         **_: Any) -> None:
-        self.policy = make_policy(policy, prefix_weight, queue_weight)
+                         spill_factor: float = DEFAULT_SPILL_FACTOR, **_: Any) -> None:
+        self.policy = make_policy(policy, prefix_weight, queue_weight, spill_factor=spill_factor)
         self.history_ttl, self.recent_s = history_ttl, recent_s
         self._index: dict[str, EventIndex] = {}
         self._history: dict[str, RoutingHistory] = {}

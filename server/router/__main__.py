@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from server.router.policy import DEFAULT_PREFIX_WEIGHT, DEFAULT_QUEUE_WEIGHT, POLICIES
+from server.router.policy import DEFAULT_PREFIX_WEIGHT, DEFAULT_QUEUE_WEIGHT, DEFAULT_SPILL_FACTOR, POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-weight", type=float, default=DEFAULT_QUEUE_WEIGHT,
                    help="q: scales the queue term, the work of the requests queued on a replica (each priced "
                         f"as w x its uncached blocks + its blocks) (default {DEFAULT_QUEUE_WEIGHT:g})")
+    p.add_argument("--spill-factor", type=float, default=DEFAULT_SPILL_FACTOR,
+                   help="a prompt leaves the replica caching most of it only when the work waiting there "
+                        "exceeds another replica's by more than this x w x the blocks it would recompute "
+                        f"(default {DEFAULT_SPILL_FACTOR:g}; 0: the plain cost)")
     p.add_argument("--poll-interval", type=float, default=0.25, help="seconds between load/event polls")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
     p.add_argument("--fail-threshold", type=int, default=2,
@@ -59,7 +63,8 @@ async def serve(args: argparse.Namespace) -> None:
                            health_interval=args.health_interval, fail_threshold=args.fail_threshold,
                            history_ttl=args.history_ttl, headers=headers)
         tokenizer = Tokenizer.from_pretrained(args.tokenizer or default_model_path())
-        router = Router(pool, make_policy(args.policy, args.prefix_weight, args.queue_weight, args.seed),
+        router = Router(pool, make_policy(args.policy, args.prefix_weight, args.queue_weight, args.seed,
+                                             args.spill_factor),
                         tokenizer, client, headers, args.block_size)
         await pool.start()
         try:

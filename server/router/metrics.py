@@ -20,8 +20,8 @@ class RouterMetrics:
                                      registry=r)
         self.matched_blocks = Counter("namazu_router_predicted_cached_blocks", "prompt blocks the router "
                                       "expected the chosen replica to have cached", registry=r)
-        self.cost = Gauge("namazu_router_replica_cost", "the replica's cost at the last decision "
-                          "(lower wins)", ["replica"], registry=r)
+        self.cost = Gauge("namazu_router_replica_cost", "the replica's cost at the last decision (lower wins "
+                          "among the replicas the spill rule allows)", ["replica"], registry=r)
         self.healthy = Gauge("namazu_router_replica_healthy", "1 if the replica is in rotation",
                              ["replica"], registry=r)
         self.cached = Gauge("namazu_router_replica_indexed_blocks", "block hashes the router's index holds "

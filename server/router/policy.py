@@ -4,11 +4,14 @@
            + q * sum over the requests queued there of (w * their uncached blocks + their blocks)
            + q * w * (prompt blocks not cached there - the fewest not cached on any replica) * (queued there)
 
-lowest cost wins, ties broken at random. A queued request is priced in the same unit as the new one: the
-prompt it will compute and the blocks it will hold before the new request gets its turn; one the router
-did not send (another client's) counts as a request like the new one with nothing cached. Load is
-always blended in: pure cache affinity piles every request that shares a hot prefix onto one replica
-(the "death spiral"); that policy is kept here only as a baseline for the benchmark.
+lowest cost wins, ties broken at random, among the replicas a spill rule allows: the prompt's home (the
+replicas caching most of it) always, another replica only when the work a request waits behind at the
+home (active KV blocks + the queue term) exceeds the other's by more than `spill` x w x the prompt blocks
+moving there would recompute. A queued request is priced in the same unit as the new one: the prompt it
+will compute and the blocks it will hold before the new request gets its turn; one the router did not
+send (another client's) counts as a request like the new one with nothing cached. Load is always blended
+in: pure cache affinity piles every request that shares a hot prefix onto one replica (the "death
+spiral"); that policy is kept here only as a baseline for the benchmark.
 """
 from __future__ import annotations
 
@@ -24,6 +27,15 @@ from typing import Protocol
 DEFAULT_PREFIX_WEIGHT = 4.0
 # q: scales the queue term (1: a queued request costs exactly its own work, in the prefix term's units).
 DEFAULT_QUEUE_WEIGHT = 1.0
+# spill: a prompt leaves its home only when the work waiting there exceeds the other replica's by more than
+# spill x w x the blocks the move recomputes. 1 prices only this request's own prefill; but that prefill
+# also stalls the sequences running beside it there, and every recompute is capacity the fleet no longer
+# has. Without the rule (the plain cost) running sequences alone moved conversations: past saturation the
+# KV-aware router recomputed 0.75x round-robin's prompt blocks on the simulated fleet and 0.72x on the
+# real one. On the simulated fleet (bench/router_capacity.py, 94 req/s, round-robin's highest sustained
+# rate) spill 1 computed 0.82x round-robin's prompt blocks, TTFT p99 145 ms; 2: 0.65x, 129 ms; 3: 0.62x,
+# 187 ms (the homes queue longer).
+DEFAULT_SPILL_FACTOR = 2.0
 
 
 @dataclass
@@ -69,10 +81,10 @@ class KVAwarePolicy:
     name = "kv"
 
     def __init__(self, prefix_weight: float = DEFAULT_PREFIX_WEIGHT, queue_weight: float = DEFAULT_QUEUE_WEIGHT,
-                 seed: int | None = None):
-        if prefix_weight < 0 or queue_weight < 0:
-            raise ValueError("the router's prefix and queue weights must be >= 0")
-        self.w, self.q = prefix_weight, queue_weight
+                 seed: int | None = None, spill_factor: float = DEFAULT_SPILL_FACTOR):
+        if prefix_weight < 0 or queue_weight < 0 or spill_factor < 0:
+            raise ValueError("the router's prefix, queue and spill weights must be >= 0")
+        self.w, self.q, self.spill = prefix_weight, queue_weight, spill_factor
         self.rng = random.Random(seed)
 
     def cost(self, view: ReplicaView, prompt_blocks: int) -> float:
@@ -86,9 +98,22 @@ class KVAwarePolicy:
         return known + unknown * (self.w + 1) * prompt_blocks
 
     def choose(self, views: list[ReplicaView], prompt_blocks: int) -> Decision:
-        least = min((max(0, prompt_blocks - v.cached_blocks) for v in views), default=0)
+        uncached = {v.name: max(0, prompt_blocks - v.cached_blocks) for v in views}
+        least = min(uncached.values(), default=0)
         costs = {v.name: self.cost(v, prompt_blocks) + self.recompute_cost(v, prompt_blocks, least) for v in views}
-        return Decision(_pick_min(costs, self.rng), costs)
+        # The spill rule: the home is the least loaded replica caching most of the prompt; another one is
+        # allowed only when waiting at the home costs more than recomputing there (see DEFAULT_SPILL_FACTOR).
+        # Prompts cached nowhere, or everywhere alike, have every replica as home: load alone decides.
+        delay = {v.name: self.delay(v, prompt_blocks) for v in views}
+        home = min((delay[n] for n, u in uncached.items() if u == least), default=0.0)
+        allowed = {n: c for n, c in costs.items()
+                   if uncached[n] == least or home - delay[n] > self.spill * self.w * (uncached[n] - least)}
+        return Decision(_pick_min(allowed, self.rng), costs)
+
+    def delay(self, view: ReplicaView, prompt_blocks: int) -> float:
+        """The work a new request waits behind there, in the prefix term's units (w per prefill block):
+        the KV its running sequences hold and the requests queued ahead."""
+        return view.active_blocks + self.q * self.queued_work(view, prompt_blocks)
 
     def recompute_cost(self, view: ReplicaView, prompt_blocks: int, least_uncached: int) -> float:
         """What recomputing a prefix cached elsewhere costs the others on a busy replica. The first terms
@@ -142,9 +167,9 @@ POLICIES = {p.name: p for p in (KVAwarePolicy, RoundRobinPolicy, PowerOfTwoPolic
 
 
 def make_policy(name: str, prefix_weight: float = DEFAULT_PREFIX_WEIGHT, queue_weight: float = DEFAULT_QUEUE_WEIGHT,
-                seed: int | None = None) -> Policy:
+                seed: int | None = None, spill_factor: float = DEFAULT_SPILL_FACTOR) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}")
     if name == "kv":
-        return KVAwarePolicy(prefix_weight, queue_weight, seed)
+        return KVAwarePolicy(prefix_weight, queue_weight, seed, spill_factor)
     return POLICIES[name](seed)
