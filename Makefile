@@ -72,8 +72,8 @@ tiny-model: $(STAMP)
 # gains more from the whole data set than from the overlap. About 42 min on a quiet 2-core machine:
 # held-out capture ~2, training capture ~9, training 28, final held-out evaluation ~2.
 DRAFTER_BUILD ?= build/drafter
-DRAFTER_TRAIN = --block-size 5 --anchors 128 --batch 8 --soft-weight 0.5 --hidden-cache memory --eval-every 200 \
-	--draft-vocab 2048 --no-bf16 --steps 20000 --time-budget 28
+DRAFTER_TRAIN = --block-size 7 --anchors 128 --batch 8 --soft-weight 0.5 --hidden-cache memory --eval-every 200 \
+	--draft-vocab 2048 --eval-k 6 --no-bf16 --steps 20000 --time-budget 28
 drafter-model: $(STAMP)
 	rm -rf $(DRAFTER_BUILD)/capture-train $(DRAFTER_BUILD)/capture-heldout
 	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.traffic --out $(DRAFTER_BUILD)/heldout_requests.jsonl -n 250 --split valid --seed 1 --capture-dir $(DRAFTER_BUILD)/capture-heldout
