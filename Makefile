@@ -69,7 +69,7 @@ tiny-model: $(STAMP)
 # against the target's own next-token distribution, a draft vocabulary of the 2,048 commonest output tokens
 # (trained and served over those lm_head rows), fp32 (bf16 autocast was slower per step on this CPU).
 # The capture runs first, not alongside: the trainer now takes under a second per step of 8 sequences and
-# gains more from the whole data set than from the overlap. About 42 min on a quiet 2-core machine:
+# gains more from the whole data set than from the overlap. 39 min 41 s measured (block size 7, the shared 2-core machine):
 # held-out capture ~2, training capture ~9, training 28, final held-out evaluation ~2.
 DRAFTER_BUILD ?= build/drafter
 DRAFTER_TRAIN = --block-size 7 --anchors 128 --batch 8 --soft-weight 0.5 --hidden-cache memory --eval-every 200 \
