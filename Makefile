@@ -65,12 +65,12 @@ tiny-model: $(STAMP)
 # The shipped DFlash2 drafter of namazu-tiny, from scratch: serve namazu-tiny with --capture-dir and replay a
 # held-out prompt set (corpus valid split), then the training prompt set (Japanese/English chat, tool calls,
 # JSON answers; greedy, T=0.7 top-p 0.9, T=1), then train on the captured token ids (the target's outputs per
-# sequence computed once and kept in memory). Block 5 (4 drafts, what is served), half of the block loss
+# sequence computed once and kept in memory). Block 7 (6 drafts, what is served), half of the block loss
 # against the target's own next-token distribution, a draft vocabulary of the 2,048 commonest output tokens
 # (trained and served over those lm_head rows), fp32 (bf16 autocast was slower per step on this CPU).
 # The capture runs first, not alongside: the trainer now takes under a second per step of 8 sequences and
-# gains more from the whole data set than from the overlap. 39 min 41 s measured (block size 7, the shared 2-core machine):
-# held-out capture ~2, training capture ~9, training 28, final held-out evaluation ~2.
+# gains more from the whole data set than from the overlap. Measured: 39 min 41 s on the shared 2-core machine
+# (held-out capture ~2, training capture ~9, training 28, final held-out evaluation ~1).
 DRAFTER_BUILD ?= build/drafter
 DRAFTER_TRAIN = --block-size 7 --anchors 128 --batch 8 --soft-weight 0.5 --hidden-cache memory --eval-every 200 \
 	--draft-vocab 2048 --eval-k 6 --no-bf16 --steps 20000 --time-budget 28
