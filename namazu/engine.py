@@ -29,9 +29,8 @@ from namazu.scheduler.block_manager import BlockManager
 from namazu.scheduler.kv_events import KVEventLog
 from namazu.scheduler.scheduler import ScheduledSeq, Scheduler
 from namazu.scheduler.sequence import Sequence, SequenceStatus
-from namazu.spec.dflash_proposer import make_dflash_proposer
-from namazu.spec.drafters import NgramProposer
 from namazu.spec.proposer import Proposer
+from namazu.spec.selection import choose_speculation
 from namazu.step_batch import StepResult
 from namazu.structured.bitmask import fill_step_bitmask
 from namazu.structured.factory import StructuredOutputs, grammar_for, needs_compiler
@@ -72,6 +71,8 @@ class EngineStats:
     # bonus), and the worker's wall time in the drafter.
     acceptance_length_histogram: list[int] = field(default_factory=list)
     drafter_seconds: float = 0.0
+    # Steps planned without drafting because more sequences ran than --speculative-disable-batch-size.
+    num_spec_disabled_steps: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -84,15 +85,13 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
-        if drafter is None and config.speculative_method == "ngram":
-            drafter = NgramProposer(config.ngram_max, config.ngram_min)
-        if drafter is None and config.speculative_model is not None and config.num_speculative_tokens > 0:
-            drafter = make_dflash_proposer(config.speculative_model, self.model_config)
-        self.drafter = drafter
-        self.num_speculative_tokens = config.num_speculative_tokens if drafter is not None else 0
-        if drafter is not None and self.num_speculative_tokens == 0:
-            raise ValueError("a drafter was given but --num-speculative-tokens is 0")
-        self.executor = make_executor(config, self.model_path, drafter)
+        choice = choose_speculation(config, self.model_path, self.model_config, drafter)
+        logger.info("%s", choice.describe())
+        # The workers read the concrete draft count; the batch-size decision is the scheduler's alone.
+        self.config = config = choice.resolve(config)
+        self.drafter = choice.drafter
+        self.num_speculative_tokens = choice.num_speculative_tokens
+        self.executor = make_executor(config, self.model_path, self.drafter)
         try:
             self._plan_capacity()
         except BaseException:
@@ -102,7 +101,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, events=self.kv_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.enable_chunked_prefill, config.scheduling_policy)
+                                   self.max_model_len, config.enable_chunked_prefill, config.scheduling_policy,
+                                   spec_disable_batch_size=choice.disable_batch_size)
         self.vocab_size = self.model_config.vocab_size
         self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self.requests: dict[str, RequestState] = {}
@@ -228,7 +228,9 @@ class LLMEngine:
         if cap <= 0:
             return 0
         if seq.num_pending:
-            return cap    # planned before its drafts are known (async): the worker verifies what it has
+            # Planned before its drafts are known (async): the worker verifies what it has, which is
+            # nothing when the step in flight was told not to draft.
+            return cap if seq.drafts_requested else 0
         return min(cap, seq.num_next_drafts)
 
     def _launch(self) -> _Launched | None:
@@ -244,7 +246,7 @@ class LLMEngine:
         if batch.sampling.bitmask is not None:
             self._mask_rows += len(batch.sampling.bitmask)
             self._mask_seconds += time.perf_counter() - t0
-        if self.drafter is not None and self.drafter.on_device:
+        if self.drafter is not None and self.drafter.on_device and plan.speculate:
             batch.spec.max_drafts_next = self.num_speculative_tokens
         self.executor.submit(batch)
         for item in plan.scheduled:
@@ -346,7 +348,8 @@ class LLMEngine:
             num_draft_tokens=self._drafted, num_accepted_draft_tokens=self._accepted,
             grammar_cache_hits=cache.hits if cache else 0, grammar_cache_misses=cache.misses if cache else 0,
             grammar_mask_rows=self._mask_rows, grammar_mask_seconds=self._mask_seconds,
-            acceptance_length_histogram=list(self._accept_hist), drafter_seconds=self._drafter_seconds)
+            acceptance_length_histogram=list(self._accept_hist), drafter_seconds=self._drafter_seconds,
+            num_spec_disabled_steps=self.scheduler.num_spec_disabled_steps)
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()
