@@ -10,6 +10,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from namazu import LLM, SamplingParams
 from namazu.assets import default_model_path
@@ -194,3 +195,35 @@ def test_seeded_sampling_with_drafted_draws_is_reproducible():
     assert stats.num_draft_tokens > 0 and stats.num_spec_disabled_steps > 0
     again, _, _ = run_steps(engine_for(2, True), params)
     assert again == first
+
+
+class RecordingDrafter(DFlashProposer):
+    """The shipped drafter, noting each block's draft logits by (sequence, anchor position)."""
+
+    def __init__(self):
+        t = ModelConfig.from_pretrained(default_model_path())
+        super().__init__(shipped(), t.vocab_size, t.hidden_size, t.num_hidden_layers)
+        self.blocks: dict[tuple[int, int], torch.Tensor] = {}
+
+    def draft_block(self, inp, k):
+        anchor, anchor_pos, h, logits = super().draft_block(inp, k)
+        for sid, pos, row in zip(inp.seq_ids, anchor_pos.tolist(), logits):
+            self.blocks[sid, pos] = row.clone()
+        return anchor, anchor_pos, h, logits
+
+
+def test_drafts_after_resuming_see_the_context_of_undrafted_steps():
+    # The drafter's context cache is extended by every forward, drafted or not: after the large batch,
+    # request 0's draft logits equal those of a drafter that never stopped, at the same positions.
+    blocks = []
+    for threshold in (0, 2):
+        drafter = RecordingDrafter()
+        run_steps(engine_for(threshold, False, drafter=drafter, num_speculative_tokens=4), greedy())
+        blocks.append({pos: row for (sid, pos), row in drafter.blocks.items() if sid == 0})
+    always, switched = blocks
+    # Positions drafted after the gap in the switched run that the other run drafted too.
+    gap = min(p for p in always if p not in switched)
+    resumed = sorted(p for p in switched if p > gap and p in always)
+    assert len(resumed) >= 2
+    for p in resumed:
+        torch.testing.assert_close(switched[p], always[p], atol=1e-3, rtol=1e-3, msg=f"position {p}")
