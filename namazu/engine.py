@@ -61,7 +61,7 @@ class EngineStats:
     num_steps: int
     num_prompt_tokens: int
     num_generated_tokens: int
-    num_draft_tokens: int
+    num_draft_tokens: int                # drafts verified
     num_accepted_draft_tokens: int
     grammar_cache_hits: int = 0          # compiled-grammar cache (JSON schema, regex, EBNF, tools)
     grammar_cache_misses: int = 0
@@ -73,6 +73,9 @@ class EngineStats:
     drafter_seconds: float = 0.0
     # Steps planned without drafting because more sequences ran than --speculative-disable-batch-size.
     num_spec_disabled_steps: int = 0
+    # Draft rows the steps scored: the drafts verified, plus rows planned (async) for drafts the worker
+    # did not have.
+    num_draft_rows: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -115,6 +118,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._num_steps = self._prompt_tokens = self._drafted = self._accepted = self._mask_rows = 0
+        self._draft_rows = 0
         self._mask_seconds = 0.0
         self._accept_hist = [0] * (self.num_speculative_tokens + 1)
         self._drafter_seconds = 0.0
@@ -252,6 +256,7 @@ class LLMEngine:
         for item in plan.scheduled:
             self.scheduler.submitted(item)
         self._num_steps += 1
+        self._draft_rows += sum(item.num_drafts for item in plan.scheduled)
         return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num)
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
@@ -349,7 +354,7 @@ class LLMEngine:
             grammar_cache_hits=cache.hits if cache else 0, grammar_cache_misses=cache.misses if cache else 0,
             grammar_mask_rows=self._mask_rows, grammar_mask_seconds=self._mask_seconds,
             acceptance_length_histogram=list(self._accept_hist), drafter_seconds=self._drafter_seconds,
-            num_spec_disabled_steps=self.scheduler.num_spec_disabled_steps)
+            num_spec_disabled_steps=self.scheduler.num_spec_disabled_steps, num_draft_rows=self._draft_rows)
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()

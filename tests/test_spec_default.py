@@ -158,6 +158,7 @@ def test_no_drafts_above_the_threshold_and_drafting_resumes_below(greedy_referen
             assert live <= 2 and t > 0 and steps[t - 1][0] <= 2, f"step {t}: drafts verified with {live} running"
     assert stats.num_spec_disabled_steps == sum(live > 2 for live, _ in steps) > 0
     assert steps[1][1] > 0, "no drafting while one request ran alone"
+    assert stats.num_draft_rows == stats.num_draft_tokens
     last_big = max(t for t, (live, _) in enumerate(steps) if live > 2)
     assert steps[last_big + 2][1] > 0, "drafting did not resume when the batch shrank"
 
@@ -166,6 +167,9 @@ def test_async_scheduling_switches_the_same_way(greedy_reference):
     outs, steps, stats = run_steps(engine_for(2, async_scheduling=True), greedy())
     assert outs == greedy_reference
     assert stats.num_spec_disabled_steps > 0
+    # Planned before the drafts are known, yet no row waits for a draft the worker was told not to make
+    # (the drafter always fills its block).
+    assert stats.num_draft_rows == stats.num_draft_tokens > 0
     # Call t launches step t and collects step t - 1: drafts counted in call t were verified by the step
     # launched in call t - 1 and drafted by the one launched in call t - 2, both with at most 2 running.
     for t, (_, drafted) in enumerate(steps):
