@@ -29,7 +29,8 @@ SHIPPED_DRAFTER_DIR = "drafter"
 
 # Above this many running sequences the shipped drafter costs more than it saves: measured on CPU
 # (eager, fp32, namazu-tiny) speculation was 1.33x plain decoding at batch 1, 0.93x at batch 2 and
-# 0.94x at batch 4 (`python bench/drafter_step.py --sweep`, which prints the off / on / auto columns).
+# 0.94x at batch 4 (`python bench/drafter_step.py` prints off / on / auto side by side at batch 1, 2, 4
+# and 8, and the largest batch at which drafting paid).
 AUTO_DISABLE_BATCH_SIZE = 1
 
 
