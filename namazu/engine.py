@@ -108,6 +108,7 @@ class LLMEngine:
                                    spec_disable_batch_size=choice.disable_batch_size)
         self.vocab_size = self.model_config.vocab_size
         self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
+        self._stop_set = frozenset(self.stop_ids)
         self.requests: dict[str, RequestState] = {}
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len, config.max_logprobs)
         self.outputs = OutputProcessor(self.stop_ids, self.max_model_len)
@@ -326,7 +327,10 @@ class LLMEngine:
             seq.num_next_drafts = int(result.next_num_drafts[s])
             if seq.grammar is not None and result.next_draft_ids is not None:
                 ids = list(result.next_draft_ids[s][:seq.num_next_drafts])
-                seq.num_next_drafts = seq.grammar.validate_tokens(ids) if reason is None else 0
+                # A stop token ends the grammar: no row after it has a mask, so drafts end before it (the
+                # row at its position may still sample it).
+                stop = next((j for j, t in enumerate(ids) if t in self._stop_set), len(ids))
+                seq.num_next_drafts = seq.grammar.validate_tokens(ids[:stop]) if reason is None else 0
                 seq.next_draft_ids = ids[:seq.num_next_drafts]
         return reason
 

@@ -412,6 +412,7 @@ class ModelRunner:
                 # Told not to draft this step (too many sequences running): drafts held from an earlier
                 # step must not be verified after this one's tokens.
                 result.next_num_drafts = np.zeros(len(prep.slots), dtype=np.int64)
+                result.next_draft_ids = np.zeros((len(prep.slots), 0), dtype=np.int64)
             self.drafts.note_device_counts(prep.slots, result.next_num_drafts, result.next_draft_ids,
                                            stochastic=self._device_stochastic)
         else:

@@ -231,3 +231,11 @@ def test_drafts_after_resuming_see_the_context_of_undrafted_steps():
     assert len(resumed) >= 2
     for p in resumed:
         torch.testing.assert_close(switched[p], always[p], atol=1e-3, rtol=1e-3, msg=f"position {p}")
+
+
+def test_tensor_parallelism_keeps_the_shipped_drafter_off_and_refuses_a_named_one():
+    # The drafter borrows the target's whole embedding and lm_head, which tensor-parallel ranks split.
+    c = choose(tensor_parallel_size=2)
+    assert c.drafter is None and c.num_speculative_tokens == 0 and "tensor parallelism" in c.why
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        choose(tensor_parallel_size=2, speculative_model=shipped())

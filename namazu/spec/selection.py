@@ -82,7 +82,12 @@ def choose_speculation(config: EngineConfig, model_path: str | Path, model_confi
         # The config's own check guarantees n > 0 here.
         return SpeculationChoice(NgramProposer(config.ngram_max, config.ngram_min), n, explicit_limit,
                                  "n-gram prompt lookup (--speculative-method ngram)", limit_why)
+    tp = config.tensor_parallel_size
     if config.speculative_model is not None:
+        if tp > 1:
+            raise ValueError(f"--speculative-model: the DFlash drafter does not run under tensor parallelism yet "
+                             f"(--tensor-parallel-size {tp}: it needs the target's whole embedding and lm_head, "
+                             "which the ranks split); use --speculative-method ngram or --tp 1")
         proposer = make_dflash_proposer(config.speculative_model, model_config)
         n = proposer.cfg.num_draft_tokens if n is None else n
         return SpeculationChoice(proposer, n, explicit_limit,
@@ -91,6 +96,9 @@ def choose_speculation(config: EngineConfig, model_path: str | Path, model_confi
     if path is None:
         why = "the model ships no drafter/ and none was named (--speculative-model)"
         return SpeculationChoice(None, 0, 0, why)
+    if tp > 1:
+        return SpeculationChoice(None, 0, 0, f"the model's shipped DFlash drafter does not run under tensor "
+                                             f"parallelism yet (--tensor-parallel-size {tp})")
     try:
         proposer = make_dflash_proposer(str(path), model_config)
     except DrafterCheckpointError as e:
