@@ -13,7 +13,8 @@ Per setup and batch (median over rounds): drafter ms per step (`drafter_seconds`
 context cache and drafting), engine ms per step, output tokens/s, mean acceptance length; then off / on /
 auto side by side with their ratios, and the largest batch at which drafting paid (the break-even that
 `namazu/spec/selection.py` takes as the auto threshold). Greedy, EOS ignored; prompts are held-out
-captured prompts (--requests) or random token ids.
+captured prompts (--requests) or, by default, 64 held-out chat requests of the drafter's traffic mix
+(`namazu.spec.traffic`, valid split) through the default model's chat template.
 """
 from __future__ import annotations
 
@@ -48,13 +49,20 @@ def main(argv: list[str] | None = None) -> int:
     from namazu.assets import default_model_path
     from namazu.spec.selection import SHIPPED_DRAFTER_DIR
 
-    rng = np.random.default_rng(0)
     if args.requests:
         from namazu.spec.capture import read_records
 
         prompts = [r.prompt_token_ids for r in read_records(args.requests)]
     else:
-        prompts = [rng.integers(100, 12000, 64).tolist() for _ in range(64)]
+        # Held-out chat requests like the drafter's traffic (random token ids would understate its
+        # acceptance, and so the break-even), through the default model's chat template.
+        from namazu.assets import resolve_model_path
+        from namazu.spec.traffic import build_requests
+        from namazu.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_pretrained(resolve_model_path(None))
+        prompts = [tok.encode_chat(r["messages"], tools=r["tools"] or None)
+                   for r in build_requests(64, split="valid", seed=1)]
     named = args.drafters or [f"shipped={default_model_path() / SHIPPED_DRAFTER_DIR}"]
     drafters = [("off", None)] + [tuple(d.split("=", 1)) for d in named] + [("auto", "auto")]
     setups = [(f"{mode}/{name}" if len(args.modes) > 1 else name, path, mode)
