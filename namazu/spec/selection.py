@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from namazu.config import ModelConfig
 from namazu.engine_config import EngineConfig
 from namazu.spec.dflash_config import DrafterCheckpointError
 from namazu.spec.dflash_proposer import make_dflash_proposer
@@ -61,7 +62,7 @@ def shipped_drafter_path(model_path: str | Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def choose_speculation(config: EngineConfig, model_path: str | Path, model_config,
+def choose_speculation(config: EngineConfig, model_path: str | Path, model_config: ModelConfig,
                        drafter: Proposer | None = None) -> SpeculationChoice:
     """The proposer (built and checked against the target; nothing is loaded into a worker yet), its
     draft count and batch-size threshold. A drafter checkpoint that does not fit the target raises
