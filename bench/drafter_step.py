@@ -1,16 +1,20 @@
 """The DFlash drafter's cost per engine step, and decode speed with it, against speculation off, in one run.
 
-    python bench/drafter_step.py --drafters shipped=namazu/assets/namazu-tiny/drafter [NAME=DIR ...]
-                                 [--requests CAPTURE_DIR] [--batch 1 16] [--rounds 3] [--output-len 48]
-                                 [--modes eager graph]
+    python bench/drafter_step.py [--drafters shipped=namazu/assets/namazu-tiny/drafter NAME=DIR ...]
+                                 [--requests CAPTURE_DIR] [--batch 1 2 4 8] [--rounds 3] [--output-len 48]
+                                 [--modes eager graph] [--auto-threshold N]
 
-Every setup (per mode: speculation off, then one per drafter at --k draft tokens) is an inline engine kept
-for the whole run; the rounds interleave the setups so that a shared machine's load falls on all of them
-alike. A first round at every batch size is run and not counted (graph mode compiles its ladder entries
-there).
+Every setup (per mode: speculation off; one per drafter at --k draft tokens, drafting at every batch
+size; and auto, the default engine: the model's shipped drafter, off above the batch-size threshold) is
+an inline engine kept for the whole run; the rounds interleave the setups so that a shared machine's
+load falls on all of them alike. A first round at every batch size is run and not counted (graph mode
+compiles its ladder entries there).
 Per setup and batch (median over rounds): drafter ms per step (`drafter_seconds` / steps: extending the
-context cache and drafting), engine ms per step, output tokens/s, mean acceptance length. Greedy, EOS
-ignored; prompts are held-out captured prompts (--requests) or random token ids.
+context cache and drafting), engine ms per step, output tokens/s, mean acceptance length; then off / on /
+auto side by side with their ratios, and the largest batch at which drafting paid (the break-even that
+`namazu/spec/selection.py` takes as the auto threshold). Greedy, EOS ignored; prompts are held-out
+captured prompts (--requests) or, by default, 64 held-out chat requests of the drafter's traffic mix
+(`namazu.spec.traffic`, valid split) through the default model's chat template.
 """
 from __future__ import annotations
 
@@ -27,9 +31,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drafters", nargs="+", required=True, metavar="NAME=DIR")
+    ap.add_argument("--drafters", nargs="+", default=None, metavar="NAME=DIR",
+                    help="drafters run at every batch size (default: the default model's shipped one)")
     ap.add_argument("--requests", nargs="*", default=None, help="capture dirs whose prompts to use")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--auto-threshold", type=int, default=None, metavar="N",
+                    help="--speculative-disable-batch-size of the auto setup (default: the engine's)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
@@ -39,24 +46,41 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from namazu import LLM, SamplingParams
+    from namazu.assets import default_model_path
+    from namazu.spec.selection import SHIPPED_DRAFTER_DIR
 
-    rng = np.random.default_rng(0)
     if args.requests:
         from namazu.spec.capture import read_records
 
         prompts = [r.prompt_token_ids for r in read_records(args.requests)]
     else:
-        prompts = [rng.integers(100, 12000, 64).tolist() for _ in range(64)]
-    drafters = [("off", None)] + [tuple(d.split("=", 1)) for d in args.drafters]
+        # Held-out chat requests like the drafter's traffic (random token ids would understate its
+        # acceptance, and so the break-even), through the default model's chat template.
+        from namazu.assets import resolve_model_path
+        from namazu.spec.traffic import build_requests
+        from namazu.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_pretrained(resolve_model_path(None))
+        prompts = [tok.encode_chat(r["messages"], tools=r["tools"] or None)
+                   for r in build_requests(64, split="valid", seed=1)]
+    named = args.drafters or [f"shipped={default_model_path() / SHIPPED_DRAFTER_DIR}"]
+    drafters = [("off", None)] + [tuple(d.split("=", 1)) for d in named] + [("auto", "auto")]
     setups = [(f"{mode}/{name}" if len(args.modes) > 1 else name, path, mode)
               for mode in args.modes for name, path in drafters]
     llms = {}
     for name, path, mode in setups:
-        kw = dict(speculative_model=path, num_speculative_tokens=args.k) if path else {}
+        if path is None:
+            kw = dict(num_speculative_tokens=0)
+        elif path == "auto":
+            kw = dict(speculative_disable_batch_size=args.auto_threshold)
+        else:       # a named drafter drafts at every batch size unless told otherwise
+            kw = dict(speculative_model=path, num_speculative_tokens=args.k)
         t0 = time.perf_counter()
         llms[name] = LLM(None, executor="inline", threads=args.threads, enforce_eager=mode == "eager",
                          max_num_seqs=max(args.batch), **kw)
-        print(f"{name}: started in {time.perf_counter() - t0:.1f} s")
+        eng = llms[name].engine
+        print(f"{name}: started in {time.perf_counter() - t0:.1f} s; {eng.num_speculative_tokens} draft tokens, "
+              f"disabled above batch {eng.scheduler.spec_disable_batch_size or 'never'}")
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows: dict[tuple[str, int], list[dict]] = {}
     print(f"load average before: {os.getloadavg()[0]:.1f}")
@@ -93,9 +117,33 @@ def main(argv: list[str] | None = None) -> int:
             tau = f"{med('tau'):.2f}" if name != off_name else "-"
             print(f"| {name} | {bsz} | {med('drafter_ms'):.2f} | {med('step_ms'):.2f} | {med('tok_s'):.1f} | "
                   f"{med('tok_s') / off:.2f}x | {tau} |")
+    side_by_side(rows, setups, args.batch, args.modes)
     for llm in llms.values():
         llm.close()
     return 0
+
+
+def side_by_side(rows: dict, setups: list, batches: list[int], modes: list[str]) -> None:
+    """Per mode and batch: output tok/s off, each named drafter (on) and auto, and their ratios to off; then
+    the largest batch at which each drafter beat off (the break-even for --speculative-disable-batch-size)."""
+    def tok_s(name: str, bsz: int) -> float:
+        return statistics.median(x["tok_s"] for x in rows[(name, bsz)])
+
+    for mode in modes:
+        pre = f"{mode}/" if len(modes) > 1 else ""
+        names = [n for n, _, m in setups if m == mode]
+        on = [n for n in names if n not in (pre + "off", pre + "auto")]
+        print(f"\n{mode}: output tok/s (ratio to off)")
+        print("| batch | off | " + " | ".join(on) + " | auto |")
+        print("|---:|---:|" + "---:|" * (len(on) + 1))
+        for bsz in batches:
+            off = tok_s(pre + "off", bsz)
+            cells = [f"{tok_s(n, bsz):.1f} ({tok_s(n, bsz) / off:.2f}x)" for n in on + [pre + "auto"]]
+            print(f"| {bsz} | {off:.1f} | " + " | ".join(cells) + " |")
+        for n in on:
+            paid = [b for b in batches if tok_s(n, b) > tok_s(pre + "off", b)]
+            print(f"{n}: drafting paid at batch {paid or 'none'}; break-even (largest batch that paid, "
+                  f"among {batches}): {max(paid) if paid else 0}")
 
 
 if __name__ == "__main__":

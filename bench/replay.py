@@ -1,14 +1,16 @@
 """Replay A/B: captured requests through two server setups, side by side.
 
-    python -m bench.replay --a "" --b "--speculative-model DIR --num-speculative-tokens 4" \
+    python -m bench.replay --a "--num-speculative-tokens 0" \
+        --b "--speculative-model DIR --num-speculative-tokens 4" \
         --requests build/drafter/capture-heldout [--limit 200] [--concurrency 1] [--temperature 0] \
         [--plot bench/replay.png] [--write NAME]
 
-Each setup is a string of server flags (empty: the defaults). Every captured request is replayed with its
-own prompt token ids and sampling settings (`--temperature` overrides the temperature of all), through
-/v1/completions, streamed; per setup: mean acceptance length and its histogram (from the server's
-/metrics), draft acceptance rate, drafter time per step, output tokens/s over the replay's wall time,
-TTFT and end-to-end p50/p99. `--write NAME` adds the table to bench/RESULTS.md under that name.
+Each setup is a string of server flags (empty: the defaults, which speculate with a model's shipped
+drafter). Every captured request is replayed with its own prompt token ids and sampling settings
+(`--temperature` overrides the temperature of all), through /v1/completions, streamed; per setup: mean
+acceptance length and its histogram (from the server's /metrics), draft acceptance rate, drafter time
+per step, output tokens/s over the replay's wall time, TTFT and end-to-end p50/p99. `--write NAME` adds
+the table to bench/RESULTS.md under that name.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ def run(model: str | None, k: int, max_tokens: int):
     from namazu import LLM, SamplingParams
 
     convs = [[{"role": "user", "content": f"{c}の天気を摂氏で調べてください"}] for c in CITIES]
-    args = dict(speculative_method="ngram", num_speculative_tokens=k) if k else {}
+    args = dict(speculative_method="ngram", num_speculative_tokens=k) if k else dict(num_speculative_tokens=0)
     with LLM(model, dtype="float32", **args) as llm:
         llm.generate(prompt_token_ids=[[100, 101, 102]], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)
         before = llm.engine.get_stats()

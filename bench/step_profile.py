@@ -41,7 +41,7 @@ def _median_ms(xs: list[float]) -> float:
 def _make_llm(model: str, mode: str, executor: str, batches: list[int], threads: int, spec: str | None):
     from namazu import LLM
 
-    kw = {"speculative_method": spec, "num_speculative_tokens": 3} if spec else {}
+    kw = {"speculative_method": spec, "num_speculative_tokens": 3} if spec else {"num_speculative_tokens": 0}
     return LLM(model, dtype="float32", executor=executor, enforce_eager=mode == "eager", threads=threads,
                max_num_seqs=max(batches), max_num_batched_tokens=4096, kv_cache_memory="512MiB", **kw)
 

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = ["次のスキーマに従うJSONで答えてください: " + json.dumps(s, ensure_ascii=False)[:160] for s in schemas]
     results = {}
     for spec in (False, True):
-        kw = dict(speculative_method="ngram", num_speculative_tokens=args.k) if spec else {}
+        kw = dict(speculative_method="ngram", num_speculative_tokens=args.k) if spec else dict(num_speculative_tokens=0)
         with LLM(args.model, dtype="float32", executor="inline", max_num_seqs=max(args.batch, 8), **kw) as llm:
             llm.generate(["warm-up"], SamplingParams(max_tokens=4, json_schema=schemas[0]), use_tqdm=False)
             for constrained in tqdm((False, True, "long"), desc=f"speculation {'on' if spec else 'off'}"):

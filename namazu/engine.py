@@ -29,9 +29,8 @@ from namazu.scheduler.block_manager import BlockManager
 from namazu.scheduler.kv_events import KVEventLog
 from namazu.scheduler.scheduler import ScheduledSeq, Scheduler
 from namazu.scheduler.sequence import Sequence, SequenceStatus
-from namazu.spec.dflash_proposer import make_dflash_proposer
-from namazu.spec.drafters import NgramProposer
 from namazu.spec.proposer import Proposer
+from namazu.spec.selection import choose_speculation
 from namazu.step_batch import StepResult
 from namazu.structured.bitmask import fill_step_bitmask
 from namazu.structured.factory import StructuredOutputs, grammar_for, needs_compiler
@@ -62,7 +61,7 @@ class EngineStats:
     num_steps: int
     num_prompt_tokens: int
     num_generated_tokens: int
-    num_draft_tokens: int
+    num_draft_tokens: int                # drafts verified
     num_accepted_draft_tokens: int
     grammar_cache_hits: int = 0          # compiled-grammar cache (JSON schema, regex, EBNF, tools)
     grammar_cache_misses: int = 0
@@ -72,6 +71,11 @@ class EngineStats:
     # bonus), and the worker's wall time in the drafter.
     acceptance_length_histogram: list[int] = field(default_factory=list)
     drafter_seconds: float = 0.0
+    # Steps planned without drafting because more sequences ran than --speculative-disable-batch-size.
+    num_spec_disabled_steps: int = 0
+    # Draft rows the steps scored: the drafts verified, plus rows planned (async) for drafts the worker
+    # did not have.
+    num_draft_rows: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -84,15 +88,13 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
-        if drafter is None and config.speculative_method == "ngram":
-            drafter = NgramProposer(config.ngram_max, config.ngram_min)
-        if drafter is None and config.speculative_model is not None and config.num_speculative_tokens > 0:
-            drafter = make_dflash_proposer(config.speculative_model, self.model_config)
-        self.drafter = drafter
-        self.num_speculative_tokens = config.num_speculative_tokens if drafter is not None else 0
-        if drafter is not None and self.num_speculative_tokens == 0:
-            raise ValueError("a drafter was given but --num-speculative-tokens is 0")
-        self.executor = make_executor(config, self.model_path, drafter)
+        choice = choose_speculation(config, self.model_path, self.model_config, drafter)
+        logger.info("%s", choice.describe())
+        # The workers read the concrete draft count; the batch-size decision is the scheduler's alone.
+        self.config = config = choice.resolve(config)
+        self.drafter = choice.drafter
+        self.num_speculative_tokens = choice.num_speculative_tokens
+        self.executor = make_executor(config, self.model_path, self.drafter)
         try:
             self._plan_capacity()
         except BaseException:
@@ -102,9 +104,11 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, events=self.kv_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.enable_chunked_prefill, config.scheduling_policy)
+                                   self.max_model_len, config.enable_chunked_prefill, config.scheduling_policy,
+                                   spec_disable_batch_size=choice.disable_batch_size)
         self.vocab_size = self.model_config.vocab_size
         self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
+        self._stop_set = frozenset(self.stop_ids)
         self.requests: dict[str, RequestState] = {}
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len, config.max_logprobs)
         self.outputs = OutputProcessor(self.stop_ids, self.max_model_len)
@@ -115,6 +119,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._num_steps = self._prompt_tokens = self._drafted = self._accepted = self._mask_rows = 0
+        self._draft_rows = 0
         self._mask_seconds = 0.0
         self._accept_hist = [0] * (self.num_speculative_tokens + 1)
         self._drafter_seconds = 0.0
@@ -228,7 +233,9 @@ class LLMEngine:
         if cap <= 0:
             return 0
         if seq.num_pending:
-            return cap    # planned before its drafts are known (async): the worker verifies what it has
+            # Planned before its drafts are known (async): the worker verifies what it has, which is
+            # nothing when the step in flight was told not to draft.
+            return cap if seq.drafts_requested else 0
         return min(cap, seq.num_next_drafts)
 
     def _launch(self) -> _Launched | None:
@@ -244,12 +251,13 @@ class LLMEngine:
         if batch.sampling.bitmask is not None:
             self._mask_rows += len(batch.sampling.bitmask)
             self._mask_seconds += time.perf_counter() - t0
-        if self.drafter is not None and self.drafter.on_device:
+        if self.drafter is not None and self.drafter.on_device and plan.speculate:
             batch.spec.max_drafts_next = self.num_speculative_tokens
         self.executor.submit(batch)
         for item in plan.scheduled:
             self.scheduler.submitted(item)
         self._num_steps += 1
+        self._draft_rows += sum(item.num_drafts for item in plan.scheduled)
         return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num)
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
@@ -319,7 +327,10 @@ class LLMEngine:
             seq.num_next_drafts = int(result.next_num_drafts[s])
             if seq.grammar is not None and result.next_draft_ids is not None:
                 ids = list(result.next_draft_ids[s][:seq.num_next_drafts])
-                seq.num_next_drafts = seq.grammar.validate_tokens(ids) if reason is None else 0
+                # A stop token ends the grammar: no row after it has a mask, so drafts end before it (the
+                # row at its position may still sample it).
+                stop = next((j for j, t in enumerate(ids) if t in self._stop_set), len(ids))
+                seq.num_next_drafts = seq.grammar.validate_tokens(ids[:stop]) if reason is None else 0
                 seq.next_draft_ids = ids[:seq.num_next_drafts]
         return reason
 
@@ -346,7 +357,8 @@ class LLMEngine:
             num_draft_tokens=self._drafted, num_accepted_draft_tokens=self._accepted,
             grammar_cache_hits=cache.hits if cache else 0, grammar_cache_misses=cache.misses if cache else 0,
             grammar_mask_rows=self._mask_rows, grammar_mask_seconds=self._mask_seconds,
-            acceptance_length_histogram=list(self._accept_hist), drafter_seconds=self._drafter_seconds)
+            acceptance_length_histogram=list(self._accept_hist), drafter_seconds=self._drafter_seconds,
+            num_spec_disabled_steps=self.scheduler.num_spec_disabled_steps, num_draft_rows=self._draft_rows)
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()

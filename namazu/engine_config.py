@@ -82,7 +82,16 @@ class EngineConfig:
     speculative_model: str | None = _f(None, "DFlash2 drafter checkpoint directory (config.json + "
                                              "model.safetensors, trained for this target); drafts from "
                                              "the target's hidden states inside the step", metavar="PATH")
-    num_speculative_tokens: int = _f(0, "draft tokens scored per sequence per verify step (0: speculation off)")
+    num_speculative_tokens: int | None = _f(None, "draft tokens scored per sequence per verify step; 0: "
+                                                  "speculation off. Default (auto): with no drafter named, the "
+                                                  "drafter shipped in the model's drafter/ directory (if any) "
+                                                  "with its block size - 1; with --speculative-model, that "
+                                                  "drafter's block size - 1")
+    speculative_disable_batch_size: int | None = _f(
+        None, "draft and verify only in steps where at most N sequences are running; above that a step is "
+              "a plain decode (the drafter's context keeps growing, so drafting resumes as soon as the batch "
+              "shrinks); 0: never disable. Default: the measured break-even batch size for the drafter "
+              "shipped with the model, 0 (never) for a drafter named by flags", metavar="N")
     ngram_max: int = _f(4, "longest n-gram the ngram drafter matches")
     ngram_min: int = _f(1, "shortest n-gram the ngram drafter matches")
     capture_dir: str | None = _f(None, "append every finished request's prompt and output token ids, "
@@ -151,10 +160,12 @@ class EngineConfig:
             bad("max_num_seqs", "must be at least 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
             bad("max_num_batched_tokens", f"must be >= --max-num-seqs ({self.max_num_seqs})")
-        if self.num_speculative_tokens < 0:
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             bad("num_speculative_tokens", "must be >= 0")
-        if self.speculative_method is not None and self.num_speculative_tokens == 0:
+        if self.speculative_method is not None and not self.num_speculative_tokens:
             bad("num_speculative_tokens", f"must be > 0 with --speculative-method {self.speculative_method}")
+        if self.speculative_disable_batch_size is not None and self.speculative_disable_batch_size < 0:
+            bad("speculative_disable_batch_size", "must be >= 0 (0: never disable)")
         try:
             if parse_bytes(self.capture_shard_bytes) < 1024:
                 bad("capture_shard_bytes", "must be at least 1KiB")

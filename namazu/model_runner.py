@@ -335,7 +335,7 @@ class ModelRunner:
                 if self.share_decisions:
                     tokens, accepted = share_decision(tokens, accepted, self.world_size)
                 values.update(tokens=tokens, accepted=accepted, num_drafts=num_drafts)
-                if self.proposer is not None and self.proposer.on_device:
+                if device_proposer and b.spec.max_drafts_next:     # the engine's decision: draft now
                     first = row_layout[:, 0]
                     where.update(temperature=st.temperature[first], seeds=st.seeds[first],
                                  counters=st.counters[row_layout], all_greedy=bool(b.sampling.all_greedy))
@@ -411,6 +411,11 @@ class ModelRunner:
         if self.proposer is None:
             return
         if self.proposer.on_device:
+            if result.next_num_drafts is None:
+                # Told not to draft this step (too many sequences running): drafts held from an earlier
+                # step must not be verified after this one's tokens.
+                result.next_num_drafts = np.zeros(len(prep.slots), dtype=np.int64)
+                result.next_draft_ids = np.zeros((len(prep.slots), 0), dtype=np.int64)
             self.drafts.note_device_counts(prep.slots, result.next_num_drafts, result.next_draft_ids,
                                            stochastic=self._device_stochastic)
         else:

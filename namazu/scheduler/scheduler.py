@@ -33,6 +33,7 @@ class ScheduledSeq:
     start: int = field(init=False)   # num_computed_tokens when planned (the first new position)
     samples: bool = field(init=False)
     assumed_drafts: int = field(init=False)   # drafts of the step in flight this plan assumes accepted
+    drafts_next: bool = False      # the plan asks the worker to draft after this step (`SchedulerOutput.speculate`)
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
@@ -48,6 +49,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence]
+    # The step's one speculation decision: verify drafts in it and draft after it. False when the engine
+    # has no drafter, or more sequences run than the batch-size threshold.
+    speculate: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -60,9 +64,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs"):
+                 max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs",
+                 spec_disable_batch_size: int = 0):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy {policy!r}: expected fcfs or priority")
+        if spec_disable_batch_size < 0:
+            raise ValueError(f"spec_disable_batch_size={spec_disable_batch_size}: must be >= 0 (0: never)")
+        self.spec_disable_batch_size = spec_disable_batch_size
+        self.num_spec_disabled_steps = 0
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -106,10 +115,21 @@ class Scheduler:
         self.num_preemptions += 1
         logger.info("preempted %s (seq %d) by recompute: KV pool exhausted", seq.request_id, seq.seq_id)
 
+    def _speculation_fits(self) -> bool:
+        limit = self.spec_disable_batch_size
+        return limit == 0 or len(self.running) <= limit
+
     def schedule(self, num_drafts: Callable[[Sequence], int] | None = None) -> SchedulerOutput:
         """Plans one step. `num_drafts(seq)` is how many of the worker's drafts a sequence in decode may
-        verify; they are trimmed to the budget, max_tokens and max_model_len."""
+        verify; they are trimmed to the budget, max_tokens and max_model_len. None: no speculation.
+
+        Speculation is decided here, once per step: the step verifies drafts and the worker drafts after
+        it only if at most `spec_disable_batch_size` sequences are running once the step is planned
+        (admissions and preemptions included)."""
         budget = self.max_num_batched_tokens
+        # A first guess, so a batch already too large spends no budget on drafts; the decision below is
+        # the one that counts.
+        drafting = num_drafts is not None and self._speculation_fits()
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
 
@@ -127,7 +147,7 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not self._may_chunk(remaining):
                 continue
-            k = self._trim_drafts(seq, num_drafts(seq) if num_drafts else 0, budget - n, n == remaining)
+            k = self._trim_drafts(seq, num_drafts(seq) if drafting else 0, budget - n, n == remaining)
             while not self.bm.grow(seq, seq.num_computed_tokens + n + k):
                 victim = self.running[-1]          # the last in policy order
                 if victim.seq_id in planned:       # already planned this step: give its budget back
@@ -161,7 +181,16 @@ class Scheduler:
             bisect.insort(self.running, seq, key=self._key)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-        return SchedulerOutput(scheduled, preempted)
+        speculate = num_drafts is not None and self._speculation_fits()
+        if num_drafts is not None and not speculate:
+            # Admissions pushed the batch past the threshold: verify nothing. The blocks grown for the
+            # drafts are released by `commit`, as those of rejected drafts are.
+            self.num_spec_disabled_steps += 1
+            for item in scheduled:
+                item.num_drafts = 0
+        for item in scheduled:
+            item.drafts_next = speculate
+        return SchedulerOutput(scheduled, preempted, speculate)
 
     def _exhausted(self, seq: Sequence) -> bool:
         max_tokens = seq.params.max_tokens
@@ -191,6 +220,7 @@ class Scheduler:
         if item.samples:
             seq.num_pending += item.num_drafts + 1
             seq.inflight_drafts = item.num_drafts
+            seq.drafts_requested = item.drafts_next
 
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
         """After a step: the KV of the first `num_computed_tokens` tokens is valid. Rolls back blocks

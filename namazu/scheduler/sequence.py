@@ -60,6 +60,7 @@ class Sequence:
     num_next_drafts: int = 0         # drafts the worker proposed after this sequence's last step
     next_draft_ids: list[int] = field(default_factory=list)   # their ids (grammar sequences only)
     inflight_drafts: int = 0         # drafts of the verify step in flight (async), assumed all accepted
+    drafts_requested: bool = False   # the last step that sampled for it asked the worker to draft
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,0 +1,112 @@
+"""Which drafter a server runs, with how many draft tokens, above which batch size it stops drafting, and why.
+
+One decision at start-up, from the engine flags and the checkpoint, made the same way by the engine and
+by every further node of a multi-node run (`distributed/node.py`), so all ranks hold the same proposer:
+
+- a drafter named by the caller (`LLM(drafter=...)`), by `--speculative-method ngram` or by
+  `--speculative-model PATH`: that one; `--num-speculative-tokens` defaults to a DFlash drafter's
+  block size - 1; the batch-size threshold defaults to 0 (never disable: explicit users keep the
+  behaviour they asked for);
+- nothing named: the DFlash drafter the checkpoint ships in its `drafter/` directory (namazu-tiny does),
+  with its block size - 1 draft tokens unless `--num-speculative-tokens` says otherwise, and the
+  measured break-even batch size as the threshold; a checkpoint without `drafter/` serves without
+  speculation;
+- `--num-speculative-tokens 0`: off, whatever else is set.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from namazu.config import ModelConfig
+from namazu.engine_config import EngineConfig
+from namazu.spec.dflash_config import DrafterCheckpointError
+from namazu.spec.dflash_proposer import make_dflash_proposer
+from namazu.spec.drafters import NgramProposer
+from namazu.spec.proposer import Proposer
+
+SHIPPED_DRAFTER_DIR = "drafter"
+
+# Above this many running sequences the shipped drafter costs more than it saves: measured on CPU
+# (eager, fp32, namazu-tiny) speculation was 1.33x plain decoding at batch 1, 0.93x at batch 2 and
+# 0.94x at batch 4 (`python bench/drafter_step.py` prints off / on / auto side by side at batch 1, 2, 4
+# and 8, and the largest batch at which drafting paid).
+AUTO_DISABLE_BATCH_SIZE = 1
+
+
+@dataclass(frozen=True)
+class SpeculationChoice:
+    drafter: Proposer | None
+    num_speculative_tokens: int          # 0: speculation off
+    disable_batch_size: int              # 0: never disabled by batch size
+    why: str                             # for the start-up log: where the drafter came from
+    limit_why: str = ""                  # and where the threshold came from
+
+    def resolve(self, config: EngineConfig) -> EngineConfig:
+        """The config with the concrete numbers, for the workers (which read them, never decide them)."""
+        return dataclasses.replace(config, num_speculative_tokens=self.num_speculative_tokens,
+                                   speculative_disable_batch_size=self.disable_batch_size)
+
+    def describe(self) -> str:
+        if not self.num_speculative_tokens:
+            return f"speculative decoding off ({self.why})"
+        limit = (f"drafting only while at most {self.disable_batch_size} sequence(s) run ({self.limit_why})"
+                 if self.disable_batch_size else f"drafting at every batch size ({self.limit_why})")
+        return f"speculative decoding: {self.why}, {self.num_speculative_tokens} draft tokens, {limit}"
+
+
+def shipped_drafter_path(model_path: str | Path) -> Path | None:
+    """The checkpoint's own drafter directory, if it ships one."""
+    path = Path(model_path) / SHIPPED_DRAFTER_DIR
+    return path if path.is_dir() else None
+
+
+def choose_speculation(config: EngineConfig, model_path: str | Path, model_config: ModelConfig,
+                       drafter: Proposer | None = None) -> SpeculationChoice:
+    """The proposer (built and checked against the target; nothing is loaded into a worker yet), its
+    draft count and batch-size threshold. A drafter checkpoint that does not fit the target raises
+    `DrafterCheckpointError` naming the field or tensor, whether named by a flag or shipped."""
+    n, limit = config.num_speculative_tokens, config.speculative_disable_batch_size
+    explicit_limit = limit or 0
+    limit_why = "--speculative-disable-batch-size" if limit is not None else "the default for a named drafter"
+    if n == 0:
+        if drafter is not None:
+            raise ValueError("a drafter was given but --num-speculative-tokens is 0")
+        return SpeculationChoice(None, 0, 0, "--num-speculative-tokens 0")
+    if drafter is not None:
+        if n is None:
+            raise ValueError("a drafter was given without --num-speculative-tokens")
+        return SpeculationChoice(drafter, n, explicit_limit, f"{type(drafter).__name__} given by the caller",
+                                 limit_why)
+    if config.speculative_method == "ngram":
+        # The config's own check guarantees n > 0 here.
+        return SpeculationChoice(NgramProposer(config.ngram_max, config.ngram_min), n, explicit_limit,
+                                 "n-gram prompt lookup (--speculative-method ngram)", limit_why)
+    tp = config.tensor_parallel_size
+    if config.speculative_model is not None:
+        if tp > 1:
+            raise ValueError(f"--speculative-model: the DFlash drafter does not run under tensor parallelism yet "
+                             f"(--tensor-parallel-size {tp}: it needs the target's whole embedding and lm_head, "
+                             "which the ranks split); use --speculative-method ngram or --tp 1")
+        proposer = make_dflash_proposer(config.speculative_model, model_config)
+        n = proposer.cfg.num_draft_tokens if n is None else n
+        return SpeculationChoice(proposer, n, explicit_limit,
+                                 f"DFlash drafter {config.speculative_model} (--speculative-model)", limit_why)
+    path = shipped_drafter_path(model_path)
+    if path is None:
+        why = "the model ships no drafter/ and none was named (--speculative-model)"
+        return SpeculationChoice(None, 0, 0, why)
+    if tp > 1:
+        return SpeculationChoice(None, 0, 0, f"the model's shipped DFlash drafter does not run under tensor "
+                                             f"parallelism yet (--tensor-parallel-size {tp})")
+    try:
+        proposer = make_dflash_proposer(str(path), model_config)
+    except DrafterCheckpointError as e:
+        raise DrafterCheckpointError(f"the drafter shipped with the model does not fit it: {e}; serve without "
+                                     "it with --num-speculative-tokens 0") from e
+    n = proposer.cfg.num_draft_tokens if n is None else n
+    if limit is None:
+        limit, limit_why = AUTO_DISABLE_BATCH_SIZE, "the measured break-even of the shipped drafter"
+    return SpeculationChoice(proposer, n, limit, f"DFlash drafter {path} (shipped with the model, block size "
+                                                 f"{proposer.cfg.block_size})", limit_why)
