@@ -2,6 +2,7 @@
 
     python bench/drafter_step.py [--drafters shipped=namazu/assets/namazu-tiny/drafter NAME=DIR ...]
                                  [--requests CAPTURE_DIR] [--batch 1 2 4 8] [--rounds 3] [--output-len 48]
+                                 [--groups 8] [--ignore-eos] [--k N]
                                  [--modes eager graph] [--auto-threshold N]
 
 Every setup (per mode: speculation off; one per drafter at --k draft tokens, drafting at every batch
@@ -12,13 +13,16 @@ compiles its ladder entries there).
 Per setup and batch (median over rounds): drafter ms per step (`drafter_seconds` / steps: extending the
 context cache and drafting), engine ms per step, output tokens/s, mean acceptance length; then off / on /
 auto side by side with their ratios, and the largest batch at which drafting paid (the break-even that
-`namazu/spec/selection.py` takes as the auto threshold). Greedy, EOS ignored; prompts are held-out
+`namazu/spec/selection.py` takes as the auto threshold). Greedy, answers end at EOS or --output-len
+(--ignore-eos: always --output-len; past EOS the target writes text no drafter was trained on, which
+understates acceptance), --groups generate calls per round on other prompts; prompts are held-out
 captured prompts (--requests) or, by default, 64 held-out chat requests of the drafter's traffic mix
 (`namazu.spec.traffic`, valid split) through the default model's chat template.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -39,7 +43,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="--speculative-disable-batch-size of the auto setup (default: the engine's)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=48)
-    ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    ap.add_argument("--k", type=int, default=None,
+                    help="draft tokens per step of a named drafter (default: its block size - 1, as served)")
+    ap.add_argument("--groups", type=int, default=8,
+                    help="generate calls per setup, batch size and round, each on other prompts")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="always --output-len tokens (default: answers end at EOS, as served; greedy outputs "
+                         "are the same with and without drafting, so every setup still does the same work)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "graph"],
                     help="eager steps, and/or decode, verify and draft steps as compiled graphs")
@@ -74,29 +84,35 @@ def main(argv: list[str] | None = None) -> int:
         elif path == "auto":
             kw = dict(speculative_disable_batch_size=args.auto_threshold)
         else:       # a named drafter drafts at every batch size unless told otherwise
-            kw = dict(speculative_model=path, num_speculative_tokens=args.k)
+            kw = dict(speculative_model=path, num_speculative_tokens=args.k)   # None: its block size - 1
         t0 = time.perf_counter()
         llms[name] = LLM(None, executor="inline", threads=args.threads, enforce_eager=mode == "eager",
                          max_num_seqs=max(args.batch), **kw)
         eng = llms[name].engine
         print(f"{name}: started in {time.perf_counter() - t0:.1f} s; {eng.num_speculative_tokens} draft tokens, "
               f"disabled above batch {eng.scheduler.spec_disable_batch_size or 'never'}")
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
     rows: dict[tuple[str, int], list[dict]] = {}
+    same_work: dict[tuple[int, int], set[int]] = collections.defaultdict(set)   # answers per round and batch
     print(f"load average before: {os.getloadavg()[0]:.1f}")
     for r in range(-1, args.rounds):          # round -1: warm-up (graph compilation), not counted
         for bsz in args.batch:
-            batch = [prompts[(r * bsz + i) % len(prompts)] for i in range(bsz)]
+            first = (r + 1) * bsz * args.groups
+            batches = [[prompts[(first + g * bsz + i) % len(prompts)] for i in range(bsz)] for g in range(args.groups)]
             for name, _, _ in setups:
                 llm = llms[name]
                 s0 = llm.engine.get_stats()
-                t0 = time.perf_counter()
-                outs = llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
-                wall = time.perf_counter() - t0
+                wall, tokens, answers = 0.0, 0, []
+                for batch in batches:
+                    t0 = time.perf_counter()
+                    outs = llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+                    wall += time.perf_counter() - t0
+                    tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+                    answers += [list(o.outputs[0].token_ids) for o in outs]
+                same_work[(r, bsz)].add(hash(str(answers)))
                 s1 = llm.engine.get_stats()
                 steps = s1.num_steps - s0.num_steps
                 hist = np.array(s1.acceptance_length_histogram or [0]) - np.array(s0.acceptance_length_histogram or [0])
-                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                 if r < 0:
                     continue
                 rows.setdefault((name, bsz), []).append({
@@ -104,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                     "step_ms": 1e3 * wall / max(1, steps), "tok_s": tokens / wall,
                     "tau": float((hist * np.arange(1, len(hist) + 1)).sum() / hist.sum()) if hist.sum() else 0.0})
     print(f"load average after: {os.getloadavg()[0]:.1f}")
+    differ = sorted(k for k, v in same_work.items() if len(v) > 1)
+    print("greedy answers identical across setups: " + ("yes" if not differ else f"NO (round, batch): {differ}"))
     print("| setup | batch | drafter ms/step | engine ms/step | output tok/s | vs off | mean acceptance length |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for bsz in args.batch:
