@@ -119,17 +119,21 @@ def _completion_request(vocab_size: int, max_logprobs: int) -> dict[str, Any]:
 def _chat_request(vocab_size: int, max_logprobs: int) -> dict[str, Any]:
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    # What the server reads (server/protocol.py, _read_messages): content may be absent or null (an
+    # assistant turn that only calls tools; other roles are refused with 422 then, which a schema cannot
+    # say per role), and every optional field may be null, which counts as absent.
+    string = _nullable({"type": "string"})
     message = {
-        "type": "object", "required": ["role", "content"],
+        "type": "object", "required": ["role"],
         "properties": {
             "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]},
-            "name": {"type": "string"},
-            "tool_call_id": {"type": "string"},
-            "tool_calls": {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
-                "id": {"type": "string"}, "type": {"type": "string"},
-                "function": {"type": "object", "properties": {"name": {"type": "string"},
-                                                              "arguments": {"type": "string"}}}}}},
+            "content": _nullable({"oneOf": [{"type": "string"}, {"type": "array", "items": part}]}),
+            "name": string,
+            "tool_call_id": string,
+            "tool_calls": _nullable({"type": "array", "items": {"type": "object", "required": ["function"],
+                                                                "properties": {
+                "id": string, "type": string,
+                "function": {"type": "object", "properties": {"name": string, "arguments": string}}}}}),
         },
     }
     tool = {"type": "object", "required": ["type", "function"], "properties": {

@@ -373,22 +373,43 @@ def _read_messages(v: Any) -> list[dict[str, Any]]:
             msg["content"] = _text_parts(content, f"{where}.content")
         else:
             raise wrong_type(f"{where}.content", "a string or an array of content parts", content)
-        if role == "assistant" and m.get("tool_calls"):
-            calls = m["tool_calls"]
-            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                                      for c in calls):
-                raise wrong_type(f"{where}.tool_calls", "an array of {id, type, function} objects", calls)
+        calls = _read_tool_calls(m.get("tool_calls"), f"{where}.tool_calls")
+        if role == "assistant" and calls:
             msg["tool_calls"] = calls
+        tcid = _optional_string(m.get("tool_call_id"), f"{where}.tool_call_id")
         if role == "tool":
-            tcid = m.get("tool_call_id")
-            if not isinstance(tcid, str):
+            if tcid is None:
                 raise APIError(422, f"'{where}.tool_call_id' (a string) is required for role 'tool'",
                                param=f"{where}.tool_call_id", code="missing_required_parameter")
             msg["tool_call_id"] = tcid
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+        name = _optional_string(m.get("name"), f"{where}.name")
+        if name is not None:
+            msg["name"] = name
         out.append(msg)
     return out
+
+
+def _optional_string(v: Any, where: str) -> str | None:
+    """A message's optional string field: absent or null is None; any other non-string is refused, for
+    every role (the document types it whether or not the role uses it)."""
+    if v is not None and not isinstance(v, str):
+        raise wrong_type(where, "a string", v)
+    return v
+
+
+def _read_tool_calls(v: Any, where: str) -> list[dict[str, Any]] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise wrong_type(where, "an array of {id, type, function} objects", v)
+    for j, c in enumerate(v):
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise wrong_type(f"{where}[{j}]", "an {id, type, function} object", c)
+        for key in ("id", "type"):
+            _optional_string(c.get(key), f"{where}[{j}].{key}")
+        for key in ("name", "arguments"):
+            _optional_string(c["function"].get(key), f"{where}[{j}].function.{key}")
+    return v
 
 
 def _text_parts(parts: list[Any], where: str) -> str:

@@ -84,6 +84,12 @@ def test_chat_fields():
     assert parse_chat({"messages": [{"role": "user", "content": "x"}]}, 20).top_logprobs is None
 
 
+def test_chat_optional_message_fields_may_be_null_or_absent():
+    req = parse_chat({"messages": [{"role": "user", "content": "x", "name": None, "tool_call_id": None,
+                                    "tool_calls": None}, {"role": "assistant"}]}, 20)
+    assert req.messages == [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({}, 422, "messages"),
     ({"messages": []}, 400, "messages"),
@@ -93,6 +99,12 @@ def test_chat_fields():
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
      "messages[0].content[0].type"),
     ({"messages": [{"role": "tool", "content": "r"}]}, 422, "messages[0].tool_call_id"),
+    # Optional message fields are typed for every role, as /openapi.json types them.
+    ({"messages": [{"role": "user", "content": "x", "name": 7}]}, 422, "messages[0].name"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": []}]}, 422, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": 0}]}, 422, "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": 3}}]}]}, 422,
+     "messages[0].tool_calls[0].function.name"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
