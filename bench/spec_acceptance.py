@@ -1,0 +1,82 @@
+"""Mean acceptance length of several drafters through the engine, on held-out captured requests.
+
+    python bench/spec_acceptance.py --requests build/drafter/capture-heldout --drafters shipped=DIR ngram \
+        [--temperature 0.7] [--limit 200] [--k 6] [--greedy-drafts]
+
+Each captured request is generated again with its own top-p, top-k and seed at --temperature (each answer
+at most as long as the captured one), in one inline engine per drafter, 16 sequences at a time, drafting at
+every batch size (no disable threshold). The engine's own acceptance histogram gives the mean acceptance
+length (drafts accepted + 1 per verify step). A DFlash drafter draws its drafts from the selector's q at
+T > 0 (the default, verified with the lossless rule); --greedy-drafts makes it draft its top tokens
+instead. `ngram` is the n-gram drafter. Acceptance does not depend on the machine's load.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def acceptance(drafter: str, records: list, temperature: float, k: int, greedy_drafts: bool) -> tuple[float, int]:
+    import torch
+
+    from namazu import LLM, SamplingParams
+    from namazu.assets import resolve_model_path
+    from namazu.config import ModelConfig
+    from namazu.spec.dflash_proposer import DFlashProposer
+
+    torch.set_num_threads(1)
+    model = str(resolve_model_path(None))
+    cfg = ModelConfig.from_pretrained(model)
+    if drafter == "ngram":
+        prop, extra = None, dict(speculative_method="ngram")
+    else:
+        prop = DFlashProposer(drafter, cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers,
+                              sample_drafts=not greedy_drafts)
+        extra = {}
+    params = [SamplingParams(temperature=temperature, top_p=r.sampling.get("top_p") or 1.0,
+                             top_k=r.sampling.get("top_k") or 0, seed=r.sampling.get("seed"),
+                             max_tokens=max(1, len(r.output_token_ids[0]))) for r in records]
+    with LLM(model, dtype="float32", executor="inline", drafter=prop, num_speculative_tokens=k, max_num_seqs=16,
+             speculative_disable_batch_size=0, **extra) as llm:
+        llm.generate(prompt_token_ids=[r.prompt_token_ids for r in records], sampling_params=params,
+                     use_tqdm=False)
+        hist = np.asarray(llm.engine.get_stats().acceptance_length_histogram, dtype=float)
+    steps = int(hist.sum())
+    return float((hist * np.arange(1, len(hist) + 1)).sum() / max(1, steps)), steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", nargs="+", required=True, help="capture dirs or shard files")
+    ap.add_argument("--drafters", nargs="+", required=True, metavar="NAME=DIR|ngram")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--limit", type=int, default=200)
+    ap.add_argument("--k", type=int, default=6, help="draft tokens per step")
+    ap.add_argument("--greedy-drafts", action="store_true", help="DFlash drafts its top tokens at T > 0")
+    args = ap.parse_args(argv)
+
+    from tqdm import tqdm
+
+    from namazu.spec.capture import read_records
+
+    records = [r for _, r in zip(range(args.limit), read_records(args.requests))]
+    rows = []
+    for spec in tqdm(args.drafters, desc="drafters", unit="drafter"):
+        name, _, path = spec.partition("=")
+        rows.append((name, *acceptance(path or name, records, args.temperature, args.k, args.greedy_drafts)))
+    drafts = "greedy drafts" if args.greedy_drafts else "drafts from q"
+    print(f"{len(records)} held-out requests, T={args.temperature:g}, k={args.k}, {drafts} (DFlash)")
+    print("| drafter | mean acceptance length | verify steps |")
+    print("|---|---:|---:|")
+    for name, tau, steps in rows:
+        print(f"| {name} | {tau:.2f} | {steps} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
