@@ -28,10 +28,11 @@ from namazu.spec.proposer import Proposer
 
 SHIPPED_DRAFTER_DIR = "drafter"
 
-# Above this many running sequences the shipped drafter costs more than it saves: measured on CPU
-# (eager, fp32, namazu-tiny) speculation was 1.33x plain decoding at batch 1, 0.93x at batch 2 and
-# 0.94x at batch 4 (`python bench/drafter_step.py` prints off / on / auto side by side at batch 1, 2, 4
-# and 8, and the largest batch at which drafting paid).
+# The batch size up to which the shipped drafter paid on every workload measured (CPU, eager, fp32,
+# namazu-tiny, bench/RESULTS.md round 4): 1.30x plain decoding at batch 1 (200 held-out chat prompts);
+# at batch 2-4 it paid with answers that end at EOS (1.22-1.30x) but not with fixed 48-token answers
+# past EOS (0.92-0.93x). `python bench/drafter_step.py` prints off / on / auto side by side and the
+# largest batch at which drafting paid.
 AUTO_DISABLE_BATCH_SIZE = 1
 
 
