@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from namazu import LLM, SamplingParams
     from namazu.assets import default_model_path
+    from namazu.engine import mean_acceptance_length
     from namazu.spec.selection import SHIPPED_DRAFTER_DIR
 
     if args.requests:
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.setdefault((name, bsz), []).append({
                     "drafter_ms": 1e3 * (s1.drafter_seconds - s0.drafter_seconds) / max(1, steps),
                     "step_ms": 1e3 * wall / max(1, steps), "tok_s": tokens / wall,
-                    "tau": float((hist * np.arange(1, len(hist) + 1)).sum() / hist.sum()) if hist.sum() else 0.0})
+                    "tau": mean_acceptance_length(hist.tolist())})
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     differ = sorted(k for k, v in same_work.items() if len(v) > 1)
     print("greedy answers identical across setups: " + ("yes" if not differ else f"NO (round, batch): {differ}"))

@@ -16,8 +16,6 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -45,9 +43,8 @@ def acceptance(drafter: str, records: list, temperature: float, k: int, greedy_d
              speculative_disable_batch_size=0, **extra) as llm:
         llm.generate(prompt_token_ids=[r.prompt_token_ids for r in records], sampling_params=params,
                      use_tqdm=False)
-        hist = np.asarray(llm.engine.get_stats().acceptance_length_histogram, dtype=float)
-    steps = int(hist.sum())
-    return float((hist * np.arange(1, len(hist) + 1)).sum() / max(1, steps)), steps
+        stats = llm.engine.get_stats()
+    return stats.mean_acceptance_length, sum(stats.acceptance_length_histogram)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,12 @@ class _Launched:
     num_prompt_logprobs: int
 
 
+def mean_acceptance_length(histogram: list[int]) -> float:
+    """Tokens per verify step (drafts accepted + 1) from verify steps per acceptance length; 0 if none."""
+    steps = sum(histogram)
+    return sum((i + 1) * n for i, n in enumerate(histogram)) / steps if steps else 0.0
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -76,6 +82,10 @@ class EngineStats:
     # Draft rows the steps scored: the drafts verified, plus rows planned (async) for drafts the worker
     # did not have.
     num_draft_rows: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return mean_acceptance_length(self.acceptance_length_histogram)
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -255,7 +265,7 @@ class LLMEngine:
             batch.spec.max_drafts_next = self.num_speculative_tokens
         self.executor.submit(batch)
         for item in plan.scheduled:
-            self.scheduler.submitted(item)
+            self.scheduler.submitted(item, plan.speculate)
         self._num_steps += 1
         self._draft_rows += sum(item.num_drafts for item in plan.scheduled)
         return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num)

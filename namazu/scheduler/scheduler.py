@@ -33,7 +33,6 @@ class ScheduledSeq:
     start: int = field(init=False)   # num_computed_tokens when planned (the first new position)
     samples: bool = field(init=False)
     assumed_drafts: int = field(init=False)   # drafts of the step in flight this plan assumes accepted
-    drafts_next: bool = False      # the plan asks the worker to draft after this step (`SchedulerOutput.speculate`)
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
@@ -188,8 +187,6 @@ class Scheduler:
             self.num_spec_disabled_steps += 1
             for item in scheduled:
                 item.num_drafts = 0
-        for item in scheduled:
-            item.drafts_next = speculate
         return SchedulerOutput(scheduled, preempted, speculate)
 
     def _exhausted(self, seq: Sequence) -> bool:
@@ -211,16 +208,17 @@ class Scheduler:
             limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(k, limit))
 
-    def submitted(self, item: ScheduledSeq) -> None:
+    def submitted(self, item: ScheduledSeq, speculate: bool) -> None:
         """The step is on its way to the workers. Its outcome is assumed in advance so the next step
         can be planned before the results arrive: the new tokens' KV will exist, a sampling row adds
-        one pending token, and a verify's drafts are assumed accepted (`commit` corrects that)."""
+        one pending token, and a verify's drafts are assumed accepted (`commit` corrects that).
+        `speculate`: the step's plan asked the worker to draft after it (`SchedulerOutput.speculate`)."""
         seq = item.seq
         seq.num_computed_tokens += item.num_query_tokens
         if item.samples:
             seq.num_pending += item.num_drafts + 1
             seq.inflight_drafts = item.num_drafts
-            seq.drafts_requested = item.drafts_next
+            seq.drafts_requested = speculate
 
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
         """After a step: the KV of the first `num_computed_tokens` tokens is valid. Rolls back blocks
