@@ -3,7 +3,7 @@
     python bench/drafter_step.py [--drafters shipped=namazu/assets/namazu-tiny/drafter NAME=DIR ...]
                                  [--requests CAPTURE_DIR] [--batch 1 2 4 8] [--rounds 3] [--output-len 48]
                                  [--groups 8] [--ignore-eos] [--k N]
-                                 [--modes eager graph] [--auto-threshold N]
+                                 [--modes eager graph] [--auto-threshold N] [--dtype float32]
 
 Every setup (per mode: speculation off; one per drafter at --k draft tokens, drafting at every batch
 size; and auto, the default engine: the model's shipped drafter, off above the batch-size threshold) is
@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="always --output-len tokens (default: answers end at EOS, as served; greedy outputs "
                          "are the same with and without drafting, so every setup still does the same work)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="engine dtype (auto: float32 on CPU, the checkpoint's on GPU; float32 on GPU keeps "
+                         "greedy answers comparable across setups)")
     ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "graph"],
                     help="eager steps, and/or decode, verify and draft steps as compiled graphs")
     args = ap.parse_args(argv)
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         else:       # a named drafter drafts at every batch size unless told otherwise
             kw = dict(speculative_model=path, num_speculative_tokens=args.k)   # None: its block size - 1
         t0 = time.perf_counter()
-        llms[name] = LLM(None, executor="inline", threads=args.threads, enforce_eager=mode == "eager",
+        llms[name] = LLM(None, executor="inline", threads=args.threads, dtype=args.dtype,
+                         enforce_eager=mode == "eager",
                          max_num_seqs=max(args.batch), **kw)
         eng = llms[name].engine
         print(f"{name}: started in {time.perf_counter() - t0:.1f} s; {eng.num_speculative_tokens} draft tokens, "

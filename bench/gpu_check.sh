@@ -6,16 +6,23 @@
 #             CUDA extension was built and imports (setup.py skips it silently without CUDA_HOME)
 #   3 tests   the CUDA-extension and cubin (cuda-python launch, CUDA-graph capture) tests first, then the Triton and CPU kernel tests (no -x: one failure
 #             does not hide the rest); a skipped test is a failure here
-#   4 graphs  bench/step_profile.py: CUDA-graph decode steps vs eager, device idle share per step
-#   5 bench   bench/kernels.py on the GPU: namazu-tiny and Kimi-K2 shapes, rows saved as they are measured
-#   6 tune    (if time is left) bench/tune_triton.py: candidate Triton tiles at decode and mid sizes
-# One budget (BUDGET_S, 450 s: under 8 minutes by construction, well under the 600 s of one command):
+#   4 engine  the engine's own tests on the GPU (device auto = cuda): CUDA-graph steps token-identical to
+#             eager, no host sync in decode / mixed / verify steps, speculative decoding exact, the DFlash
+#             drafter; informational (CPU-written tests may hold CPU-only assumptions: read the failures)
+#   5 graphs  bench/step_profile.py: CUDA-graph decode steps vs eager, device idle share per step
+#   6 spec    bench/drafter_step.py in graph mode, float32: the shipped DFlash drafter vs speculation off at
+#             batch 1 and 8 (same greedy answers checked), on held-out captured prompts when
+#             GPU_CHECK_REQUESTS names a capture dir, else the corpus' valid split (skipped if neither)
+#   7 bench   bench/kernels.py on the GPU: namazu-tiny and Kimi-K2 shapes, rows saved as they are measured
+#   8 tune    (if time is left) bench/tune_triton.py: candidate Triton tiles at decode and mid sizes
+# One budget (BUDGET_S, 540 s: 9 minutes by construction, under the 600 s of one command):
 # each stage gets min(its own cap, what is left of the budget), so the limits can never add up past it.
 # GPU_CHECK_DRY_RUN=1 (on a CPU machine, PYTHON=a python with a CUDA build of torch): after env fails, run
 # build and tests anyway, to see the CUDA extension build and the GPU tests fail loudly; run it on an
 # exported copy of the repo (build writes the extensions in place, for that python's torch).
 # Results go to $OUT (set by the device tool) or ./gpu-check-out, at most 8 files (the device tool returns
-# no more): summary.txt (env + stage lines + final table), build.txt, tests.txt, bench.txt, bench.jsonl,
+# no more): summary.txt (env + stage lines + graphs and spec tables + final table), build.txt, tests.txt
+# (kernel and engine tests), bench.txt, bench.jsonl,
 # RESULTS.md, tune.txt, tune.json. Every file is written as its stage runs, not at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +31,7 @@ mkdir -p "$OUT_DIR"
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
-BUDGET_S=${BUDGET_S:-450}
+BUDGET_S=${BUDGET_S:-540}
 SUMMARY="$OUT_DIR/summary.txt"
 : > "$SUMMARY"
 declare -A STATUS
@@ -109,8 +116,26 @@ EOF
   return $rc
 }
 
+engine_tests() {
+  # The CPU suite's engine tests, now on the GPU: graph mode captures CUDA graphs here instead of
+  # compiling, and the no-host-sync guard checks the code that would stall the device queue.
+  $PY -m pytest -q -p no:cacheprovider -rs tests/test_graph_mode.py tests/test_engine_nosync.py \
+    tests/test_engine_spec.py tests/test_dflash.py
+}
+
+spec_bench() {
+  local req=()
+  if [ -n "${GPU_CHECK_REQUESTS:-}" ]; then
+    req=(--requests "$GPU_CHECK_REQUESTS")
+  elif ! $PY -c 'import sys; from namazu.tiny.corpus import default_corpus_dir as d; sys.exit(not d().is_dir())'; then
+    echo "no GPU_CHECK_REQUESTS capture dir and no corpus: no prompts for the drafter benchmark"; return 1
+  fi
+  $PY bench/drafter_step.py "${req[@]}" --modes graph --dtype float32 --batch 1 8 --rounds 2 --groups 4 \
+    --output-len 64
+}
+
 export PY BUDGET_S
-export -f find_cuda_home env_check build gpu_tests
+export -f find_cuda_home env_check build gpu_tests engine_tests spec_bench
 stage env 30 - env_check
 if [ "${STATUS[env]}" != ok ] && [ -n "${GPU_CHECK_DRY_RUN:-}" ]; then
   # Dry run on a machine without a GPU (a CUDA build of torch and nvcc installed): the build stage must
@@ -123,11 +148,13 @@ elif [ "${STATUS[env]}" != ok ]; then
   echo "env failed: no GPU stage can run" | tee -a "$SUMMARY"
 else
   stage build 200 build.txt build
-  stage tests 150 tests.txt gpu_tests
+  stage tests 120 tests.txt gpu_tests
+  stage engine 110 tests.txt engine_tests
   # Graph mode on the GPU: CUDA graphs captured at start-up, decode steps eager vs replayed (alternated in
   # one engine), device idle share per step from CUDA events; its table goes to summary.txt.
   stage graphs 90 - $PY bench/step_profile.py --batch 1 32 --output-len 32 --interleave 2
-  stage bench 180 bench.txt $PY bench/kernels.py --device cuda --shapes tiny k2 --write \
+  stage spec 100 - spec_bench
+  stage bench 150 bench.txt $PY bench/kernels.py --device cuda --shapes tiny k2 --write \
     --jsonl "$OUT_DIR/bench.jsonl"
   # --write updated this copy's bench/RESULTS.md (kernels-cuda section): bring it back to commit.
   cp bench/RESULTS.md "$OUT_DIR/RESULTS.md" 2>/dev/null
@@ -143,8 +170,9 @@ fi
   echo
   echo "| stage | result |"
   echo "|---|---|"
-  for s in env build tests graphs bench tune; do echo "| $s | ${STATUS[$s]:-not run} |"; done
+  for s in env build tests engine graphs spec bench tune; do echo "| $s | ${STATUS[$s]:-not run} |"; done
   echo "total $(( $(date +%s) - T0 ))s of a ${BUDGET_S}s budget; files in $OUT_DIR"
+  grep -E "^(FAILED|ERROR) |( passed| failed| errors?)(,| in )" "$OUT_DIR/tests.txt" 2>/dev/null | head -30
   grep -E "NVFP4 .*best BF16" "$OUT_DIR/bench.txt" 2>/dev/null | head -12
   grep -E "^(nvfp4|bf16) (decode|mid|prefill): best" "$OUT_DIR/tune.txt" 2>/dev/null
 } | tee -a "$SUMMARY"
