@@ -24,6 +24,7 @@
 # no more): summary.txt (env + stage lines + graphs and spec tables + final table), build.txt, tests.txt
 # (kernel and engine tests), bench.txt, bench.jsonl,
 # RESULTS.md, tune.txt, tune.json. Every file is written as its stage runs, not at the end.
+# GPU_CHECK_SKIP="bench tune" skips the named stages (a rerun after a fix, within the device's minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-gpu-check-out}
@@ -42,6 +43,11 @@ left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 stage() {  # stage NAME CAP_S LOGFILE COMMAND...  (LOGFILE "-" appends to summary.txt)
   local name=$1 cap=$2 log=$3 limit
   shift 3
+  if [[ " ${GPU_CHECK_SKIP:-} " == *" $name "* ]]; then
+    STATUS[$name]="skipped (GPU_CHECK_SKIP)"
+    echo "=== stage $name: ${STATUS[$name]}" | tee -a "$SUMMARY"
+    return
+  fi
   limit=$(left)
   [ "$cap" -lt "$limit" ] && limit=$cap
   if [ "$limit" -lt 10 ]; then
@@ -97,22 +103,41 @@ build() {
   $PY -c 'from namazu.kernels.cubin_loader import compile_cubin; print("cubin:", compile_cubin())'
 }
 
-gpu_tests() {
-  local xml
+run_tests() {  # pytest FILES...; fails on a failure, a crash or a skip (a GPU test that skips never ran)
+  local xml rc
   xml=$(mktemp --suffix=.xml)
-  $PY -m pytest -q -p no:cacheprovider -rs tests/test_kernels_cuda_build.py tests/test_cubin_loader.py \
-    tests/test_cubin_gpu.py tests/test_kernels_gpu.py \
-    tests/test_kernels_dispatch.py tests/test_kernels_cpu.py --junitxml="$xml"
-  local rc=$?
-  # Under the check a skipped test is a failure (a GPU test that skips never ran).
-  $PY - "$xml" <<'EOF' || rc=1
+  $PY -m pytest -q -p no:cacheprovider -rsfE --tb=short "$@" --junitxml="$xml"
+  rc=$?
+  if [ $rc -gt 128 ]; then
+    echo "pytest died (rc $rc): no junit report"
+  else
+    $PY - "$xml" <<'EOF_PY' || rc=1
 import sys, xml.etree.ElementTree as ET
 suites = ET.parse(sys.argv[1]).getroot()
 skipped = sum(int(s.get("skipped", 0)) for s in suites.iter("testsuite"))
 print(f"skipped tests: {skipped}")
 sys.exit(1 if skipped else 0)
-EOF
+EOF_PY
+  fi
   rm -f "$xml"
+  return $rc
+}
+
+gpu_tests() {
+  local rc=0 crc
+  run_tests tests/test_kernels_cuda_build.py tests/test_cubin_loader.py tests/test_cubin_gpu.py \
+    tests/test_kernels_gpu.py tests/test_kernels_dispatch.py || rc=1
+  # The C++ CPU kernel built with this machine's compiler, in its own process: a crash there must not
+  # hide the GPU tests' report. On a crash, the native backtrace (cuda-gdb also debugs host code).
+  run_tests tests/test_kernels_cpu.py; crc=$?
+  if [ $crc -ne 0 ]; then
+    rc=1
+    if [ $crc -gt 128 ] && command -v cuda-gdb >/dev/null; then
+      echo "--- native backtrace of the crash (cuda-gdb)"
+      timeout 90 cuda-gdb -q -batch -ex run -ex "bt 25" --args $PY -m pytest -q -p no:cacheprovider -x \
+        tests/test_kernels_cpu.py 2>&1 | grep -vE "^\[(New|Thread|Detaching)" | tail -45
+    fi
+  fi
   return $rc
 }
 
@@ -135,7 +160,7 @@ spec_bench() {
 }
 
 export PY BUDGET_S
-export -f find_cuda_home env_check build gpu_tests engine_tests spec_bench
+export -f find_cuda_home env_check build run_tests gpu_tests engine_tests spec_bench
 stage env 30 - env_check
 if [ "${STATUS[env]}" != ok ] && [ -n "${GPU_CHECK_DRY_RUN:-}" ]; then
   # Dry run on a machine without a GPU (a CUDA build of torch and nvcc installed): the build stage must
@@ -149,7 +174,7 @@ elif [ "${STATUS[env]}" != ok ]; then
 else
   stage build 200 build.txt build
   stage tests 120 tests.txt gpu_tests
-  stage engine 110 tests.txt engine_tests
+  stage engine 150 tests.txt engine_tests
   # Graph mode on the GPU: CUDA graphs captured at start-up, decode steps eager vs replayed (alternated in
   # one engine), device idle share per step from CUDA events; its table goes to summary.txt.
   stage graphs 90 - $PY bench/step_profile.py --batch 1 32 --output-len 32 --interleave 2

@@ -10,6 +10,7 @@ nothing syncs: `--debug-no-host-sync` wraps that span in the guard that turns an
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -167,6 +168,10 @@ class ModelRunner:
         if hasattr(self.proposer, "kv_bytes_per_block"):     # a drafter's context cache shares the blocks
             per_block += self.proposer.kv_bytes_per_block(self.block_size, self.dtype)
         if self.device.type == "cuda":
+            # An engine this process closed earlier leaves its blocks in torch's caching allocator, which
+            # the driver counts as used: hand them back first, or a second engine finds no room.
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             # Headroom for activations: a step's hidden states and its sampled logits, generously.

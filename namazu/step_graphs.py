@@ -175,9 +175,10 @@ class StepGraphs:
 
         t0 = time.perf_counter()
         if not self.use_cuda_graphs:
-            import torch._dynamo
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                        4 * len(self.entries))
+            # Bound to its own name: `import torch._dynamo` here would make `torch` a local of this
+            # function, unbound on the CUDA-graph path below.
+            from torch import _dynamo
+            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 4 * len(self.entries))
         todo = list(self.entries.values())
         widths = self._widths() if self.use_cuda_graphs else [2]
         bar = tqdm(total=len(todo) * len(widths), desc="graph mode: " + ("capturing CUDA graphs" if

@@ -14,7 +14,7 @@ from namazu.kernels import moe_dispatch as md
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (these run in `make gpu-check`)", allow_module_level=True)
 
-SIZES = [(1, None), (33, None), (300, None), (40, 3)]  # (tokens, experts receiving tokens)
+SIZES = [(1, None), (33, None), (300, None), (40, 5)]  # (tokens, experts receiving tokens)
 
 
 def case(num_tokens, experts_used, seed, **kw):

@@ -119,7 +119,7 @@ def check_args(args: GemmArgs) -> None:
 def _check(result) -> object:
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
-        raise RuntimeError(f"CUDA driver error {err}")
+        raise RuntimeError(f"CUDA driver error {err!r}")
     return rest[0] if len(rest) == 1 else rest
 
 
@@ -135,7 +135,10 @@ class CubinGroupedGemm:
         _check(driver.cuInit(0))
         import torch
 
-        torch.cuda.init()   # torch's primary context is the current one; the module loads into it
+        # The module loads into the current context, which must be torch's: the device's primary context
+        # (torch creates it lazily, at its first allocation, so make it current here).
+        device = _check(driver.cuDeviceGet(torch.cuda.current_device()))
+        _check(driver.cuCtxSetCurrent(_check(driver.cuDevicePrimaryCtxRetain(device))))
         self.module = _check(driver.cuModuleLoadData(image))
         self.functions = {gate_up: _check(driver.cuModuleGetFunction(self.module, name.encode()))
                           for gate_up, name in names.items()}
