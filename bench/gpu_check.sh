@@ -6,13 +6,13 @@
 #             CUDA extension was built and imports (setup.py skips it silently without CUDA_HOME)
 #   3 tests   the CUDA-extension and cubin (cuda-python launch, CUDA-graph capture) tests first, then the Triton and CPU kernel tests (no -x: one failure
 #             does not hide the rest); a skipped test is a failure here
-#   4 engine  the engine's own tests on the GPU (device auto = cuda): CUDA-graph steps token-identical to
-#             eager, no host sync in decode / mixed / verify steps, speculative decoding exact, the DFlash
-#             drafter; informational (CPU-written tests may hold CPU-only assumptions: read the failures)
-#   5 graphs  bench/step_profile.py: CUDA-graph decode steps vs eager, device idle share per step
-#   6 spec    bench/drafter_step.py in graph mode, float32: the shipped DFlash drafter vs speculation off at
+#   4 graphs  bench/step_profile.py: CUDA-graph decode steps vs eager, device idle share per step
+#   5 spec    bench/drafter_step.py in graph mode, float32: the shipped DFlash drafter vs speculation off at
 #             batch 1 and 8 (same greedy answers checked), on held-out captured prompts when
 #             GPU_CHECK_REQUESTS names a capture dir, else the corpus' valid split (skipped if neither)
+#   6 engine  the engine's own tests on the GPU (device auto = cuda): CUDA-graph steps token-identical to
+#             eager, no host sync in decode / mixed / verify steps, speculative decoding exact, the DFlash
+#             drafter; informational (CPU-written tests may hold CPU-only assumptions: read the failures)
 #   7 bench   bench/kernels.py on the GPU: namazu-tiny and Kimi-K2 shapes, rows saved as they are measured
 #   8 tune    (if time is left) bench/tune_triton.py: candidate Triton tiles at decode and mid sizes
 # One budget (BUDGET_S, 540 s: 9 minutes by construction, under the 600 s of one command):
@@ -174,11 +174,11 @@ elif [ "${STATUS[env]}" != ok ]; then
 else
   stage build 200 build.txt build
   stage tests 120 tests.txt gpu_tests
-  stage engine 150 tests.txt engine_tests
   # Graph mode on the GPU: CUDA graphs captured at start-up, decode steps eager vs replayed (alternated in
   # one engine), device idle share per step from CUDA events; its table goes to summary.txt.
   stage graphs 90 - $PY bench/step_profile.py --batch 1 32 --output-len 32 --interleave 2
   stage spec 100 - spec_bench
+  stage engine 150 tests.txt engine_tests
   stage bench 150 bench.txt $PY bench/kernels.py --device cuda --shapes tiny k2 --write \
     --jsonl "$OUT_DIR/bench.jsonl"
   # --write updated this copy's bench/RESULTS.md (kernels-cuda section): bring it back to commit.

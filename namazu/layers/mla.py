@@ -68,7 +68,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim),
                                               bias=False, **tkw)
         self.o_proj = RowParallelLinear(heads * self.v_head_dim, h, bias=bias, **tkw)
-        self.rotary = RotaryEmbedding(cfg.rope, self.qk_rope_head_dim, cfg.rope_interleave)
+        self.rotary = RotaryEmbedding(cfg.rope, self.qk_rope_head_dim, cfg.rope_interleave, device=device)
         self.softmax_scale = yarn_softmax_scale(cfg.rope, self.qk_head_dim)
 
     # -- absorbed-form helpers (used by cache contexts) -------------------------------------------

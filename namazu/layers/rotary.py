@@ -59,14 +59,16 @@ def yarn_softmax_scale(cfg: RopeConfig, head_dim: int) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: RopeConfig, dim: int, interleave: bool):
+    def __init__(self, cfg: RopeConfig, dim: int, interleave: bool, device: torch.device | str | None = None):
         super().__init__()
         inv_freq, self.scale = rope_inv_freq(cfg, dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Made on the model's device: no checkpoint tensor moves it there, and a host-to-device copy per
+        # forward cannot be captured in a CUDA graph.
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.interleave = interleave
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
