@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         else:       # a named drafter drafts at every batch size unless told otherwise
             kw = dict(speculative_model=path, num_speculative_tokens=args.k)   # None: its block size - 1
         t0 = time.perf_counter()
-        llms[name] = LLM(None, executor="inline", threads=args.threads, dtype=args.dtype,
+        # An explicit KV budget: the setups share one process (and, on a GPU, its memory).
+        llms[name] = LLM(None, executor="inline", threads=args.threads, dtype=args.dtype, kv_cache_memory="256MiB",
                          enforce_eager=mode == "eager",
                          max_num_seqs=max(args.batch), **kw)
         eng = llms[name].engine

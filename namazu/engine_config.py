@@ -11,6 +11,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
+# The KV-cache budget on CPU when --kv-cache-memory is not given.
+DEFAULT_CPU_KV_CACHE = "256MiB"
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -59,7 +62,9 @@ class EngineConfig:
                          choices=("auto", "w4a16", "w4a4"))
     # -- KV cache --------------------------------------------------------------------------------------
     block_size: int = _f(16, "tokens per KV-cache block")
-    kv_cache_memory: str = _f("256MiB", "KV-cache budget on CPU (e.g. 512MiB, 4GiB)", metavar="SIZE")
+    kv_cache_memory: str | None = _f(None, "KV-cache budget (e.g. 512MiB, 4GiB); default: 256MiB on CPU; on GPU "
+                                           "what --gpu-memory-utilization leaves, capped by this when given",
+                                     metavar="SIZE")
     gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may use (weights + "
                                             "activations + KV cache); the KV cache gets the rest")
     num_kv_blocks: int | None = _f(None, "exact number of KV blocks, overriding the memory budget "
@@ -136,7 +141,7 @@ class EngineConfig:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return parse_bytes(self.kv_cache_memory)
+        return parse_bytes(self.kv_cache_memory or DEFAULT_CPU_KV_CACHE)
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:

@@ -178,6 +178,8 @@ class ModelRunner:
             cfg = self.model_config
             act = self.config.max_num_batched_tokens * (24 * cfg.hidden_size + 4 * cfg.vocab_size) * 4
             budget = int(total * self.config.gpu_memory_utilization) - used - act
+            if self.config.kv_cache_memory is not None:     # several engines in one process share the GPU
+                budget = min(budget, self.config.kv_cache_bytes)
         else:
             budget = self.config.kv_cache_bytes
         blocks = budget // per_block

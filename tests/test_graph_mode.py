@@ -31,8 +31,9 @@ def _generate(batch: list[list[int]], enforce_eager: bool, drafter_mode: str | N
         graphs = llm.engine.executor.worker.runner.graphs
         launched = []
         if graphs is not None:
-            # Every entry's compiled graph is called directly (argument list built once at start-up).
-            assert all(e.direct is not None for e in graphs.entries.values())
+            # Every entry's compiled graph is called directly (argument list built once at start-up); on a
+            # GPU the entries are replayed CUDA graphs instead.
+            assert graphs.use_cuda_graphs or all(e.direct is not None for e in graphs.entries.values())
             real = graphs.launch
             graphs.launch = lambda e, w: launched.append((e.bp, e.tq, w)) or real(e, w)
         outs = llm.generate(prompt_token_ids=batch, use_tqdm=False,

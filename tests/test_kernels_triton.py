@@ -94,3 +94,22 @@ def test_every_committed_config_compiles_for_hopper():
     # each weight load in turn.
     for line in res.stdout.splitlines():
         assert int(line.split(" cp.async")[0].rsplit(" ", 1)[-1]) > 0, line
+
+
+def test_tiles_fit_the_gpus_shared_memory(tm):
+    """The committed tiles fit bf16 as they are; a float32 model's launch (twice the bytes) is refitted
+    under the per-block limit (an H100/H200's 227 KiB: the prefill tile asked for 240 KiB on the first
+    GPU run), and only as far as needed."""
+    h200 = 232448
+    for fmt, table in tm.TILE_CONFIGS.items():
+        for _, cfg in table:
+            w_bytes = 0.5 if fmt == "nvfp4" else 2
+            for gate_up in (True, False):
+                assert tm.fit_shared_memory(cfg, 2, w_bytes, gate_up, h200) == cfg
+    prefill = tm.TILE_CONFIGS["bf16"][-1][1]
+    assert tm.shared_memory_bytes(prefill, 4, 4, True) == 245760 > h200
+    fitted = tm.fit_shared_memory(prefill, 4, 4, True, h200)
+    assert tm.shared_memory_bytes(fitted, 4, 4, True) <= h200
+    assert (fitted.block_m, fitted.block_n, fitted.block_k, fitted.num_stages) == (64, 128, 64, 2)
+    tiny = tm.TileConfig(16, 32, 32, num_warps=1, num_stages=1)
+    assert tm.fit_shared_memory(tiny, 4, 4, True, 1024) == tiny    # nothing smaller to try: left as is

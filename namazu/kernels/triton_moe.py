@@ -16,6 +16,8 @@ Tile configurations are committed in TILE_CONFIGS (no autotuning at run time).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -183,10 +185,41 @@ if triton is not None:
             tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+def shared_memory_bytes(cfg: TileConfig, a_bytes: float, w_bytes: float, gate_up: bool) -> int:
+    """Shared memory a launch's software pipeline holds: per stage an activation tile [block_m, block_k]
+    and one weight tile [block_k, block_n] (two with GATE_UP: the gate and up rows)."""
+    per_stage = cfg.block_m * cfg.block_k * a_bytes + (2 if gate_up else 1) * cfg.block_k * cfg.block_n * w_bytes
+    return int(cfg.num_stages * per_stage)
+
+
+def fit_shared_memory(cfg: TileConfig, a_bytes: float, w_bytes: float, gate_up: bool, limit: int) -> TileConfig:
+    """The committed tiles are sized for bf16; fp32 activations and weights (a float32 model) need twice
+    the shared memory and overflow the GPU's per-block limit. Fewer pipeline stages first, then narrower
+    K tiles, until the launch fits."""
+    while limit and shared_memory_bytes(cfg, a_bytes, w_bytes, gate_up) > limit:
+        if cfg.num_stages > 1:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_k > 32:
+            cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+        else:
+            break
+    return cfg
+
+
+@functools.cache
+def _shared_memory_limit(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+
+
 def _launch(a: torch.Tensor, out: torch.Tensor, w: torch.Tensor, ws: torch.Tensor | None, wgs: torch.Tensor | None,
             bd: BlockDispatch, topk_w: torch.Tensor, k_dim: int, n_out: int, top_k: int, gate_up: bool,
             cfg: TileConfig) -> None:
     fp4 = ws is not None
+    if a.is_cuda:
+        # Packed FP4 weights: two values a byte.
+        cfg = fit_shared_memory(cfg, a.element_size(), 0.5 if fp4 else w.element_size(), gate_up,
+                                _shared_memory_limit(a.device.index or 0))
     if fp4:
         ws_u8 = ws.view(torch.uint8)
         s_strides = (ws_u8.stride(0), ws_u8.stride(1))
