@@ -40,6 +40,7 @@ from namazu.kernels.moe_workspace import MoEWorkspace, gathers_in_graph, workspa
 from namazu.kv_cache_paged import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache
 from namazu.layers.experts import TorchExperts
 from namazu.layers.paged_mla import paged_latent_attention
+from namazu.nosync import HostSyncError, no_host_sync
 
 # Largest [Bp, width * block_size, r + dr] gather of keys (fp32) an entry's traced attention may make at
 # the ladder's widest table; wider ladders keep the tiled paged_mla op.
@@ -267,8 +268,16 @@ class StepGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), forward_context(e.context(width)):
-            for _ in range(2):
-                self._forward(e.input_ids, e.positions)
+            # The first run under the host-sync guard: a host read inside the forward would invalidate the
+            # capture with a bare CUDA error and leave the process's CUDA RNG unusable for every later
+            # engine; caught here, it stops start-up with a message that names the read.
+            try:
+                with no_host_sync():
+                    self._forward(e.input_ids, e.positions)
+            except HostSyncError as exc:
+                raise RuntimeError(f"graph mode: the step's forward reads a device value on the host ({exc}); "
+                                   "it cannot be captured as a CUDA graph (--enforce-eager runs it eagerly)") from exc
+            self._forward(e.input_ids, e.positions)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), forward_context(e.context(width)):
