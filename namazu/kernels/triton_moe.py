@@ -46,15 +46,18 @@ class TileConfig:
 # Chosen by rows per expert (N*k / E): decode rows are few, so small block_m and wide K tiles keep the
 # weight stream (the bound at decode) in flight; prefill rows fill 64-row tiles. block_k is a multiple
 # of 32 so each nibble half is at least the 16 columns a tensor-core dot needs.
+# The decode and mid entries come from bench/tune_triton.py on an H200 (Kimi-K2 expert shape, 64 and
+# 512 tokens; bench/RESULTS.md, "GPU check"): 1.22x (nvfp4 decode), 1.14x (nvfp4 mid) and 1.11x (bf16 mid)
+# the tiles committed before; bf16 decode's best was within 1% of its tile, which stays.
 TILE_CONFIGS: dict[str, list[tuple[float, TileConfig]]] = {
     "bf16": [
         (4.0, TileConfig(16, 64, 128, num_warps=4, num_stages=4)),
-        (32.0, TileConfig(32, 64, 64, num_warps=4, num_stages=4)),
+        (32.0, TileConfig(32, 128, 128, num_warps=8, num_stages=3)),
         (float("inf"), TileConfig(64, 128, 64, num_warps=8, num_stages=3)),
     ],
     "nvfp4": [
-        (4.0, TileConfig(16, 64, 256, num_warps=4, num_stages=4)),
-        (32.0, TileConfig(32, 64, 128, num_warps=4, num_stages=4)),
+        (4.0, TileConfig(16, 64, 128, num_warps=4, num_stages=3)),
+        (32.0, TileConfig(32, 128, 128, num_warps=4, num_stages=3)),
         (float("inf"), TileConfig(64, 128, 128, num_warps=8, num_stages=3)),
     ],
 }
