@@ -61,9 +61,25 @@ def test_experts_refuse_a_backend_resolved_for_another_device():
         runtime.backend_for(torch.device("cpu"))
 
 
-def test_cuda_extension_is_opt_in_until_validated():
-    assert "cuda" not in backends.auto_order("cuda") or backends.CUDA_EXT_VALIDATED
+def test_auto_orders():
+    assert backends.auto_order("cuda") == (("cuda", "triton", "torch") if backends.CUDA_EXT_VALIDATED
+                                           else ("triton", "torch"))
     assert backends.auto_order("cpu") == ("cpp", "torch")
+
+
+def test_cuda_backend_runs_bf16_experts_on_triton_when_it_can(monkeypatch):
+    """The CUDA extension has NVFP4 kernels only; leading the GPU order, it must not send a BF16 model's
+    experts to the torch reference while the Triton BF16 kernel is there."""
+    real = backends.availability
+    usable = {"cuda": True, "triton": True}
+    monkeypatch.setattr(backends, "availability",
+                        lambda name, dev: (usable[name], "") if name in usable else real(name, dev))
+    b = backends.build_backend("cuda", "cuda")
+    assert (b.bf16_impl, b.w4a16_impl, b.w4a4_impl) == ("triton", "cuda", "torch")
+    assert b._bf16 is backends._triton_bf16 and b._w4a16 is backends._cuda_nvfp4
+    usable["triton"] = False
+    b = backends.build_backend("cuda", "cuda")
+    assert (b.bf16_impl, b.w4a16_impl) == ("torch", "cuda")
 
 
 @pytest.mark.parametrize("name", ["torch", "cpp"])
