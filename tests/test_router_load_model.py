@@ -17,6 +17,8 @@ from server.router.load_model import (
     slot_wait_steps,
 )
 
+SLOW_PRIOR = Rates(ms_per_block=2.0, ms_per_step=10.0, overhead_ms=10.0)
+
 
 def test_a_new_request_gets_the_slot_that_frees_after_the_requests_queued_ahead():
     # two slots, sequences with 3 and 10 steps left, one request of 5 steps queued: it takes the slot
@@ -44,8 +46,8 @@ def test_the_wait_is_the_prefill_ahead_plus_the_decode_steps_until_a_slot_frees(
 
 
 def test_the_rates_are_learned_from_first_tokens_and_token_spacing():
-    est = RateEstimator()
-    assert est.rates == PRIOR
+    assert RateEstimator().rates == PRIOR
+    est = RateEstimator(SLOW_PRIOR)
     for _ in range(30):
         for blocks in (2, 10, 30, 60):
             est.first_token(blocks, 12.0 + 3.0 * blocks)
@@ -54,13 +56,13 @@ def test_the_rates_are_learned_from_first_tokens_and_token_spacing():
     # the prior pulls with the weight of one observation against ~10 (each decays by 0.9 per new one)
     assert r.ms_per_block == pytest.approx(3.0, rel=0.05) and r.overhead_ms == pytest.approx(12.0, rel=0.2)
     assert r.ms_per_step == pytest.approx(20.0, rel=0.05)
-    one = RateEstimator()
+    one = RateEstimator(SLOW_PRIOR)
     one.first_token(30, 12.0 + 3.0 * 30)
-    assert PRIOR.ms_per_block < one.rates.ms_per_block < 3.0        # one sample moves it part of the way
+    assert SLOW_PRIOR.ms_per_block < one.rates.ms_per_block < 3.0   # one sample moves it part of the way
 
 
 def test_degenerate_or_bad_observations_keep_the_rates_usable():
-    est = RateEstimator()
+    est = RateEstimator(SLOW_PRIOR)
     for _ in range(200):
         est.first_token(24, 30.0)          # every prompt the same size: the prior keeps the fit defined
     r = est.rates

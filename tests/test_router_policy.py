@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from server.router.index import EventIndex, RoutingHistory
-from server.router.load_model import PRIOR, Pending
+from server.router.load_model import Pending, RateEstimator, Rates
 from server.router.policy import (
     KVAwarePolicy,
     PrefixAffinityPolicy,
@@ -17,11 +17,13 @@ from server.router.policy import (
 )
 from server.router.pool import Replica
 
+RATES = Rates(ms_per_block=2.0, ms_per_step=10.0, overhead_ms=10.0)
+
 
 def view(name, cached=0, active=0.0, queued=0.0, in_flight=0, pending=(), running=(), capacity=0) -> ReplicaView:
-    """Rates are the prior: 2 ms per prefill block, 10 ms per decode step."""
+    """Rates: 2 ms per prefill block, 10 ms per decode step."""
     return ReplicaView(name, cached, active, queued, in_flight, tuple(Pending(*p) for p in pending),
-                       tuple(running), capacity, PRIOR)
+                       tuple(running), capacity, RATES)
 
 
 def test_cached_prefix_wins_when_load_is_equal():
@@ -109,7 +111,7 @@ def test_replica_view_pending_until_the_first_token_then_running_with_steps_left
     """The router's own requests on a replica: those without a first token are pending (their prefill is
     ahead of a new request), those streaming hold a slot with their max_tokens minus the steps since their
     first token left; the queue is still this router's requests beyond the slots or the report."""
-    r = Replica("http://a", RoutingHistory())
+    r = Replica("http://a", RoutingHistory(), rates=RateEstimator(RATES))
     r.reported({"num_running": 0, "num_waiting": 0, "active_kv_blocks": 7, "max_num_seqs": 2})
     tickets = [r.opened([], new_blocks=n, prompt_blocks=10 * n, steps=16, now=0.0) for n in (1, 2, 3)]
     v = r.view([], events_max_age=2.0, now=0.0)

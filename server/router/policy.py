@@ -31,14 +31,14 @@ from server.router.load_model import DEFAULT_STEPS, PRIOR, Pending, Rates, expec
 DEFAULT_PREFIX_WEIGHT = 4.0
 # q: scales the queue term (1: a queued request costs exactly its own work, in the prefix term's units).
 DEFAULT_QUEUE_WEIGHT = 1.0
-# spill: a prompt leaves its home only when the work waiting there exceeds the other replica's by more than
-# spill x w x the blocks the move recomputes. 1 prices only this request's own prefill; but that prefill
+# spill: a prompt leaves its home only when the wait there exceeds the other replica's by more than spill x
+# the milliseconds the move recomputes there. 1 prices only this request's own prefill; but that prefill
 # also stalls the sequences running beside it there, and every recompute is capacity the fleet no longer
-# has. Without the rule (the plain cost) running sequences alone moved conversations: past saturation the
-# KV-aware router recomputed 0.75x round-robin's prompt blocks on the simulated fleet and 0.72x on the
-# real one. On the simulated fleet (bench/router_capacity.py, 94 req/s, round-robin's highest sustained
-# rate) spill 1 computed 0.82x round-robin's prompt blocks, TTFT p99 145 ms; 2: 0.65x, 129 ms; 3: 0.62x,
-# 187 ms (the homes queue longer).
+# has. Without the rule (the plain cost) running sequences alone moved conversations: the real fleet
+# recomputed 0.72x round-robin's prompt tokens past saturation. On the simulated fleet
+# (bench/router_capacity.py, 94 req/s, round-robin's highest sustained rate; TTFT p99 round-robin / kv):
+# spill 0.5 computed 0.82x round-robin's prompt blocks, p99 1.97x lower; 1: 0.79x, 1.82x; 1.5: 0.72x,
+# 2.00x; 2: 0.63x, 1.91x; 4: 0.60x, 1.07x (the homes queue longer).
 DEFAULT_SPILL_FACTOR = 2.0
 
 
