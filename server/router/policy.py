@@ -38,7 +38,7 @@ DEFAULT_QUEUE_WEIGHT = 1.0
 # recomputed 0.72x round-robin's prompt tokens past saturation. On the simulated fleet
 # (bench/router_capacity.py, 94 req/s, round-robin's highest sustained rate; TTFT p99 round-robin / kv):
 # spill 0.5 computed 0.82x round-robin's prompt blocks, p99 1.97x lower; 1: 0.79x, 1.82x; 1.5: 0.72x,
-# 2.00x; 2: 0.63x, 1.91x; 4: 0.60x, 1.07x (the homes queue longer).
+# 2.00x; 2: 0.63x, 1.91x; 3: 0.62x, 1.48x; 4: 0.61x, 1.13x (the homes queue longer).
 DEFAULT_SPILL_FACTOR = 2.0
 
 
