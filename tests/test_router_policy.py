@@ -131,6 +131,10 @@ def test_replica_view_pending_until_the_first_token_then_running_with_steps_left
     assert v.in_flight == 2 and v.active_blocks == 0 + 6
     r.closed(tickets[0])          # closing twice is harmless
     assert r.in_flight == 2
+    two = r.opened([], new_blocks=1, prompt_blocks=10, steps=16, now=1.0, choices=2)
+    r.first_token(two, now=1.0)
+    r.closed(two, completion_tokens=32, now=1.3, streamed=True)   # 2 choices of 16 tokens, side by side
+    assert r.rates.decodes == 2 and r.rates.rates.ms_per_step == pytest.approx(11.0 + 0.1 * (20.0 - 11.0))
 
 
 def test_requests_sent_since_the_last_report_count_as_queued_once_the_replica_is_full():

@@ -8,7 +8,9 @@ Reports are up to a poll interval old, so the router corrects them with its own 
 blocks = reported - prompt blocks of its requests that finished since + uncached prompt blocks of its
 requests sent since (a cached prefix is shared, not added); queued = reported - its requests finished
 since. A burst arriving between two polls therefore spreads, and a replica that just finished a long
-prompt does not look busy until the next poll.
+prompt does not look busy until the next poll. The router also times its own requests on each replica
+(first token, spacing of the streamed tokens) for the replica's rates (`load_model.RateEstimator`), and
+knows which of them are still before their first token: those are the prefill ahead of a new request.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class OpenRequest:
     ahead: int                 # blocks prefilled before or with it: its own and those of requests it found in prefill
     free_slot: bool            # a slot was free when it was sent: its first-token time measures prefill alone
     first_at: float | None = None   # its first token (for a non-streamed request: when it was expected)
+    choices: int = 1           # sequences it samples (n): its usage counts the tokens of all of them
 
 
 @dataclass
@@ -99,9 +102,10 @@ class Replica:
         return len(self.open)
 
     def opened(self, hashes: list[int], new_blocks: int, prompt_blocks: int, steps: float | None = None,
-               stream: bool = True, now: float | None = None) -> int:
+               stream: bool = True, now: float | None = None, choices: int = 1) -> int:
         """Counts a request sent there (`steps`: its max_tokens, if it set one; `stream`: whether its first
-        token will be seen); returns the ticket `first_token` and `closed` take back."""
+        token will be seen; `choices`: sequences it samples, n); returns the ticket `first_token` and
+        `closed` take back."""
         now = time.monotonic() if now is None else now
         self.num_routed += 1
         self.opened_blocks += new_blocks
@@ -109,7 +113,7 @@ class Replica:
         prefilling = sum(o.uncached for o in self.open.values() if o.first_at is None or o.first_at > now)
         free_slot = queued_estimate(self.in_flight + 1, self.capacity, self.reported_waiting) == 0
         entry = OpenRequest(new_blocks, prompt_blocks, float(steps) if steps else self.rates.steps, now,
-                            new_blocks + prefilling, free_slot)
+                            new_blocks + prefilling, free_slot, choices=max(1, choices))
         if not stream:      # no first token to see: assume it came when expected
             view = self.view(hashes, 0.0, now)
             expected = first_token_ms(view.rates, wait_ms(view, prompt_blocks, entry.steps), new_blocks)
@@ -138,9 +142,10 @@ class Replica:
         self.closed_requests += 1
         if completion_tokens:
             now = time.monotonic() if now is None else now
-            if streamed and entry.first_at is not None and completion_tokens > 1:
-                self.rates.decode(completion_tokens - 1, 1000.0 * (now - entry.first_at))
-            self.rates.output(completion_tokens)
+            tokens = completion_tokens // entry.choices     # its choices decode side by side
+            if streamed and entry.first_at is not None and tokens > 1:
+                self.rates.decode(tokens - 1, 1000.0 * (now - entry.first_at))
+            self.rates.output(tokens)
 
     def reported(self, load: dict[str, Any]) -> None:
         self.load = load

@@ -100,6 +100,8 @@ class Router:
         bs = hasher.block_size if hasher else 16
         prompt_blocks = -(-len(ids) // bs)
         steps, stream = decode_steps(body), isinstance(body, dict) and body.get("stream") is True
+        n = body.get("n") if isinstance(body, dict) else None
+        choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
         tried: set[str] = set()
         while True:
             views = self.pool.views(hashes, tried)
@@ -118,7 +120,7 @@ class Router:
             # What the request adds to the replica's KV: its blocks the replica does not hold yet (a cached
             # prefix is shared, not copied).
             ticket = replica.opened(hashes, max(1, prompt_blocks - chosen.cached_blocks), prompt_blocks, steps,
-                                    stream)
+                                    stream, choices=choices)
             try:
                 return await self._send(request, replica, path, raw, ticket, t0)
             except _Retry as e:
