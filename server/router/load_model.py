@@ -39,8 +39,8 @@ class Rates:
 
 
 # Before a replica has answered anything: the order of namazu-tiny on one CPU thread (16-token blocks),
-# as the router measured it on the shared 2-core machine (9 ms per block fitted over prompts of 2-75
-# blocks, 14 ms per step). Only the ratio of the two rates steers the spill rule, and a few dozen requests
+# as the router measured it on the shared 2-core machine (9 ms per block fitted over prompts of 20 to 400
+# random words, 14 ms per step). Only the ratio of the two rates steers the spill rule, and a few dozen requests
 # replace the prior.
 PRIOR = Rates(ms_per_block=8.0, ms_per_step=15.0, overhead_ms=10.0)
 DEFAULT_STEPS = 64          # decode steps of a request that does not say (no max_tokens), before data
