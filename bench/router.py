@@ -85,6 +85,7 @@ class Run:
     shares: dict[str, int]         # requests per replica during the run
     queue: list[tuple[float, int, int, int]] = field(default_factory=list)   # (t, replica, waiting, running)
     offered: float = float("nan")  # the realized arrival rate: requests / last scheduled arrival (s)
+    rates: str = ""                # the router's measured ms per prefill block / per decode step, per replica
 
 
 async def sample_queues(urls: list[str], out: list, stop_event: asyncio.Event, t0: float) -> None:
@@ -146,6 +147,12 @@ async def burst(client: httpx.AsyncClient, pm: PromptMaker, args) -> list[Result
     return list(await asyncio.gather(*(stream_request(client, "/v1/chat/completions", b) for b in bodies)))
 
 
+def router_rates(url: str) -> str:
+    """What the router measured on each replica (its wait estimate's rates): 'ms per block/ms per step'."""
+    reps = httpx.get(url + "/router/state", timeout=10).json()["replicas"]
+    return " ".join(f"{r['rates']['ms_per_block']:.1f}/{r['rates']['ms_per_step']:.1f}" for r in reps)
+
+
 def router_shares(url: str) -> dict[str, int]:
     return {r["url"]: r["routed"] for r in httpx.get(url + "/router/state", timeout=10).json()["replicas"]}
 
@@ -204,7 +211,8 @@ def summarize(run: Run) -> dict:
             "max_queue": max(waits) if waits else None, "mean_queue": float(np.mean(waits)) if waits else None,
             "offered": run.offered, "req_s": done,
             # kept up: finished as fast as requests arrived (a run that falls behind ends late)
-            "kept_up": bool(done >= SUSTAINED * run.offered) if not np.isnan(run.offered) else None}
+            "kept_up": bool(done >= SUSTAINED * run.offered) if not np.isnan(run.offered) else None,
+            "rates": run.rates}
 
 
 COLUMNS = [("front", "front", "{}"), ("policy", "policy", "{}"), ("rate", "rate req/s", "{}"),
@@ -213,7 +221,8 @@ COLUMNS = [("front", "front", "{}"), ("policy", "policy", "{}"), ("rate", "rate 
            ("hit", "prefix hit", "{:.1%}"), ("shares", "requests per replica", "{}"),
            ("min_share", "min share", "{:.0%}"), ("max_queue", "max queue", "{}"),
            ("mean_queue", "mean queue", "{:.2f}"),
-           ("offered", "req/s offered", "{:.2f}"), ("req_s", "req/s done", "{:.2f}"), ("kept_up", "kept up", "{}")]
+           ("offered", "req/s offered", "{:.2f}"), ("req_s", "req/s done", "{:.2f}"), ("kept_up", "kept up", "{}"),
+           ("rates", "router's ms/block / ms/step per replica", "{}")]
 
 
 def table(rows: list[dict]) -> str:
@@ -281,6 +290,7 @@ async def one_point(args, pm: PromptMaker, replicas: list[str], policy: str, rat
         wait_healthy(proc, url, 60, "the router")
         await asyncio.sleep(1.0)             # the first event/load polls landed
         run = await measure("router", url, policy, rate, pm, args, seed, replicas, router_shares)
+        run.rates = router_rates(url)
     finally:
         stop([proc])
     print(table([summarize(run)]).splitlines()[-1], flush=True)

@@ -9,11 +9,13 @@ iteration costs a fixed step plus the prompt blocks it prefills, and each prefil
 (chained hashes: a prompt's leading blocks). The workload is `bench/router.py`'s: users share a few long
 system prompts and hold multi-turn conversations, turns in a random user order at Poisson arrival times,
 a user's turn k+1 sent only once turn k's answer is complete. The router sees what the HTTP router sees:
-each replica's cached prefix of the prompt, its active blocks, the requests waiting there and their
-blocks.
+each replica's cached prefix of the prompt, its active blocks, the requests without a first token there
+and their blocks, the steps left of the sequences in its slots; and the replica's rates (the model's
+own: the real router measures them, `server/router/load_model.py`).
 
     python bench/router_capacity.py                         # sweep, table, bench/router_capacity.png
     python bench/router_capacity.py --rates 60:120:5 --seeds 3 --policies round_robin,kv,affinity
+    python bench/router_capacity.py --system-blocks 96 --rates 80:110:5 --policies round_robin,kv
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from server.router.load_model import Pending, Rates
 from server.router.policy import ReplicaView, make_policy, queued_estimate
 
 HERE = Path(__file__).resolve().parent
@@ -38,6 +41,10 @@ class FleetModel:
     step_ms: float = 5.0       # one engine iteration (a decode step of the batch)
     prefill_ms: float = 2.0    # per prompt block computed in an iteration
     output: int = 16           # decode iterations per request
+
+    @property
+    def rates(self) -> Rates:
+        return Rates(ms_per_block=self.prefill_ms, ms_per_step=self.step_ms, overhead_ms=self.step_ms)
 
 
 @dataclass(frozen=True)
@@ -89,12 +96,18 @@ class SimReplica:
         in_flight = len(self.waiting) + len(self.running)
         return queued_estimate(in_flight, self.model.max_seqs, 0)
 
-    def view(self, hashes: list) -> ReplicaView:
+    def view(self, hashes: list, now: float) -> ReplicaView:
+        """What the router sees: the replica's exact state, and its rates as the model sets them (the real
+        router measures them; `server.router.load_model`)."""
         active = len({h for r in self.running for h in r.hashes})
-        q = self.queued()
-        return ReplicaView(self.name, self.cached_prefix(hashes), float(active), float(q),
-                           len(self.waiting) + len(self.running),
-                           tuple((r.uncached_at_routing, len(r.hashes)) for r in self.waiting[len(self.waiting) - q:]))
+        # Admitted in the iteration under way: in their prefill, no first token yet.
+        prefilling = [r for r in self.running if r.started > now]
+        pending = tuple(Pending(r.uncached_at_routing, len(r.hashes), self.model.output)
+                        for r in prefilling + self.waiting)
+        running = tuple(float(r.left) for r in self.running if r.started <= now)
+        return ReplicaView(self.name, self.cached_prefix(hashes), float(active), float(self.queued()),
+                           len(self.waiting) + len(self.running), pending, running, self.model.max_seqs,
+                           self.model.rates)
 
     def iterate(self, now: float) -> tuple[float, list[Req]]:
         """Admits waiting requests into free slots, runs one iteration; returns its end and the requests
@@ -173,8 +186,8 @@ def simulate(policy, rate: float, model: FleetModel = FleetModel(), work: Worklo
                 after[r.prev.rid] = r
                 continue
             r.arrival = now
-            views = [rep.view(r.hashes) for rep in replicas]
-            touched = by_name[policy.choose(views, len(r.hashes)).replica]
+            views = [rep.view(r.hashes, now) for rep in replicas]
+            touched = by_name[policy.choose(views, len(r.hashes), model.output).replica]
             r.uncached_at_routing = len(r.hashes) - touched.cached_prefix(r.hashes)
             touched.promised.update(r.hashes)
             touched.waiting.append(r)
@@ -302,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, default=3, help="workloads per point (the same for every policy)")
     p.add_argument("--users", type=int, default=Workload.users)
     p.add_argument("--turns", type=int, default=Workload.turns)
+    p.add_argument("--system-blocks", type=int, default=Workload.system_blocks,
+                   help="blocks of each shared system prompt (96: bench/router.py's --system-len 1536)")
     p.add_argument("--max-seqs", type=int, default=FleetModel.max_seqs)
     p.add_argument("--plot", default=str(HERE / "router_capacity.png"))
     args = p.parse_args(argv)
@@ -311,10 +326,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--rates {args.rates!r}: {e}") from None
     if not rates or any(not r > 0 for r in rates):
         raise SystemExit("--rates must all be > 0")
-    if min(args.seeds, args.users, args.turns, args.max_seqs) < 1:
-        raise SystemExit("--seeds, --users, --turns and --max-seqs must be >= 1")
+    if min(args.seeds, args.users, args.turns, args.max_seqs, args.system_blocks) < 1:
+        raise SystemExit("--seeds, --users, --turns, --system-blocks and --max-seqs must be >= 1")
     points = sweep(args.policies.split(","), rates, args.seeds, FleetModel(max_seqs=args.max_seqs),
-                   Workload(users=args.users, turns=args.turns))
+                   Workload(users=args.users, turns=args.turns, system_blocks=args.system_blocks))
     print("\n".join(report(points)))
     plot(points, Path(args.plot))
     print(f"\nwrote {args.plot}")

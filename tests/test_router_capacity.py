@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from router_capacity import highest_sustained, simulate, sweep  # noqa: E402
+from router_capacity import Workload, highest_sustained, simulate, sustained, sweep  # noqa: E402
 
 from server.router.policy import KVAwarePolicy, RoundRobinPolicy, make_policy  # noqa: E402
 
@@ -30,19 +30,36 @@ def at(pts: tuple[dict, ...], rate: float) -> dict:
 
 
 def test_the_spill_rule_keeps_prefixes_home_and_the_fleet_ahead_of_round_robin():
-    """Round-robin keeps up to 94 req/s here, the KV-aware router to 110. At 94 it computes 0.65x
-    round-robin's prompt blocks with a TTFT p99 1.65x lower; at 110 0.65x. Without the spill rule (the
-    plain cost, running sequences alone moving conversations) 0.81x at 94, p99 1.4x lower, and it keeps up
-    only to 106."""
+    """Round-robin keeps up to 94 req/s here, the KV-aware router to 110. At 94 it computes 0.63x
+    round-robin's prompt blocks with a TTFT p99 1.91x lower (112 ms against 213); at 110 0.67x. With the
+    home's wait counted in blocks instead of milliseconds (the spill rule before `load_model.py`) p99 was
+    1.65x lower (129 ms): requests sat behind full slots at their home, which the blocks priced at a
+    fraction of their wait. Without the spill rule (spill factor 0, the plain cost) 0.84x the prompt blocks,
+    p99 1.73x lower."""
     rr = points("round_robin", (90.0, 94.0, 98.0, 110.0))
     kv = points("kv", (94.0, 102.0, 106.0, 110.0, 114.0))
     rr_cap, kv_cap = highest_sustained(rr, "round_robin"), highest_sustained(kv, "kv")
     assert rr_cap == 94.0 and kv_cap == 110.0, (rr_cap, kv_cap)
     mine, theirs = at(kv, rr_cap), at(rr, rr_cap)
     assert mine["computed"] <= 0.68 * theirs["computed"], (mine, theirs)
-    assert mine["ttft_p99"] * 1.5 <= theirs["ttft_p99"], (mine, theirs)
+    assert mine["ttft_p99"] * 1.85 <= theirs["ttft_p99"], (mine, theirs)
     assert at(kv, kv_cap)["computed"] <= 0.68 * at(rr, kv_cap)["computed"]
     assert max(p["max_queue"] for p in kv if p["rate"] <= kv_cap) <= 16
+
+
+def test_with_long_shared_prompts_the_wait_in_ms_keeps_the_tail_off_the_homes():
+    """bench/router.py --system-len 1536 on the model (96-block system prompts), at round-robin's highest
+    sustained rate (90 req/s): the KV-aware router computes 0.60x round-robin's prompt blocks with a TTFT
+    p99 1.99x lower (336 ms against 668; the floor is the first turns that prefill a 96-block system prompt
+    somewhere, about 200 ms). Counted in blocks, the home's wait let turns queue behind long prefills and
+    full slots: p99 1.78x lower, 0.65x the prompt blocks."""
+    work = Workload(system_blocks=96)
+    rr = [simulate(RoundRobinPolicy(), 90.0, work=work, seed=s) for s in range(SEEDS)]
+    kv = [simulate(KVAwarePolicy(seed=s), 90.0, work=work, seed=s) for s in range(SEEDS)]
+    assert all(sustained(r) for r in rr + kv)
+    mean = lambda runs, key: sum(r[key] for r in runs) / len(runs)   # noqa: E731
+    assert mean(kv, "ttft_p99") * 1.9 <= mean(rr, "ttft_p99"), (mean(kv, "ttft_p99"), mean(rr, "ttft_p99"))
+    assert mean(kv, "computed") <= 0.62 * mean(rr, "computed")
 
 
 def test_affinity_without_load_spirals_where_the_kv_router_does_not():

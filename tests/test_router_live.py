@@ -99,6 +99,31 @@ def test_router_metrics_show_decisions_and_scores(cluster):
     assert all(r["indexed_blocks"] > 0 or r["routed"] == 0 for r in state["replicas"]), state
 
 
+def test_the_router_measures_each_replica_from_its_streamed_requests(cluster):
+    """A streamed request with its usage chunk gives the replica it ran on a first-token sample (a slot
+    was free) and a decode-step sample (its 7 tokens after the first); both rates show in /metrics."""
+    router, replicas = cluster
+    before = {r["url"]: r["rate_samples"] for r in router.state()["replicas"]}
+    body = {"prompt": "measure " + _words(random.Random(5), 20), "max_tokens": 8, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        url = r.headers["x-namazu-replica"]
+        assert any('"completion_tokens":8' in line.replace(" ", "") for line in r.iter_lines())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:      # the relay closes its books right after the last chunk
+        after = next(r for r in router.state()["replicas"] if r["url"] == url)
+        if after["in_flight"] == 0:
+            break
+        time.sleep(0.05)
+    assert after["rate_samples"]["first_tokens"] == before[url]["first_tokens"] + 1, (before, after)
+    assert after["rate_samples"]["decodes"] == before[url]["decodes"] + 1, (before, after)
+    assert after["rates"]["ms_per_block"] > 0 and after["rates"]["ms_per_step"] > 0
+    text = httpx.get(router.url + "/metrics", timeout=5).text
+    assert f'namazu_router_replica_decode_step_ms{{replica="{url}"}}' in text
+    assert f'namazu_router_replica_prefill_ms_per_block{{replica="{url}"}}' in text
+
+
 def _wait_in_flight(router, url: str) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -3,7 +3,10 @@ load, ties are random, the history fallback forgets after its TTL, the event ind
 replica life."""
 from __future__ import annotations
 
+import pytest
+
 from server.router.index import EventIndex, RoutingHistory
+from server.router.load_model import Pending, RateEstimator, Rates
 from server.router.policy import (
     KVAwarePolicy,
     PrefixAffinityPolicy,
@@ -14,9 +17,13 @@ from server.router.policy import (
 )
 from server.router.pool import Replica
 
+RATES = Rates(ms_per_block=2.0, ms_per_step=10.0, overhead_ms=10.0)
 
-def view(name, cached=0, active=0.0, queued=0.0, in_flight=0, waiting=()) -> ReplicaView:
-    return ReplicaView(name, cached, active, queued, in_flight, tuple(waiting))
+
+def view(name, cached=0, active=0.0, queued=0.0, in_flight=0, pending=(), running=(), capacity=0) -> ReplicaView:
+    """Rates: 2 ms per prefill block, 10 ms per decode step."""
+    return ReplicaView(name, cached, active, queued, in_flight, tuple(Pending(*p) for p in pending),
+                       tuple(running), capacity, RATES)
 
 
 def test_cached_prefix_wins_when_load_is_equal():
@@ -39,82 +46,107 @@ def test_queue_term_counts():
     assert d.costs["a"] == d.costs["b"]
 
 
-def test_queued_work_is_priced_like_the_new_request_and_moves_a_hot_prefix():
-    """A follow-up turn (30 blocks, 26 cached on `hot`): three turns queued there are cheaper to wait for
-    than recomputing 26 blocks elsewhere (the spill rule: the work waiting at `hot`, 30 more active blocks
-    + 3 x 46, is under 2 x w x 26 = 208); five are not. Each queued request costs w x its uncached blocks
-    + its blocks; a queued request of another client's counts as one like the new request, nothing
-    cached."""
+def test_the_queue_term_is_the_wait_in_prefill_blocks_plus_the_blocks_the_requests_ahead_hold():
+    """A follow-up turn (30 blocks, 26 cached on `hot`), three of this router's turns waiting there (4
+    uncached blocks, 16 decode steps each) behind four full slots: the wait is their 12 blocks of prefill
+    (24 ms) plus the decode steps until a slot frees for the new request (the fourth freed, at 3 steps: 30
+    ms); the queue term prices it as w x 54 ms / 2 ms per block, plus the 3 x 30 blocks they will hold.
+    Another client's queued request counts as one like the new request, nothing cached."""
     p = KVAwarePolicy(seed=0)     # w = 4, q = 1, spill 2
-    cold = view("cold", active=30)
-    three = view("hot", cached=26, active=60, queued=3, waiting=[(4, 30)] * 3)
-    five = view("hot", cached=26, active=60, queued=5, waiting=[(4, 30)] * 5)
-    assert p.choose([three, cold], 30).replica == "hot"
-    assert p.choose([five, cold], 30).replica == "cold"
-    assert p.cost(three, 30) - p.cost(view("hot", cached=26, active=60), 30) == 3 * (4 * 4 + 30)
-    assert p.queued_work(view("x", queued=3, waiting=[(2, 8)]), 10) == (4 * 2 + 8) + 2 * 5 * 10
-    assert KVAwarePolicy(queue_weight=0.0).cost(three, 30) == KVAwarePolicy().cost(view("hot", 26, 60), 30)
+    hot = view("hot", cached=26, active=60, queued=3, pending=[(4, 30, 16)] * 3, running=(1, 2, 3, 3),
+               capacity=4)
+    assert p.delay(hot, 30, 16) == 2.0 * 12 + 10.0 * 3
+    assert p.queued_work(hot, 30, 16) == 4 * 54 / 2 + 3 * 30
+    assert p.cost(hot, 30, 16) - p.cost(view("hot", cached=26, active=60), 30, 16) == 4 * 54 / 2 + 3 * 30
+    other = view("x", queued=1, capacity=0)       # one queued, not this router's: 10 blocks, 16 steps
+    assert p.queued_work(other, 10, 16) == 4 * (2.0 * 10) / 2 + 10
+    assert KVAwarePolicy(queue_weight=0.0).cost(hot, 30) == KVAwarePolicy().cost(view("hot", 26, 60), 30)
 
 
-def test_a_prompt_leaves_its_home_only_when_waiting_there_costs_more_than_the_recompute():
-    """The spill rule on a follow-up turn (30 blocks, 26 cached on `home`): 130 more active blocks at the
-    home than at an idle replica make the plain cost move it (they outweigh w x 26 = 104), the spill rule
-    keeps it home (under 2 x w x 26 = 208); the work waiting there passing 208 over the other's moves it.
-    A replica that caches part of the prompt needs less: the bar is the blocks it would recompute."""
-    p = KVAwarePolicy(seed=0)     # w = 4, spill 2
-    home = view("home", cached=26, active=140)
-    idle = view("idle", active=10)
-    assert p.cost(idle, 30) < p.cost(home, 30)                       # the plain cost would spill
-    assert p.choose([home, idle], 30).replica == "home"
-    assert KVAwarePolicy(seed=0, spill_factor=0.0).choose([home, idle], 30).replica == "idle"
-    queued = view("home", cached=26, active=140, queued=2, waiting=[(4, 30)] * 2)   # 130 + 92 > 208
-    assert p.choose([queued, idle], 30).replica == "idle"
-    # 24 of the 26 blocks cached elsewhere: 2 to recompute, a bar of 16
-    partial = view("partial", cached=24, active=120)
-    assert p.choose([view("home", cached=26, active=140), partial], 30).replica == "partial"
-    assert p.choose([view("home", cached=26, active=130), partial], 30).replica == "home"
+def test_a_prompt_leaves_its_home_when_the_wait_there_in_ms_exceeds_the_recompute():
+    """The spill rule on a follow-up turn (30 blocks, 26 cached on `home`, recomputing them at `idle`
+    costs 26 x 2 ms, the bar 2 x 52 = 104 ms). The same queue (one turn waiting, four full slots, the same
+    active blocks) is a short wait when the running sequences are about to finish (2 steps: 8 + 20 ms)
+    and a long one when they have 14 steps left (8 + 140 ms): in blocks the two homes look alike, in
+    time only the second is worth leaving."""
+    p = KVAwarePolicy(seed=0)
+    idle = view("idle", active=60, capacity=4)
+
+    def home(left: int) -> ReplicaView:
+        return view("home", cached=26, active=60, queued=1, pending=[(4, 30, 16)], running=(left,) * 4,
+                    capacity=4)
+    assert p.delay(home(2), 30, 16) == 28.0 and p.delay(home(14), 30, 16) == 148.0
+    assert p.choose([home(2), idle], 30, 16).replica == "home"
+    assert p.choose([home(14), idle], 30, 16).replica == "idle"
+    assert KVAwarePolicy(seed=0, spill_factor=0.0).choose([home(2), idle], 30, 16).replica == "home"  # cost
+    # running sequences alone (free slots, no queue) never move it: the first token would not wait
+    busy = view("home", cached=26, active=400, running=(14,) * 3, capacity=4)
+    assert p.delay(busy, 30, 16) == 0.0 and p.choose([busy, idle], 30, 16).replica == "home"
+    # 24 of the 26 blocks cached elsewhere: 2 to recompute, a bar of 8 ms
+    partial = view("partial", cached=24, active=60, capacity=4)
+    assert p.choose([home(2), partial], 30, 16).replica == "partial"
+    assert p.choose([view("home", cached=26, active=60, capacity=4), partial], 30, 16).replica == "home"
 
 
 def test_a_burst_of_unrelated_requests_reaches_every_replica():
     """30 requests sharing only their first block (a short common system prompt), sent at once to three
     replicas that run many sequences (nothing counts as queued): the first one makes its replica the home
-    of that block, and the rest spread as the home's active blocks pass the bar of one block (w x 2)."""
+    of that block; each one sent there waits for the prefill of those sent before it (none has its first
+    token yet), so the rest spread as soon as that wait passes the bar of one block (2 x 2 ms)."""
     p = KVAwarePolicy(seed=0)
-    active = {"a": 0.0, "b": 0.0, "c": 0.0}
-    cached = {"a": 0, "b": 0, "c": 0}
-    routed = {"a": 0, "b": 0, "c": 0}
+    names = ("a", "b", "c")
+    cached = dict.fromkeys(names, 0)
+    pending: dict[str, list] = {n: [] for n in names}
     for _ in range(30):
-        views = [view(n, cached=cached[n], active=active[n], in_flight=routed[n]) for n in active]
-        d = p.choose(views, 7)
-        active[d.replica] += 7 - cached[d.replica]
+        views = [view(n, cached=cached[n], active=sum(7 for _ in pending[n]), in_flight=len(pending[n]),
+                      pending=pending[n], capacity=64) for n in names]
+        d = p.choose(views, 7, 8)
+        pending[d.replica].append((7 - cached[d.replica], 7, 8))
         cached[d.replica] = 1
-        routed[d.replica] += 1
+    routed = {n: len(pending[n]) for n in names}
     assert min(routed.values()) >= 0.15 * 30, routed
 
 
-def test_replica_view_takes_the_newest_open_requests_as_the_waiting_ones():
-    r = Replica("http://a", RoutingHistory())
-    tickets = [r.opened([], new_blocks=n, prompt_blocks=10 * n) for n in (1, 2, 3)]
-    r.reported({"num_waiting": 2, "active_kv_blocks": 7})
+def test_replica_view_pending_until_the_first_token_then_running_with_steps_left():
+    """The router's own requests on a replica: those without a first token are pending (their prefill is
+    ahead of a new request), those streaming hold a slot with their max_tokens minus the steps since their
+    first token left; the queue is still this router's requests beyond the slots or the report."""
+    r = Replica("http://a", RoutingHistory(), rates=RateEstimator(RATES))
+    r.reported({"num_running": 0, "num_waiting": 0, "active_kv_blocks": 7, "max_num_seqs": 2})
+    tickets = [r.opened([], new_blocks=n, prompt_blocks=10 * n, steps=16, now=0.0) for n in (1, 2, 3)]
     v = r.view([], events_max_age=2.0, now=0.0)
-    assert v.queued == 2 and v.waiting == ((2, 20), (3, 30)) and v.in_flight == 3
-    r.closed(tickets[0])          # finished since the last report: the queue is one shorter
-    v = r.view([], events_max_age=2.0, now=0.0)
-    assert v.queued == 1 and v.waiting == ((3, 30),) and v.active_blocks == 0   # 7 reported - its 10
+    assert v.queued == 1 and v.in_flight == 3 and v.capacity == 2 and v.running == ()
+    assert v.pending == (Pending(1, 10, 16), Pending(2, 20, 16), Pending(3, 30, 16))
+    r.first_token(tickets[0], now=0.05)        # 50 ms for 1 block with a free slot: a first-token sample
+    r.first_token(tickets[1], now=0.08)        # found the first one in its prefill: 3 blocks, 80 ms
+    assert r.rates.first_tokens == 2
+    v = r.view([], events_max_age=2.0, now=0.05 + 0.001 * 5 * r.rates.rates.ms_per_step)
+    assert v.pending == (Pending(3, 30, 16),) and v.running == pytest.approx((11.0, 14.0))
+    r.first_token(tickets[2], now=0.2)         # sent with both slots taken: its wait is not a prefill sample
+    assert r.rates.first_tokens == 2
+    r.closed(tickets[0], completion_tokens=16, now=0.05 + 0.3, streamed=True)   # 15 steps in 300 ms
+    assert r.rates.decodes == 1 and r.rates.rates.ms_per_step == pytest.approx(10.0 + 0.1 * (20.0 - 10.0))
+    v = r.view([], events_max_age=2.0, now=0.4)
+    # the report's 7 blocks less the 10 the finished one held, plus the 6 this router's requests added
+    assert v.in_flight == 2 and v.active_blocks == 0 + 6
     r.closed(tickets[0])          # closing twice is harmless
     assert r.in_flight == 2
+    two = r.opened([], new_blocks=1, prompt_blocks=10, steps=16, now=1.0, choices=2)
+    r.first_token(two, now=1.0)
+    r.closed(two, completion_tokens=32, now=1.3, streamed=True)   # 2 choices of 16 tokens, side by side
+    assert r.rates.decodes == 2 and r.rates.rates.ms_per_step == pytest.approx(11.0 + 0.1 * (20.0 - 11.0))
 
 
 def test_requests_sent_since_the_last_report_count_as_queued_once_the_replica_is_full():
     """A replica running up to 4 sequences at once (--max-num-seqs 4) holds 4 of this router's requests:
     the 5th and 6th sent before the next report are queued there, known at once (no herding onto a
-    replica that looked idle)."""
+    replica that looked idle), and all six are ahead of a new request until their first tokens."""
     r = Replica("http://a", RoutingHistory())
     r.reported({"num_running": 1, "num_waiting": 0, "active_kv_blocks": 40, "max_num_seqs": 4})
     for n in range(6):
         r.opened([], new_blocks=n, prompt_blocks=10)
     v = r.view([], events_max_age=2.0, now=0.0)
-    assert v.queued == 2 and v.waiting == ((4, 10), (5, 10))
+    assert v.queued == 2 and [p.uncached for p in v.pending] == [0, 1, 2, 3, 4, 5]
     assert queued_estimate(in_flight=3, capacity=4, reported_waiting=1) == 1   # other clients' queue
     assert queued_estimate(in_flight=3, capacity=0, reported_waiting=0) == 0   # capacity unknown
     r.forget()
@@ -169,16 +201,19 @@ def test_event_index_applies_deltas_and_resets_on_a_new_replica_life():
 
 
 def test_recomputing_a_prefix_on_a_busy_replica_is_charged_for_the_queue_behind_it():
-    """A follow-up turn (30 blocks, 26 cached on `hot`, five turns queued there) against `busy` (two
-    queued, nothing cached): by this request's wait alone `busy` is cheaper, but recomputing 26 blocks
-    there delays the requests that queue behind it, about as many as queue ahead now: it waits on `hot`.
-    An idle replica has nobody behind: the spill goes there as before."""
+    """A follow-up turn (30 blocks, 26 cached on `hot`, five turns queued there) against `busy` (four
+    queued, nothing cached), both with four full slots: `busy` is a shorter wait and the spill rule
+    allows it, but recomputing 26 blocks there delays the requests that queue behind it, about as many as
+    queue ahead now (w x 26 x 4): it waits on `hot`. An idle replica has nobody behind: the spill goes
+    there as before."""
     p = KVAwarePolicy(seed=0)     # w = 4, q = 1
-    hot = view("hot", cached=26, active=60, queued=5, waiting=[(4, 30)] * 5)
-    busy = view("busy", active=60, queued=2, waiting=[(4, 30)] * 2)
-    assert p.cost(busy, 30) < p.cost(hot, 30)
-    d = p.choose([hot, busy], 30)
-    assert d.replica == "hot" and d.costs["busy"] - p.cost(busy, 30) == 4 * 26 * 2 and d.costs["hot"] == p.cost(hot, 30)
-    assert p.choose([hot, view("idle", active=60)], 30).replica == "idle"
+    hot = view("hot", cached=26, active=60, queued=5, pending=[(4, 30, 16)] * 5, running=(16,) * 4, capacity=4)
+    busy = view("busy", active=60, queued=4, pending=[(4, 30, 16)] * 4, running=(4,) * 4, capacity=4)
+    assert p.delay(hot, 30, 16) - p.delay(busy, 30, 16) > 2 * 2.0 * 26           # the spill rule allows it
+    assert p.cost(busy, 30, 16) < p.cost(hot, 30, 16)
+    d = p.choose([hot, busy], 30, 16)
+    assert d.replica == "hot" and d.costs["busy"] - p.cost(busy, 30, 16) == 4 * 26 * 4
+    assert d.costs["hot"] == p.cost(hot, 30, 16)
+    assert p.choose([hot, view("idle", active=60, capacity=4)], 30, 16).replica == "idle"
     # Unrelated prompts (nothing cached anywhere) are not charged: a burst still spreads by load.
-    assert p.choose([view("a", queued=2, waiting=[(4, 4)] * 2), view("b")], 4).replica == "b"
+    assert p.choose([view("a", queued=2, pending=[(4, 4, 16)] * 2), view("b")], 4).replica == "b"

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 import server.ray_serve.decisions as decisions
 from namazu.scheduler.kv_events import PromptHasher
 from server.ray_serve.asgi_bridge import asgi_stream
+from server.router.load_model import decode_steps
 
 logger = logging.getLogger("namazu.ray_serve")
 
@@ -128,8 +129,9 @@ class NamazuIngress:
                     prompt = prompt[0]
                 ids = self.hasher.text_ids(prompt) if isinstance(prompt, str) else list(prompt or [])
         except Exception:          # malformed: the replica answers with its own 400
-            ids = []
-        return {"hashes": self.hasher.hashes(ids), "prompt_blocks": -(-len(ids) // self.hasher.block_size)}
+            ids, body = [], None
+        return {"hashes": self.hasher.hashes(ids), "prompt_blocks": -(-len(ids) // self.hasher.block_size),
+                "max_tokens": decode_steps(body)}
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path

@@ -16,6 +16,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 import server.ray_serve.decisions as decisions
 from server.router.index import EventIndex, RoutingHistory
+from server.router.load_model import DEFAULT_STEPS, PRIOR, Pending, first_token_ms
 from server.router.policy import (
     DEFAULT_PREFIX_WEIGHT,
     DEFAULT_QUEUE_WEIGHT,
@@ -23,6 +24,7 @@ from server.router.policy import (
     ReplicaView,
     make_policy,
     queued_estimate,
+    wait_ms,
 )
 
 
@@ -34,8 +36,9 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
         self.history_ttl, self.recent_s = history_ttl, recent_s
         self._index: dict[str, EventIndex] = {}
         self._history: dict[str, RoutingHistory] = {}
-        # internal request id -> (replica, uncached prompt blocks, prompt blocks), oldest first
-        self._open: dict[str, tuple[str, int, int]] = {}
+        # internal request id -> (replica, uncached prompt blocks, prompt blocks, decode steps, monotonic time
+        # its first token was expected), oldest first
+        self._open: dict[str, tuple[str, int, int, float, float]] = {}
 
     def _view(self, replica: RunningReplica, hashes: list[int], now: float) -> ReplicaView:
         rid = replica.replica_id.unique_id
@@ -46,17 +49,22 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
             index.apply({"replica_id": stats["replica_id"], "last_id": stats["last_id"],
                          "snapshot": stats["hashes"], "events": []}, now)
         cached = max(index.matched(hashes), history.matched(hashes, now, within=self.recent_s))
-        mine = [(u, b) for r, u, b in self._open.values() if r == rid]
-        open_blocks = sum(u for u, _ in mine)
-        queued = queued_estimate(len(mine), int(stats.get("max_num_seqs", 0)), float(stats.get("num_waiting", 0)))
+        mine = [(u, b, n, t) for r, u, b, n, t in self._open.values() if r == rid]
+        open_blocks = sum(u for u, _, _, _ in mine)
+        capacity = int(stats.get("max_num_seqs", 0))
+        queued = queued_estimate(len(mine), capacity, float(stats.get("num_waiting", 0)))
         queue_len = self.replica_queue_len_cache.get(replica.replica_id) or 0
         decisions.observe(rid, indexed_blocks=len(index.hashes), history_blocks=len(history),
                           open_requests=len(mine),
                           namazu_replica_id=stats.get("replica_id"), pid=stats.get("pid"),
                           warm_at=stats.get("warm_at"))
-        # The replica queues FCFS: the newest of this router's requests there are the waiting ones.
+        # Ray Serve does not show this router a request's first token: a request counts as in its prefill
+        # (ahead of a new one) until its first token was expected, then as decoding from then on. The
+        # rates stay the prior, for the same reason.
+        pending = tuple(Pending(u, b, n) for u, b, n, t in mine if t > now)
+        running = tuple(max(1.0, n - 1000.0 * (now - t) / PRIOR.ms_per_step) for _, _, n, t in mine if t <= now)
         return ReplicaView(rid, cached, max(float(stats.get("active_kv_blocks", 0)), float(open_blocks)),
-                           float(queued), int(queue_len), tuple(mine[len(mine) - min(queued, len(mine)):]))
+                           float(queued), int(queue_len), pending, running, capacity, PRIOR)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -64,16 +72,19 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
             return []
         info = _route_info(pending_request)
         hashes, blocks = info.get("hashes", []), int(info.get("prompt_blocks", 0))
+        steps = float(info.get("max_tokens") or DEFAULT_STEPS)
         now = time.monotonic()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r, hashes, now) for r in candidate_replicas]
-        decision = self.policy.choose(views, blocks)
+        decision = self.policy.choose(views, blocks, steps)
         self._history[decision.replica].record(hashes, now)
         decisions.record_costs(decision.costs)
         if pending_request is not None:     # what it adds there: the blocks not cached yet
-            cached = next(v.cached_blocks for v in views if v.name == decision.replica)
-            self._open[pending_request.metadata.internal_request_id] = (decision.replica, max(1, blocks - cached),
-                                                                        blocks)
+            chosen = next(v for v in views if v.name == decision.replica)
+            uncached = max(1, blocks - chosen.cached_blocks)
+            expected = first_token_ms(chosen.rates, wait_ms(chosen, blocks, steps), uncached)
+            self._open[pending_request.metadata.internal_request_id] = (decision.replica, uncached, blocks, steps,
+                                                                        now + expected / 1000.0)
         # The chosen replica first; the rest by cost, so a full replica falls through to the next best.
         rest = sorted((r for rid, r in by_id.items() if rid != decision.replica),
                       key=lambda r: decision.costs.get(r.replica_id.unique_id, 0.0))

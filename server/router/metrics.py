@@ -32,6 +32,10 @@ class RouterMetrics:
                             "reported last", ["replica"], registry=r)
         self.in_flight = Gauge("namazu_router_replica_in_flight", "requests this router has open there",
                                ["replica"], registry=r)
+        self.ms_per_block = Gauge("namazu_router_replica_prefill_ms_per_block", "the router's estimate of the "
+                                  "replica's prefill time per uncached prompt block", ["replica"], registry=r)
+        self.ms_per_step = Gauge("namazu_router_replica_decode_step_ms", "the router's estimate of the "
+                                 "replica's decode step time", ["replica"], registry=r)
         for url in pool.replicas:
             self.decisions.labels(url, policy)
             self.retries.labels(url)
@@ -43,4 +47,7 @@ class RouterMetrics:
             self.active.labels(url).set(float(rep.load.get("active_kv_blocks", 0)))
             self.queued.labels(url).set(float(rep.load.get("num_waiting", 0)))
             self.in_flight.labels(url).set(rep.in_flight)
+            rates = rep.rates.rates
+            self.ms_per_block.labels(url).set(rates.ms_per_block)
+            self.ms_per_step.labels(url).set(rates.ms_per_step)
         return generate_latest(self.registry)

@@ -8,7 +8,9 @@ Reports are up to a poll interval old, so the router corrects them with its own 
 blocks = reported - prompt blocks of its requests that finished since + uncached prompt blocks of its
 requests sent since (a cached prefix is shared, not added); queued = reported - its requests finished
 since. A burst arriving between two polls therefore spreads, and a replica that just finished a long
-prompt does not look busy until the next poll.
+prompt does not look busy until the next poll. The router also times its own requests on each replica
+(first token, spacing of the streamed tokens) for the replica's rates (`load_model.RateEstimator`), and
+knows which of them are still before their first token: those are the prefill ahead of a new request.
 """
 from __future__ import annotations
 
@@ -23,10 +25,25 @@ from typing import Any
 import httpx
 
 from server.router.index import EventIndex, RoutingHistory
-from server.router.policy import ReplicaView, queued_estimate
+from server.router.load_model import Pending, RateEstimator, first_token_ms
+from server.router.policy import ReplicaView, queued_estimate, wait_ms
 
 logger = logging.getLogger(__name__)
 _tickets = itertools.count()
+
+
+@dataclass
+class OpenRequest:
+    """A request this router has open on a replica."""
+
+    uncached: int              # prompt blocks it prefills there (as the router believed at routing)
+    blocks: int                # prompt blocks
+    steps: float               # decode steps it will run (its max_tokens, or the replica's typical length)
+    sent_at: float             # monotonic seconds
+    ahead: int                 # blocks prefilled before or with it: its own and those of requests it found in prefill
+    free_slot: bool            # a slot was free when it was sent: its first-token time measures prefill alone
+    first_at: float | None = None   # its first token (for a non-streamed request: when it was expected)
+    choices: int = 1           # sequences it samples (n): its usage counts the tokens of all of them
 
 
 @dataclass
@@ -37,9 +54,8 @@ class Replica:
     healthy: bool = False
     failures: int = 0
     load: dict[str, Any] = field(default_factory=dict)   # the last /load answer
-    # Requests this router has open there, oldest first: ticket -> (uncached prompt blocks at routing time,
-    # prompt blocks). The newest of them are the ones waiting in the replica's (FCFS) queue.
-    open: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Requests this router has open there, oldest first (the replica queues FCFS).
+    open: dict[int, OpenRequest] = field(default_factory=dict)
     # The router's own changes since the last /load report: blocks its new requests add (their uncached
     # prompt), and the requests that finished with the prompt blocks they held.
     opened_blocks: int = 0
@@ -47,6 +63,7 @@ class Replica:
     closed_requests: int = 0
     num_routed: int = 0
     last_error: str = ""
+    rates: RateEstimator = field(default_factory=RateEstimator)
     # Set when the replica is taken out: requests waiting for its first byte stop waiting and move on.
     out: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -56,13 +73,20 @@ class Replica:
             cached = max(self.index.matched(hashes), self.history.matched(hashes, now, within=events_max_age))
         else:
             cached = self.history.matched(hashes, now)
-        queued = queued_estimate(self.in_flight, self.capacity,
-                                 max(0, self.load.get("num_waiting", 0) - self.closed_requests))
+        queued = queued_estimate(self.in_flight, self.capacity, self.reported_waiting)
+        rates = self.rates.rates
+        pending = tuple(Pending(o.uncached, o.blocks, o.steps) for o in self.open.values()
+                        if o.first_at is None or o.first_at > now)
+        running = [max(1.0, o.steps - 1000.0 * (now - o.first_at) / rates.ms_per_step)
+                   for o in self.open.values() if o.first_at is not None and o.first_at <= now]
+        # Other clients' sequences in the slots: their lengths unknown, half a typical one left on average.
+        others = max(0, int(self.load.get("num_running", 0)) - self.closed_requests - self.in_flight)
+        running += [self.rates.steps / 2] * others
         return ReplicaView(
             name=self.url, cached_blocks=cached,
             active_blocks=max(0.0, self.load.get("active_kv_blocks", 0) - self.closed_blocks) + self.opened_blocks,
-            queued=float(queued), in_flight=self.in_flight,
-            waiting=tuple(self.open.values())[len(self.open) - min(queued, len(self.open)):])
+            queued=float(queued), in_flight=self.in_flight, pending=pending, running=tuple(running),
+            capacity=self.capacity, rates=rates)
 
     @property
     def capacity(self) -> int:
@@ -70,31 +94,66 @@ class Replica:
         return int(self.load.get("max_num_seqs", 0))
 
     @property
+    def reported_waiting(self) -> int:
+        return max(0, int(self.load.get("num_waiting", 0)) - self.closed_requests)
+
+    @property
     def in_flight(self) -> int:
         return len(self.open)
 
-    def opened(self, hashes: list[int], new_blocks: int, prompt_blocks: int) -> int:
-        """Counts a request sent there; returns the ticket `closed` takes back."""
+    def opened(self, hashes: list[int], new_blocks: int, prompt_blocks: int, steps: float | None = None,
+               stream: bool = True, now: float | None = None, choices: int = 1) -> int:
+        """Counts a request sent there (`steps`: its max_tokens, if it set one; `stream`: whether its first
+        token will be seen; `choices`: sequences it samples, n); returns the ticket `first_token` and
+        `closed` take back."""
+        now = time.monotonic() if now is None else now
         self.num_routed += 1
         self.opened_blocks += new_blocks
         self.history.record(hashes)
+        prefilling = sum(o.uncached for o in self.open.values() if o.first_at is None or o.first_at > now)
+        free_slot = queued_estimate(self.in_flight + 1, self.capacity, self.reported_waiting) == 0
+        entry = OpenRequest(new_blocks, prompt_blocks, float(steps) if steps else self.rates.steps, now,
+                            new_blocks + prefilling, free_slot, choices=max(1, choices))
+        if not stream:      # no first token to see: assume it came when expected
+            view = self.view(hashes, 0.0, now)
+            expected = first_token_ms(view.rates, wait_ms(view, prompt_blocks, entry.steps), new_blocks)
+            entry.first_at = now + expected / 1000.0
         ticket = next(_tickets)
-        self.open[ticket] = (new_blocks, prompt_blocks)
+        self.open[ticket] = entry
         return ticket
 
-    def closed(self, ticket: int) -> None:
+    def first_token(self, ticket: int, now: float | None = None) -> None:
+        """The request's first streamed bytes arrived (the replica sends nothing before its first token)."""
+        entry = self.open.get(ticket)
+        if entry is None or entry.first_at is not None:
+            return
+        entry.first_at = time.monotonic() if now is None else now
+        if entry.free_slot:
+            self.rates.first_token(entry.ahead, 1000.0 * (entry.first_at - entry.sent_at))
+
+    def closed(self, ticket: int, completion_tokens: int | None = None, now: float | None = None,
+               streamed: bool = False) -> None:
+        """The request ended; `completion_tokens` from its usage, if the router saw it; `streamed`: its
+        tokens after the first arrived one by one, so their spacing is the replica's decode step."""
         entry = self.open.pop(ticket, None)
         if entry is None:
             return
-        self.closed_blocks += entry[1]
+        self.closed_blocks += entry.blocks
         self.closed_requests += 1
+        if completion_tokens:
+            now = time.monotonic() if now is None else now
+            tokens = completion_tokens // entry.choices     # its choices decode side by side
+            if streamed and entry.first_at is not None and tokens > 1:
+                self.rates.decode(tokens - 1, 1000.0 * (now - entry.first_at))
+            self.rates.output(tokens)
 
     def reported(self, load: dict[str, Any]) -> None:
         self.load = load
         self.opened_blocks = self.closed_blocks = self.closed_requests = 0
 
     def forget(self) -> None:
-        """Out of rotation: nothing believed about its cache or load survives."""
+        """Out of rotation: nothing believed about its cache or load survives (its rates do: the same
+        replica coming back runs at the same speed)."""
         self.healthy = False
         self.out.set()
         self.index.clear()

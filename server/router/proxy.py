@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,12 +27,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from namazu.scheduler.kv_events import PromptHasher
+from server.router.load_model import DEFAULT_STEPS, decode_steps
 from server.router.metrics import RouterMetrics
 from server.router.policy import Policy
 from server.router.pool import Replica, ReplicaPool
 
 logger = logging.getLogger(__name__)
 
+_USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
+_TAIL = 1024        # bytes of a stream kept to read its usage chunk from
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 
 
@@ -94,6 +99,9 @@ class Router:
         hashes = hasher.hashes(ids) if hasher else []
         bs = hasher.block_size if hasher else 16
         prompt_blocks = -(-len(ids) // bs)
+        steps, stream = decode_steps(body), isinstance(body, dict) and body.get("stream") is True
+        n = body.get("n") if isinstance(body, dict) else None
+        choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
         tried: set[str] = set()
         while True:
             views = self.pool.views(hashes, tried)
@@ -101,7 +109,7 @@ class Router:
                 self.metrics.failed.inc()
                 what = "every replica failed this request" if tried else "no replica is healthy"
                 return _error(503, f"{what}; replicas: {sorted(self.pool.replicas)}", "no_replica")
-            decision = self.policy.choose(views, prompt_blocks)
+            decision = self.policy.choose(views, prompt_blocks, steps or DEFAULT_STEPS)
             for name, cost in decision.costs.items():
                 self.metrics.cost.labels(name).set(cost)
             replica = self.pool.replicas[decision.replica]
@@ -111,7 +119,8 @@ class Router:
             self.metrics.matched_blocks.inc(chosen.cached_blocks)
             # What the request adds to the replica's KV: its blocks the replica does not hold yet (a cached
             # prefix is shared, not copied).
-            ticket = replica.opened(hashes, max(1, prompt_blocks - chosen.cached_blocks), prompt_blocks)
+            ticket = replica.opened(hashes, max(1, prompt_blocks - chosen.cached_blocks), prompt_blocks, steps,
+                                    stream, choices=choices)
             try:
                 return await self._send(request, replica, path, raw, ticket, t0)
             except _Retry as e:
@@ -151,7 +160,7 @@ class Router:
                 await upstream.aclose()
                 raise _Retry(f"{replica.url} dropped the request: {type(e).__name__}: {e}") from None
             await upstream.aclose()
-            replica.closed(ticket)
+            replica.closed(ticket, _completion_tokens(content or b""))
             if content is None:
                 return Response(status_code=499)
             timing()
@@ -166,15 +175,18 @@ class Router:
             await upstream.aclose()
             replica.closed(ticket)
             return Response(status_code=499)
+        replica.first_token(ticket)
         timing()
         return StreamingResponse(self._relay(replica, ticket, upstream, first, chunks),
                                  status_code=upstream.status_code, headers=out_headers)
 
     async def _relay(self, replica: Replica, ticket: int, upstream: httpx.Response, first: bytes,
                      chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        tail = first[-_TAIL:]
         try:
             yield first
             async for chunk in chunks:
+                tail = (tail + chunk)[-_TAIL:]
                 yield chunk
         except httpx.TransportError as e:
             self.pool.mark_failed(replica, f"stream broke: {type(e).__name__}: {e}")
@@ -185,7 +197,7 @@ class Router:
         finally:
             # Also reached when the client disconnects (the response task is cancelled): closing the
             # upstream connection makes the replica abort the request and free its blocks.
-            replica.closed(ticket)
+            replica.closed(ticket, _completion_tokens(tail), streamed=True)
             await upstream.aclose()
 
     # -- app --------------------------------------------------------------------------------------------
@@ -194,7 +206,10 @@ class Router:
             {"url": r.url, "healthy": r.healthy, "routed": r.num_routed, "in_flight": r.in_flight,
              "indexed_blocks": len(r.index.hashes), "history_blocks": len(r.history),
              "replica_id": r.index.replica_id, "event_cursor": r.index.cursor, "resets": r.index.num_resets,
-             "load": r.load, "last_error": r.last_error} for r in self.pool.replicas.values()]}
+             "load": r.load, "last_error": r.last_error,
+             "rates": dataclasses.asdict(r.rates.rates), "rate_samples": {
+                 "first_tokens": r.rates.first_tokens, "decodes": r.rates.decodes}}
+            for r in self.pool.replicas.values()]}
 
     def app(self) -> Starlette:
         async def completions(request: Request) -> Response:
@@ -230,6 +245,13 @@ class Router:
             Route("/metrics", metrics, methods=["GET"]),
             Route("/router/state", state, methods=["GET"]),
         ])
+
+
+def _completion_tokens(tail: bytes) -> int | None:
+    """completion_tokens of the last usage object in a response's tail (a streamed one has it only with
+    stream_options.include_usage), or None."""
+    found = _USAGE.findall(tail)
+    return int(found[-1]) if found else None
 
 
 async def _unless_gone(request: Request, replica: Replica, aw: Any) -> Any:

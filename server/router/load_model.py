@@ -1,0 +1,156 @@
+"""How long a new request would wait for its first token at a replica, in milliseconds.
+
+The spill rule (`policy.py`) weighs waiting at a prompt's home against recomputing the prompt elsewhere.
+Counting both in KV blocks missed the wait that dominates near saturation: a request that finds every
+slot (--max-num-seqs) taken waits for a running sequence to finish its decode, which the block count
+priced at a fraction of its real cost (bench/RESULTS.md: the home's tail waited seconds). Here the wait
+is time, from two per-replica rates:
+
+    wait = ms_per_block x (prompt blocks the requests ahead of it still have to prefill)
+         + ms_per_step  x (decode steps until a slot frees for it)
+
+The slot wait is a small FCFS simulation: the running sequences free their slots as their remaining
+decode steps run out, each waiting request takes the first free slot and holds it for its own decode, and
+the new request takes the slot that frees after all of them. A request's own first token then comes
+`overhead_ms + ms_per_block x its uncached blocks` after its wait.
+
+`RateEstimator` learns the rates from what the router observes of its own requests (no engine change
+needed): first-token times of requests sent when a slot was free fit `overhead + ms_per_block x blocks
+prefilled ahead and with it` (exponentially weighted least squares, regularized toward the prior), and
+the spacing of streamed tokens gives the decode step. The prior holds until data arrives and keeps the
+fit defined when every prompt has the same length.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rates:
+    ms_per_block: float     # prefilling one uncached prompt block
+    ms_per_step: float      # one decode iteration of the running batch
+    overhead_ms: float      # the fixed part of a first token: one iteration, the HTTP hops
+
+    def __post_init__(self) -> None:
+        if not (self.ms_per_block > 0 and self.ms_per_step > 0 and self.overhead_ms >= 0):
+            raise ValueError(f"rates must be positive: {self}")
+
+
+# Before a replica has answered anything: the order of namazu-tiny on one CPU thread (16-token blocks),
+# as the router measured it on the shared 2-core machine (9 ms per block fitted over prompts of 20 to 400
+# random words, 14 ms per step). Only the ratio of the two rates steers the spill rule, and a few dozen requests
+# replace the prior.
+PRIOR = Rates(ms_per_block=8.0, ms_per_step=15.0, overhead_ms=10.0)
+DEFAULT_STEPS = 64          # decode steps of a request that does not say (no max_tokens), before data
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A request at the replica without its first token yet: queued, or in its prefill."""
+
+    uncached: int           # prompt blocks it prefills there
+    blocks: int             # prompt blocks it holds once running
+    steps: float            # decode steps it will run
+
+
+def decode_steps(body: object) -> int | None:
+    """A request body's max_tokens (max_completion_tokens first): its decode length at most, the exact one
+    for most clients; None when it sets neither."""
+    if not isinstance(body, dict):
+        return None
+    n = body.get("max_completion_tokens", body.get("max_tokens"))
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def slot_wait_steps(running: Sequence[float], waiting: Sequence[float], capacity: int) -> float:
+    """Decode steps until a new request gets a slot: `running` holds the steps left of the sequences in the
+    slots, `waiting` the decode lengths of the requests queued ahead (FCFS), `capacity` the slots
+    (--max-num-seqs; 0 when unknown: no slot wait is assumed)."""
+    if capacity <= 0 or len(running) + len(waiting) < capacity:
+        return 0.0
+    # A replica can report more running than its capacity only transiently (a stale report): the extra
+    # sequences are treated as the first to leave.
+    frees = sorted(max(0.0, s) for s in running)
+    heap = frees[len(frees) - capacity:] if len(frees) > capacity else frees
+    heap += [0.0] * (capacity - len(heap))
+    heapq.heapify(heap)
+    for steps in waiting:
+        t = heapq.heappop(heap)
+        heapq.heappush(heap, t + max(0.0, steps))
+    return heap[0]
+
+
+def expected_wait_ms(rates: Rates, pending: Sequence[Pending], running: Sequence[float], capacity: int,
+                     others_queued: float = 0.0, new_blocks: int = 0, new_steps: float = DEFAULT_STEPS) -> float:
+    """The wait before a new request's own prefill starts there (see the module docstring). `pending` are
+    this router's requests without a first token, oldest first: the first free slots go to them, the rest
+    wait. `others_queued` requests of other clients wait too, each priced like the new one (`new_blocks`
+    uncached, `new_steps` decode steps), ahead of it since their place in the queue is unknown."""
+    free = max(0, capacity - len(running)) if capacity > 0 else len(pending)
+    extra = max(0, int(round(others_queued)))
+    waiting = [p.steps for p in pending[free:]] + [new_steps] * extra
+    admitted = [p.steps for p in pending[:free]]
+    prefill = sum(p.uncached for p in pending) + extra * new_blocks
+    return rates.ms_per_block * prefill + rates.ms_per_step * slot_wait_steps(
+        list(running) + admitted, waiting, capacity)
+
+
+def first_token_ms(rates: Rates, wait_ms: float, uncached: int) -> float:
+    """The first token's expected time there: the wait, then the request's own prefill."""
+    return wait_ms + rates.overhead_ms + rates.ms_per_block * uncached
+
+
+class RateEstimator:
+    """One replica's rates, learned from the router's own requests (exponentially weighted, `alpha` per
+    observation), pulled toward `prior` with the weight of `prior_weight` observations."""
+
+    def __init__(self, prior: Rates = PRIOR, alpha: float = 0.1, prior_weight: float = 1.0,
+                 prior_blocks: float = 24.0):
+        if not 0 < alpha <= 1 or prior_weight <= 0 or prior_blocks <= 0:
+            raise ValueError("want 0 < alpha <= 1, prior_weight > 0 and prior_blocks > 0")
+        self.prior, self.alpha = prior, alpha
+        # The prior as two pseudo-observations that never decay: no blocks, and `prior_blocks` blocks.
+        half = prior_weight / 2
+        ys = (prior.overhead_ms, prior.overhead_ms + prior.ms_per_block * prior_blocks)
+        self._prior_sums = (prior_weight, half * prior_blocks, sum(half * y for y in ys),
+                            half * prior_blocks ** 2, half * prior_blocks * ys[1])
+        self._sums = [0.0] * 5          # weight, sum x, sum y, sum x^2, sum x*y of the observations
+        self.step_ms = prior.ms_per_step
+        self.steps = float(DEFAULT_STEPS)
+        self.first_tokens = self.decodes = 0
+
+    def first_token(self, blocks: float, ms: float) -> None:
+        """A request sent while a slot was free had its first token after `ms`; `blocks` were prefilled
+        before or with it (its own uncached blocks and those of the requests it found in their prefill)."""
+        if not (blocks >= 0 and ms >= 0):
+            return
+        keep = 1.0 - self.alpha
+        self._sums = [s * keep for s in self._sums]
+        for i, v in enumerate((1.0, blocks, ms, blocks * blocks, blocks * ms)):
+            self._sums[i] += v
+        self.first_tokens += 1
+
+    def decode(self, steps: int, ms: float) -> None:
+        """A streamed request ran `steps` decode steps (its tokens after the first) in `ms`."""
+        if steps < 1 or not ms >= 0:
+            return
+        self.step_ms += self.alpha * (ms / steps - self.step_ms)
+        self.decodes += 1
+
+    def output(self, tokens: int) -> None:
+        """A request generated `tokens`: the typical length, for requests that do not set max_tokens and
+        for other clients' sequences."""
+        if tokens >= 1:
+            self.steps += self.alpha * (tokens - self.steps)
+
+    @property
+    def rates(self) -> Rates:
+        w, sx, sy, sxx, sxy = (a + b for a, b in zip(self._sums, self._prior_sums))
+        var = w * sxx - sx * sx
+        slope = (w * sxy - sx * sy) / var if var > 1e-9 else self.prior.ms_per_block
+        # A fit that says prefill is free or negative (a noisy few samples) is not a rate to route on.
+        slope = max(slope, 0.05 * self.prior.ms_per_block)
+        intercept = max(0.0, (sy - slope * sx) / w)
+        return Rates(ms_per_block=slope, ms_per_step=max(self.step_ms, 1e-3), overhead_ms=intercept)
