@@ -8,9 +8,9 @@
 Every setup (per mode: speculation off; one per drafter and --min-confidence threshold at --k draft
 tokens, drafting at every batch size, named DRAFTER@THRESHOLD when several thresholds are swept; and
 auto, the default engine: the model's shipped drafter with its default threshold, off above the
-batch-size threshold) is
-an inline engine kept for the whole run; the rounds interleave the setups so that a shared machine's
-load falls on all of them alike. A first round at every batch size is run and not counted (graph mode
+batch-size threshold) is an inline engine kept for the whole run; each round runs every generate call on
+every setup in turn (the order rotating), so that a shared machine's load falls on all of them alike. A
+first round at every batch size is run and not counted (graph mode
 compiles its ladder entries there).
 Per setup and batch (median over rounds): drafter ms per step (`drafter_seconds` / steps: extending the
 context cache and drafting), engine ms per step, output tokens/s, mean acceptance length, verify rows
@@ -110,18 +110,23 @@ def main(argv: list[str] | None = None) -> int:
         for bsz in args.batch:
             first = (r + 1) * bsz * args.groups
             batches = [[prompts[(first + g * bsz + i) % len(prompts)] for i in range(bsz)] for g in range(args.groups)]
-            for name, _, _ in setups:
-                llm = llms[name]
-                s0 = llm.engine.get_stats()
-                wall, tokens, answers = 0.0, 0, []
-                for batch in batches:
+            # Group by group, every setup in turn (its order rotating), so that a shared machine's load
+            # drift within a round falls on all setups alike.
+            before = {name: llms[name].engine.get_stats() for name, _, _ in setups}
+            wall = dict.fromkeys(before, 0.0)
+            tokens = dict.fromkeys(before, 0)
+            answers: dict[str, list] = {name: [] for name in before}
+            for g, batch in enumerate(batches):
+                for j in range(len(setups)):
+                    name = setups[(g + j) % len(setups)][0]
                     t0 = time.perf_counter()
-                    outs = llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
-                    wall += time.perf_counter() - t0
-                    tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-                    answers += [list(o.outputs[0].token_ids) for o in outs]
-                same_work[(r, bsz)].add(hash(str(answers)))
-                s1 = llm.engine.get_stats()
+                    outs = llms[name].generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+                    wall[name] += time.perf_counter() - t0
+                    tokens[name] += sum(len(o.outputs[0].token_ids) for o in outs)
+                    answers[name] += [list(o.outputs[0].token_ids) for o in outs]
+            for name, _, _ in setups:
+                s0, s1 = before[name], llms[name].engine.get_stats()
+                same_work[(r, bsz)].add(hash(str(answers[name])))
                 steps = s1.num_steps - s0.num_steps
                 hist = np.array(s1.acceptance_length_histogram or [0]) - np.array(s0.acceptance_length_histogram or [0])
                 if r < 0:
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 blocks = s1.num_draft_blocks - s0.num_draft_blocks
                 rows.setdefault((name, bsz), []).append({
                     "drafter_ms": 1e3 * (s1.drafter_seconds - s0.drafter_seconds) / max(1, steps),
-                    "step_ms": 1e3 * wall / max(1, steps), "tok_s": tokens / wall,
+                    "step_ms": 1e3 * wall[name] / max(1, steps), "tok_s": tokens[name] / wall[name],
                     "tau": mean_acceptance_length(hist.tolist()),
                     "rows": 1 + (s1.num_draft_tokens - s0.num_draft_tokens) / verifies if verifies else 0.0,
                     "block": (s1.num_drafts_proposed - s0.num_drafts_proposed) / blocks if blocks else 0.0})

@@ -294,7 +294,7 @@ def test_metrics_export_speculation():
     from server.metrics import ServerMetrics
 
     stats = {"acceptance_length_histogram": [3, 1, 0, 2], "num_draft_tokens": 18, "num_accepted_draft_tokens": 7,
-             "num_steps": 4, "drafter_seconds": 0.2}
+             "num_steps": 4, "drafter_seconds": 0.2, "num_draft_blocks": 8, "num_drafts_proposed": 20}
     text = ServerMetrics(lambda: stats).render().decode()
     assert 'namazu_spec_acceptance_length_bucket{le="1.0"} 3.0' in text
     assert 'namazu_spec_acceptance_length_bucket{le="2.0"} 4.0' in text
@@ -302,6 +302,8 @@ def test_metrics_export_speculation():
     assert "namazu_spec_acceptance_length_sum 13.0" in text       # 3*1 + 1*2 + 2*4
     assert "namazu_spec_draft_acceptance_rate 0.3888" in text
     assert "namazu_spec_drafter_seconds_per_step 0.05" in text
+    assert "namazu_spec_draft_block_length 2.5" in text
+    assert "namazu_engine_num_draft_blocks_total 8.0" in text
 
 
 def test_flags_and_their_errors():

@@ -143,9 +143,10 @@ class Walk(NamedTuple):
 
 def draft_counts(confidence: torch.Tensor, min_confidence: float) -> torch.Tensor:
     """Drafts worth verifying per row of confidence [M, k]: the longest prefix whose running product of
-    confidences stays at or above `min_confidence`, and at least one (a block's first draft is accepted
-    often enough that a step without it loses more than its row costs: bench/RESULTS.md, DFlash2 round 5).
-    0 keeps all k. Device only: the counts reach the host with the step's one read."""
+    confidences stays at or above `min_confidence` (the product tracks the chance that the whole prefix
+    is accepted: `bench/draft_confidence.py`), and at least one, so a drafted sequence always verifies
+    something (the drafter has already run; a block of none would make the step a plain decode that
+    paid for a draft). 0 keeps all k. Device only: the counts reach the host with the step's one read."""
     m, k = confidence.shape
     if min_confidence <= 0 or k == 0:
         return torch.full((m,), k, dtype=torch.long, device=confidence.device)

@@ -1,4 +1,5 @@
-"""Which drafter a server runs, with how many draft tokens, above which batch size it stops drafting, and why.
+"""Which drafter a server runs, with how many draft tokens, above which batch size it stops drafting, where
+its blocks end, and why.
 
 One decision at start-up, from the engine flags and the checkpoint, made the same way by the engine and
 by every further node of a multi-node run (`distributed/node.py`), so all ranks hold the same proposer:
@@ -8,9 +9,10 @@ by every further node of a multi-node run (`distributed/node.py`), so all ranks 
   block size - 1; the batch-size threshold defaults to 0 (never disable: explicit users keep the
   behaviour they asked for);
 - nothing named: the DFlash drafter the checkpoint ships in its `drafter/` directory (namazu-tiny does),
-  with its block size - 1 draft tokens unless `--num-speculative-tokens` says otherwise, and the
-  measured break-even batch size as the threshold; a checkpoint without `drafter/` serves without
-  speculation;
+  with its block size - 1 draft tokens unless `--num-speculative-tokens` says otherwise, the measured
+  break-even batch size as the threshold, and blocks that end at the measured confidence threshold
+  (`--speculative-min-confidence`; a named drafter keeps full blocks unless told); a checkpoint without
+  `drafter/` serves without speculation;
 - `--num-speculative-tokens 0`: off, whatever else is set.
 """
 from __future__ import annotations
@@ -35,9 +37,13 @@ SHIPPED_DRAFTER_DIR = "drafter"
 # largest batch at which drafting paid.
 AUTO_DISABLE_BATCH_SIZE = 1
 
-# The running-confidence threshold at which the shipped drafter's blocks end (`dflash.draft_counts`),
-# PLACEHOLDER_MEASUREMENT
-AUTO_MIN_CONFIDENCE = 0.0
+# The running-confidence threshold at which the shipped drafter's blocks end (`dflash.draft_counts`), the
+# fastest of those measured at batch 1 (CPU, eager, fp32, 40 held-out captured prompts x 2 rounds, 128
+# tokens, load 1.8-2.5: `python bench/drafter_step.py --requests CAPTURE --batch 1 --rounds 2 --groups 40
+# --output-len 128 --min-confidence 0 0.15 0.25 0.35`): 0 / 0.15 / 0.25 / 0.35 gave 1.14x / 1.18x /
+# 1.20x / 1.21x of speculation off, with 6.87 / 5.54 / 4.66 / 4.04 verify rows per verify step and mean
+# acceptance length 2.73 / 2.72 / 2.67 / 2.60. `bench/draft_confidence.py` has the calibration.
+AUTO_MIN_CONFIDENCE = 0.35
 
 
 @dataclass(frozen=True)
