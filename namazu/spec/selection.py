@@ -38,11 +38,12 @@ SHIPPED_DRAFTER_DIR = "drafter"
 AUTO_DISABLE_BATCH_SIZE = 1
 
 # The running-confidence threshold at which the shipped drafter's blocks end (`dflash.draft_counts`), the
-# fastest of those measured at batch 1 (CPU, eager, fp32, 40 held-out captured prompts x 2 rounds, 128
-# tokens, load 1.8-2.5: `python bench/drafter_step.py --requests CAPTURE --batch 1 --rounds 2 --groups 40
-# --output-len 128 --min-confidence 0 0.15 0.25 0.35`): 0 / 0.15 / 0.25 / 0.35 gave 1.14x / 1.18x /
-# 1.20x / 1.21x of speculation off, with 6.87 / 5.54 / 4.66 / 4.04 verify rows per verify step and mean
-# acceptance length 2.73 / 2.72 / 2.67 / 2.60. `bench/draft_confidence.py` has the calibration.
+# fastest of those measured at batch 1 (CPU, eager, fp32, shared machine, load 1.8-2.5, 40 held-out
+# captured prompts x 2 rounds, 128 tokens: `python bench/drafter_step.py --requests CAPTURE --batch 1
+# --rounds 2 --groups 40 --output-len 128 --min-confidence 0 0.15 0.25 0.35`): 0 / 0.15 / 0.25 / 0.35 gave
+# 1.14x / 1.18x / 1.20x / 1.21x of speculation off with 6.87 / 5.54 / 4.66 / 4.04 verify rows per verify
+# step at acceptance length 2.73 / 2.72 / 2.67 / 2.60; 0.5 was slower than 0.35 (1.51x against 1.58x in
+# another run); over 60 prompts 0 / 0.35 gave 1.36x / 1.41x. `bench/draft_confidence.py` calibrates it.
 AUTO_MIN_CONFIDENCE = 0.35
 
 
