@@ -381,8 +381,10 @@ class ModelRunner:
         """The batch without the verify rows of drafts the proposer did not make: async scheduling plans a
         verify of all k before the step that drafts them has returned, and a block may end early
         (`--speculative-min-confidence`) or not be drafted at all. Those rows could never be accepted;
-        scoring them would cost as much as real drafts."""
-        if not b.spec.max_drafts:
+        scoring them would cost as much as real drafts. Every rank must trim alike (their collectives need
+        the same shapes): the counts are rank 0's wherever decisions are shared, so without sharing (a
+        test's switch) the planned batch runs as it is."""
+        if not b.spec.max_drafts or (self.world_size > 1 and not self.share_decisions):
             return b
         sq = b.seqs
         held = np.asarray([self.drafts.counts.get(self.seqs.seqs[sid].slot, 0) if sid in self.seqs.seqs else 0
