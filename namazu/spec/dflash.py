@@ -233,9 +233,13 @@ class DFlashDrafter(nn.Module):
         """The selector's walk over the top-K candidates of each position: greedy where temperature is 0
         (or None), inverse-CDF with `uniforms` [M, k] elsewhere. `logits` [M, >=k, N] are over the draft
         vocabulary (`draft_head`). Returns ids [M, k]; when sampling, q [M, k, V]: the distribution each
-        draft was drawn from (zero outside the candidates); and each pick's confidence [M, k]: its
-        probability under the selector's softmax over the candidates (at the row's temperature where it
-        samples, at 1 where it is greedy), the signal `draft_counts` ends a block on."""
+        draft was drawn from (zero outside the candidates); and each position's confidence [M, k], the
+        signal `draft_counts` ends a block on: the largest probability of the selector's softmax over the
+        candidates there (at 1 where the row is greedy: the pick's own probability; q's where it
+        samples). Where a row samples it must not be the pick's own q: a block that kept a drawn draft
+        only when the draw was likely would verify drafts no longer distributed as q, and the output
+        would drift from the target's distribution. The largest probability depends on the picks before
+        the position only, so the stopping rule stays lossless."""
         logits = logits[:, :k].float()
         cand_logits, cand = logits.topk(self.cfg.selector_k, dim=-1)          # [M, k, K]
         if self.draft_vocab is not None:
@@ -264,10 +268,10 @@ class DFlashDrafter(nn.Module):
                 sampled = temperature > 0
                 pick = torch.where(sampled, below, best)
                 qs.append(torch.zeros(q.shape[0], self.cfg.vocab_size, device=q.device).scatter_(1, cand[:, j], q))
-                conf = torch.where(sampled.unsqueeze(-1), q, p1).gather(1, pick.unsqueeze(-1)).squeeze(-1)
+                conf = torch.where(sampled, q.max(-1).values, p1.max(-1).values)
             else:
                 pick = best
-                conf = p1.gather(1, pick.unsqueeze(-1)).squeeze(-1)
+                conf = p1.max(-1).values
             ids.append(cand[:, j].gather(1, pick.unsqueeze(-1)).squeeze(-1))
             confs.append(conf)
         return Walk(torch.stack(ids, 1), torch.stack(qs, 1) if qs else None, torch.stack(confs, 1))
