@@ -94,8 +94,9 @@ class EngineConfig:
               "shipped with the model, 0 (never) for a drafter named by flags", metavar="N")
     speculative_min_confidence: float | None = _f(
         None, "end each sequence's draft block before the first draft at which the running product of the "
-              "DFlash drafter's confidences (its selector's probability of each drafted token) falls below "
-              "X, so fewer rows are verified where drafts would be rejected; at least one draft is kept. "
+              "DFlash drafter's confidences (its selector's largest candidate probability at each position) "
+              "falls below X, so fewer rows are verified where drafts would be rejected; at least one draft "
+              "is kept. "
               "0: always --num-speculative-tokens drafts. Default: the measured best threshold for the "
               "drafter shipped with the model, 0 for a drafter named by flags", metavar="X")
     ngram_max: int = _f(4, "longest n-gram the ngram drafter matches")
