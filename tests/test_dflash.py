@@ -465,3 +465,43 @@ def test_min_confidence_flag_validation_and_choice():
     own.min_confidence = 0.4
     with LLM(tiny_checkpoint(), executor="inline", drafter=own, num_speculative_tokens=K) as llm:
         assert llm.engine.config.speculative_min_confidence == 0.4
+
+
+def test_blocks_ending_early_keep_the_targets_distribution_where_they_end():
+    """T = 1 through the selector walk, the block-ending rule and the acceptance rule (no model: the same
+    target logits for every row, so the second output token must follow that position's p whatever the
+    first was). Whether draft 1 is verified varies by row; had the rule read q of the drawn draft, the
+    verified draws would lean to likely candidates and the second token would not follow p."""
+    from namazu.spec.dflash import draft_counts
+    from namazu.spec.verify import verify_stochastic
+
+    t = ModelConfig.from_pretrained(tiny_checkpoint())
+    model = DFlashDrafter.load(random_drafter(tiny_checkpoint()), t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    g = torch.Generator().manual_seed(5)
+    s, k, v = 40_000, 2, t.vocab_size
+    h = torch.randn(1, k, t.hidden_size, generator=g).expand(s, -1, -1)
+    logits = (torch.randn(1, k, v, generator=g) * 3).expand(s, -1, -1)
+    anchor = torch.full((s,), 7)
+    with torch.no_grad():
+        walk = model.walk(anchor, h, logits, k, torch.ones(s), torch.rand(s, k, generator=g, dtype=torch.float64))
+    running = walk.confidence.cumprod(-1)[:, 1]
+    counts = draft_counts(walk.confidence, float(running.median()))
+    assert 0.2 < float((counts == 2).float().mean()) < 0.8            # draft 1 verified on some rows only
+    # The target at each position: most of its mass on that position's candidates, so drafts are often
+    # accepted and the rule (not the fallback to p) decides most second tokens.
+    cand = logits[0].topk(model.cfg.selector_k, -1).indices
+    on_cand = torch.zeros(k + 1, v).scatter_(1, torch.cat([cand, cand[-1:]]), 1.0)
+    target = torch.randn(k + 1, v, generator=g) + 5 * on_cand
+    p = target.softmax(-1)
+    sampled = torch.multinomial(p.repeat(s, 1), 1, generator=g).view(s, k + 1)
+    tokens, n = verify_stochastic(target.expand(s, -1, -1), sampled, walk.ids, walk.q, counts,
+                                  torch.zeros(s, dtype=torch.bool), torch.arange(s), torch.arange(k + 1).repeat(s, 1))
+    second = tokens[n >= 1, 1]
+    assert len(second) > s // 4
+    counts_obs = np.bincount(second.numpy(), minlength=v).astype(float)
+    expected = p[1].numpy() * len(second)
+    big = expected >= 5
+    obs = np.append(counts_obs[big], counts_obs[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    assert chi2 < _chi2_critical(len(obs) - 1), f"chi2 {chi2:.1f} over {len(obs) - 1} dof"
