@@ -2,16 +2,19 @@
 
     python bench/drafter_step.py [--drafters shipped=namazu/assets/namazu-tiny/drafter NAME=DIR ...]
                                  [--requests CAPTURE_DIR] [--batch 1 2 4 8] [--rounds 3] [--output-len 48]
-                                 [--groups 8] [--ignore-eos] [--k N]
+                                 [--groups 8] [--ignore-eos] [--k N] [--min-confidence 0 0.3 ...]
                                  [--modes eager graph] [--auto-threshold N] [--dtype float32]
 
-Every setup (per mode: speculation off; one per drafter at --k draft tokens, drafting at every batch
-size; and auto, the default engine: the model's shipped drafter, off above the batch-size threshold) is
-an inline engine kept for the whole run; the rounds interleave the setups so that a shared machine's
-load falls on all of them alike. A first round at every batch size is run and not counted (graph mode
+Every setup (per mode: speculation off; one per drafter and --min-confidence threshold at --k draft
+tokens, drafting at every batch size, named DRAFTER@THRESHOLD when several thresholds are swept; and
+auto, the default engine: the model's shipped drafter with its default threshold, off above the
+batch-size threshold) is an inline engine kept for the whole run; each round runs every generate call on
+every setup in turn (the order rotating), so that a shared machine's load falls on all of them alike. A
+first round at every batch size is run and not counted (graph mode
 compiles its ladder entries there).
 Per setup and batch (median over rounds): drafter ms per step (`drafter_seconds` / steps: extending the
-context cache and drafting), engine ms per step, output tokens/s, mean acceptance length; then off / on /
+context cache and drafting), engine ms per step, output tokens/s, mean acceptance length, verify rows
+per verify step (1 + drafts verified) and drafts proposed per drafted sequence; then off / on /
 auto side by side with their ratios, and the largest batch at which drafting paid (the break-even that
 `namazu/spec/selection.py` takes as the auto threshold). Greedy, answers end at EOS or --output-len
 (--ignore-eos: always --output-len; past EOS the target writes text no drafter was trained on, which
@@ -50,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ignore-eos", action="store_true",
                     help="always --output-len tokens (default: answers end at EOS, as served; greedy outputs "
                          "are the same with and without drafting, so every setup still does the same work)")
+    ap.add_argument("--min-confidence", type=float, nargs="+", default=[0.0], metavar="X",
+                    help="--speculative-min-confidence of the named drafters' setups, one setup per value "
+                         "(0: full blocks)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="engine dtype (auto: float32 on CPU, the checkpoint's on GPU; float32 on GPU keeps "
@@ -78,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [tok.encode_chat(r["messages"], tools=r["tools"] or None)
                    for r in build_requests(64, split="valid", seed=1)]
     named = args.drafters or [f"shipped={default_model_path() / SHIPPED_DRAFTER_DIR}"]
-    drafters = [("off", None)] + [tuple(d.split("=", 1)) for d in named] + [("auto", "auto")]
+    swept = [(f"{name}@{x:g}" if len(args.min_confidence) > 1 else name, (path, x))
+             for name, path in (d.split("=", 1) for d in named) for x in args.min_confidence]
+    drafters = [("off", None)] + swept + [("auto", "auto")]
     setups = [(f"{mode}/{name}" if len(args.modes) > 1 else name, path, mode)
               for mode in args.modes for name, path in drafters]
     llms = {}
@@ -88,14 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         elif path == "auto":
             kw = dict(speculative_disable_batch_size=args.auto_threshold)
         else:       # a named drafter drafts at every batch size unless told otherwise
-            kw = dict(speculative_model=path, num_speculative_tokens=args.k)   # None: its block size - 1
+            kw = dict(speculative_model=path[0], num_speculative_tokens=args.k,   # None: its block size - 1
+                      speculative_min_confidence=path[1])
         t0 = time.perf_counter()
         # An explicit KV budget: the setups share one process (and, on a GPU, its memory).
-        llms[name] = LLM(None, executor="inline", threads=args.threads, dtype=args.dtype, kv_cache_memory="256MiB",
-                         enforce_eager=mode == "eager",
-                         max_num_seqs=max(args.batch), **kw)
+        llms[name] = LLM(None, executor="inline", threads=args.threads, dtype=args.dtype,
+                         kv_cache_memory="256MiB", enforce_eager=mode == "eager", max_num_seqs=max(args.batch),
+                         **kw)
         eng = llms[name].engine
         print(f"{name}: started in {time.perf_counter() - t0:.1f} s; {eng.num_speculative_tokens} draft tokens, "
+              f"min confidence {eng.config.speculative_min_confidence or 0:g}, "
               f"disabled above batch {eng.scheduler.spec_disable_batch_size or 'never'}")
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
     rows: dict[tuple[str, int], list[dict]] = {}
@@ -105,31 +115,41 @@ def main(argv: list[str] | None = None) -> int:
         for bsz in args.batch:
             first = (r + 1) * bsz * args.groups
             batches = [[prompts[(first + g * bsz + i) % len(prompts)] for i in range(bsz)] for g in range(args.groups)]
-            for name, _, _ in setups:
-                llm = llms[name]
-                s0 = llm.engine.get_stats()
-                wall, tokens, answers = 0.0, 0, []
-                for batch in batches:
+            # Group by group, every setup in turn (its order rotating), so that a shared machine's load
+            # drift within a round falls on all setups alike.
+            before = {name: llms[name].engine.get_stats() for name, _, _ in setups}
+            wall = dict.fromkeys(before, 0.0)
+            tokens = dict.fromkeys(before, 0)
+            answers: dict[str, list] = {name: [] for name in before}
+            for g, batch in enumerate(batches):
+                for j in range(len(setups)):
+                    name = setups[(g + j) % len(setups)][0]
                     t0 = time.perf_counter()
-                    outs = llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
-                    wall += time.perf_counter() - t0
-                    tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-                    answers += [list(o.outputs[0].token_ids) for o in outs]
-                same_work[(r, bsz)].add(hash(str(answers)))
-                s1 = llm.engine.get_stats()
+                    outs = llms[name].generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+                    wall[name] += time.perf_counter() - t0
+                    tokens[name] += sum(len(o.outputs[0].token_ids) for o in outs)
+                    answers[name] += [list(o.outputs[0].token_ids) for o in outs]
+            for name, _, _ in setups:
+                s0, s1 = before[name], llms[name].engine.get_stats()
+                same_work[(r, bsz)].add(hash(str(answers[name])))
                 steps = s1.num_steps - s0.num_steps
                 hist = np.array(s1.acceptance_length_histogram or [0]) - np.array(s0.acceptance_length_histogram or [0])
                 if r < 0:
                     continue
+                verifies = int(hist.sum())
+                blocks = s1.num_draft_blocks - s0.num_draft_blocks
                 rows.setdefault((name, bsz), []).append({
                     "drafter_ms": 1e3 * (s1.drafter_seconds - s0.drafter_seconds) / max(1, steps),
-                    "step_ms": 1e3 * wall / max(1, steps), "tok_s": tokens / wall,
-                    "tau": mean_acceptance_length(hist.tolist())})
+                    "step_ms": 1e3 * wall[name] / max(1, steps), "tok_s": tokens[name] / wall[name],
+                    "tau": mean_acceptance_length(hist.tolist()),
+                    "rows": 1 + (s1.num_draft_tokens - s0.num_draft_tokens) / verifies if verifies else 0.0,
+                    "block": (s1.num_drafts_proposed - s0.num_drafts_proposed) / blocks if blocks else 0.0})
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     differ = sorted(k for k, v in same_work.items() if len(v) > 1)
     print("greedy answers identical across setups: " + ("yes" if not differ else f"NO (round, batch): {differ}"))
-    print("| setup | batch | drafter ms/step | engine ms/step | output tok/s | vs off | mean acceptance length |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| setup | batch | drafter ms/step | engine ms/step | output tok/s | vs off | mean acceptance length "
+          "| verify rows per verify step | drafts per block |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for bsz in args.batch:
         for name, _, mode in setups:
             off_name = f"{mode}/off" if len(args.modes) > 1 else "off"
@@ -138,9 +158,10 @@ def main(argv: list[str] | None = None) -> int:
 
             def med(key: str, xs=xs) -> float:
                 return statistics.median(x[key] for x in xs)
-            tau = f"{med('tau'):.2f}" if name != off_name else "-"
+            spec = (f"{med('tau'):.2f} | {med('rows'):.2f} | {med('block'):.2f}" if name != off_name
+                    else "- | - | -")
             print(f"| {name} | {bsz} | {med('drafter_ms'):.2f} | {med('step_ms'):.2f} | {med('tok_s'):.1f} | "
-                  f"{med('tok_s') / off:.2f}x | {tau} |")
+                  f"{med('tok_s') / off:.2f}x | {spec} |")
     side_by_side(rows, setups, args.batch, args.modes)
     for llm in llms.values():
         llm.close()

@@ -1,14 +1,16 @@
 """Mean acceptance length of several drafters through the engine, on held-out captured requests.
 
     python bench/spec_acceptance.py --requests build/drafter/capture-heldout --drafters shipped=DIR ngram \
-        [--temperature 0.7] [--limit 200] [--k 6] [--greedy-drafts]
+        [--temperature 0.7] [--limit 200] [--k 6] [--greedy-drafts] [--min-confidence 0 0.25]
 
 Each captured request is generated again with its own top-p, top-k and seed at --temperature (each answer
 at most as long as the captured one), in one inline engine per drafter, 16 sequences at a time, drafting at
 every batch size (no disable threshold). The engine's own acceptance histogram gives the mean acceptance
 length (drafts accepted + 1 per verify step). A DFlash drafter draws its drafts from the selector's q at
 T > 0 (the default, verified with the lossless rule); --greedy-drafts makes it draft its top tokens
-instead. `ngram` is the n-gram drafter. Acceptance does not depend on the machine's load.
+instead; --min-confidence runs each DFlash drafter once per threshold (`--speculative-min-confidence`:
+blocks end where its running confidence falls below it), reporting drafts verified per verify step beside
+the acceptance length. `ngram` is the n-gram drafter. Acceptance does not depend on the machine's load.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def acceptance(drafter: str, records: list, temperature: float, k: int, greedy_drafts: bool) -> tuple[float, int]:
+def acceptance(drafter: str, records: list, temperature: float, k: int, greedy_drafts: bool,
+               min_confidence: float = 0.0) -> tuple[float, int, float]:
     import torch
 
     from namazu import LLM, SamplingParams
@@ -34,7 +37,7 @@ def acceptance(drafter: str, records: list, temperature: float, k: int, greedy_d
         prop, extra = None, dict(speculative_method="ngram")
     else:
         prop = DFlashProposer(drafter, cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers,
-                              sample_drafts=not greedy_drafts)
+                              sample_drafts=not greedy_drafts, min_confidence=min_confidence)
         extra = {}
     params = [SamplingParams(temperature=temperature, top_p=r.sampling.get("top_p") or 1.0,
                              top_k=r.sampling.get("top_k") or 0, seed=r.sampling.get("seed"),
@@ -44,7 +47,8 @@ def acceptance(drafter: str, records: list, temperature: float, k: int, greedy_d
         llm.generate(prompt_token_ids=[r.prompt_token_ids for r in records], sampling_params=params,
                      use_tqdm=False)
         stats = llm.engine.get_stats()
-    return stats.mean_acceptance_length, sum(stats.acceptance_length_histogram)
+    verifies = sum(stats.acceptance_length_histogram)
+    return stats.mean_acceptance_length, verifies, stats.num_draft_tokens / verifies if verifies else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=200)
     ap.add_argument("--k", type=int, default=6, help="draft tokens per step")
     ap.add_argument("--greedy-drafts", action="store_true", help="DFlash drafts its top tokens at T > 0")
+    ap.add_argument("--min-confidence", type=float, nargs="+", default=[0.0], metavar="X",
+                    help="block-ending thresholds of the DFlash drafters, one run per value (0: full blocks)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
@@ -63,15 +69,17 @@ def main(argv: list[str] | None = None) -> int:
 
     records = [r for _, r in zip(range(args.limit), read_records(args.requests))]
     rows = []
-    for spec in tqdm(args.drafters, desc="drafters", unit="drafter"):
+    runs = [(spec, x) for spec in args.drafters for x in (args.min_confidence if "=" in spec else [0.0])]
+    for spec, x in tqdm(runs, desc="drafters", unit="drafter"):
         name, _, path = spec.partition("=")
-        rows.append((name, *acceptance(path or name, records, args.temperature, args.k, args.greedy_drafts)))
+        name = f"{name}@{x:g}" if len(args.min_confidence) > 1 and path else name
+        rows.append((name, *acceptance(path or name, records, args.temperature, args.k, args.greedy_drafts, x)))
     drafts = "greedy drafts" if args.greedy_drafts else "drafts from q"
     print(f"{len(records)} held-out requests, T={args.temperature:g}, k={args.k}, {drafts} (DFlash)")
-    print("| drafter | mean acceptance length | verify steps |")
-    print("|---|---:|---:|")
-    for name, tau, steps in rows:
-        print(f"| {name} | {tau:.2f} | {steps} |")
+    print("| drafter | mean acceptance length | verify steps | drafts verified per verify step |")
+    print("|---|---:|---:|---:|")
+    for name, tau, steps, drafts in rows:
+        print(f"| {name} | {tau:.2f} | {steps} | {drafts:.2f} |")
     return 0
 
 

@@ -48,6 +48,7 @@ class _Launched:
     samplers: list[ScheduledSeq]
     prompt_lp_items: list[tuple[ScheduledSeq, int]]
     num_prompt_logprobs: int
+    drafts_next: bool = False          # the worker was asked to draft after this step
 
 
 def mean_acceptance_length(histogram: list[int]) -> float:
@@ -82,10 +83,19 @@ class EngineStats:
     # Draft rows the steps scored: the drafts verified, plus rows planned (async) for drafts the worker
     # did not have.
     num_draft_rows: int = 0
+    # Draft blocks the drafter made (one per sequence per drafting step) and their drafts in all: a block
+    # ends early where the drafter is unsure (--speculative-min-confidence).
+    num_draft_blocks: int = 0
+    num_drafts_proposed: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
         return mean_acceptance_length(self.acceptance_length_histogram)
+
+    @property
+    def mean_draft_block_length(self) -> float:
+        """Drafts proposed per drafted sequence (k when no block ends early)."""
+        return self.num_drafts_proposed / self.num_draft_blocks if self.num_draft_blocks else 0.0
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -129,7 +139,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._num_steps = self._prompt_tokens = self._drafted = self._accepted = self._mask_rows = 0
-        self._draft_rows = 0
+        self._draft_rows = self._draft_blocks = self._drafts_proposed = 0
         self._mask_seconds = 0.0
         self._accept_hist = [0] * (self.num_speculative_tokens + 1)
         self._drafter_seconds = 0.0
@@ -268,7 +278,8 @@ class LLMEngine:
             self.scheduler.submitted(item, plan.speculate)
         self._num_steps += 1
         self._draft_rows += sum(item.num_drafts for item in plan.scheduled)
-        return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num)
+        return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num,
+                         self.drafter is not None and plan.speculate)
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
         result = self.executor.collect()
@@ -288,7 +299,7 @@ class LLMEngine:
                     self.scheduler.commit(seq, seq.num_computed_tokens)
                 continue
             s = row_of[id(item)]
-            reason = self._fold(seq, item, s, result, running)
+            reason = self._fold(seq, item, s, result, running, launched.drafts_next)
             if running:
                 # KV is valid for every token but the newest. Register it before a finished sequence
                 # releases its blocks, so the next request with this prefix hits the cache.
@@ -306,7 +317,8 @@ class LLMEngine:
                 del self.requests[rid]
         return outputs
 
-    def _fold(self, seq: Sequence, item: ScheduledSeq, s: int, result: StepResult, running: bool) -> str | None:
+    def _fold(self, seq: Sequence, item: ScheduledSeq, s: int, result: StepResult, running: bool,
+              drafted: bool = False) -> str | None:
         """One sampling sequence's results: the assumed outcome of `submitted` is corrected by the
         drafts that were rejected, the emitted tokens are appended (up to the first stop) and its
         grammar accepts exactly those; returns the finish reason, if any."""
@@ -335,6 +347,9 @@ class LLMEngine:
                 reason = "stop"
         if result.next_num_drafts is not None:
             seq.num_next_drafts = int(result.next_num_drafts[s])
+            if drafted:     # a step told not to draft reports zeros, not a block
+                self._draft_blocks += 1
+                self._drafts_proposed += seq.num_next_drafts
             if seq.grammar is not None and result.next_draft_ids is not None:
                 ids = list(result.next_draft_ids[s][:seq.num_next_drafts])
                 # A stop token ends the grammar: no row after it has a mask, so drafts end before it (the
@@ -368,7 +383,8 @@ class LLMEngine:
             grammar_cache_hits=cache.hits if cache else 0, grammar_cache_misses=cache.misses if cache else 0,
             grammar_mask_rows=self._mask_rows, grammar_mask_seconds=self._mask_seconds,
             acceptance_length_histogram=list(self._accept_hist), drafter_seconds=self._drafter_seconds,
-            num_spec_disabled_steps=self.scheduler.num_spec_disabled_steps, num_draft_rows=self._draft_rows)
+            num_spec_disabled_steps=self.scheduler.num_spec_disabled_steps, num_draft_rows=self._draft_rows,
+            num_draft_blocks=self._draft_blocks, num_drafts_proposed=self._drafts_proposed)
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()

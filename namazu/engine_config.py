@@ -97,6 +97,13 @@ class EngineConfig:
               "a plain decode (the drafter's context keeps growing, so drafting resumes as soon as the batch "
               "shrinks); 0: never disable. Default: the measured break-even batch size for the drafter "
               "shipped with the model, 0 (never) for a drafter named by flags", metavar="N")
+    speculative_min_confidence: float | None = _f(
+        None, "end each sequence's draft block before the first draft at which the running product of the "
+              "DFlash drafter's confidences (its selector's largest candidate probability at each position) "
+              "falls below X, so fewer rows are verified where drafts would be rejected; at least one draft "
+              "is kept. "
+              "0: always --num-speculative-tokens drafts. Default: the measured best threshold for the "
+              "drafter shipped with the model, 0 for a drafter named by flags", metavar="X")
     ngram_max: int = _f(4, "longest n-gram the ngram drafter matches")
     ngram_min: int = _f(1, "shortest n-gram the ngram drafter matches")
     capture_dir: str | None = _f(None, "append every finished request's prompt and output token ids, "
@@ -171,6 +178,13 @@ class EngineConfig:
             bad("num_speculative_tokens", f"must be > 0 with --speculative-method {self.speculative_method}")
         if self.speculative_disable_batch_size is not None and self.speculative_disable_batch_size < 0:
             bad("speculative_disable_batch_size", "must be >= 0 (0: never disable)")
+        mc = self.speculative_min_confidence
+        if mc is not None:
+            if isinstance(mc, bool) or not isinstance(mc, (int, float)) or not 0.0 <= mc <= 1.0:
+                bad("speculative_min_confidence", "must be a number in [0, 1] (0: off)")
+            if mc > 0 and self.speculative_method is not None:
+                bad("speculative_min_confidence", f"needs a DFlash drafter; the {self.speculative_method} "
+                                                  "drafter has no confidence (use 0 or leave it unset)")
         try:
             if parse_bytes(self.capture_shard_bytes) < 1024:
                 bad("capture_shard_bytes", "must be at least 1KiB")

@@ -39,7 +39,7 @@ from namazu.models.loader import load_model
 from namazu.nosync import no_host_sync
 from namazu.spec.proposer import DraftBuffer, Proposer, ProposerInput
 from namazu.spec.verify import verify_deterministic, verify_stochastic
-from namazu.step_batch import StepBatch, StepResult, pack, result_layout, unpack
+from namazu.step_batch import StepBatch, StepResult, pack, result_layout, trim_drafts, unpack
 from namazu.step_graphs import StepGraphs
 from namazu.worker_seqs import PreparedStep, WorkerSeqTable
 
@@ -258,6 +258,8 @@ class ModelRunner:
         freed = [self.seqs.seqs[sid].slot for sid in b.finished_seq_ids if sid in self.seqs.seqs]
         for slot in freed:
             self.drafts.forget(slot)
+        planned = b.seqs.num_drafts
+        b = self._verify_held_drafts_only(b)
         prep = self.seqs.prepare(b, self.block_size, self.drafts.width, self.drafts.counts)
         self.drafts.ensure(self.seqs.num_slots)
         T, a = self._tensor, b.attn
@@ -371,7 +373,7 @@ class ModelRunner:
         result = unpack(layout_out, flat_i.cpu().numpy(), flat_f.cpu().numpy())
         t_computed = time.perf_counter()
         if result.tokens is not None:
-            self.seqs.record(b, prep, result.tokens, result.accepted)
+            self.seqs.record(b, prep, result.tokens, result.accepted, planned)
             self._propose(b, prep, result, hidden, captured, row_layout, tokens, accepted)
         t_end = time.perf_counter()
         if self.profile is not None:
@@ -381,6 +383,21 @@ class ModelRunner:
         logger.debug("step: %d tokens, %d sampled rows, %.1f ms", b.num_tokens, len(a.logit_rows),
                      1e3 * (t_end - t0))
         return result
+
+    def _verify_held_drafts_only(self, b: StepBatch) -> StepBatch:
+        """The batch without the verify rows of drafts the proposer did not make: async scheduling plans a
+        verify of all k before the step that drafts them has returned, and a block may end early
+        (`--speculative-min-confidence`) or not be drafted at all. Those rows could never be accepted;
+        scoring them would cost as much as real drafts. Every rank must trim alike (their collectives need
+        the same shapes): the counts are rank 0's wherever decisions are shared, so without sharing (a
+        test's switch) the planned batch runs as it is."""
+        if not b.spec.max_drafts or (self.world_size > 1 and not self.share_decisions):
+            return b
+        sq = b.seqs
+        held = np.asarray([self.drafts.counts.get(self.seqs.seqs[sid].slot, 0) if sid in self.seqs.seqs else 0
+                           for sid in sq.seq_ids.tolist()], dtype=np.int64)
+        keep = np.minimum(sq.num_drafts, held)
+        return b if np.array_equal(keep, sq.num_drafts) else trim_drafts(b, keep)
 
     def _proposer_input(self, b: StepBatch, hidden: torch.Tensor | None, captured: dict[int, torch.Tensor],
                         rows: torch.Tensor | None, tokens: torch.Tensor | None, accepted: torch.Tensor | None,

@@ -170,6 +170,35 @@ def sampled_row_layout(num_drafts: np.ndarray) -> np.ndarray:
                     first[:, None]).astype(np.int64).reshape(len(reps), kmax + 1)
 
 
+def trim_drafts(b: StepBatch, keep: np.ndarray) -> StepBatch:
+    """The batch with scheduled sequence i verifying only its first keep[i] <= planned drafts: the rows of
+    the others are dropped (tokens, sampled rows and their settings, bitmask rows), the layout rebuilt by
+    `attention_layout`, prompt-logprob rows re-indexed. The worker calls this when its proposer held fewer
+    drafts than the engine planned (async scheduling plans before the count is known), so a short draft
+    block costs a short verify. `assumed_drafts` and everything else the engine planned stay as they are:
+    to the engine a dropped row is a rejected draft. `b` is not modified."""
+    sq, a = b.seqs, b.attn
+    drop = sq.num_drafts - keep
+    if (drop < 0).any() or (keep < 0).any():
+        raise ValueError(f"trim_drafts: keep {keep.tolist()} outside [0, planned {sq.num_drafts.tolist()}]")
+    n = sq.num_new + sq.num_drafts
+    flat0 = np.cumsum(n) - n
+    seq_of = np.repeat(np.arange(len(n)), n)
+    kept = (np.arange(len(seq_of)) - flat0[seq_of]) < (sq.num_new + keep)[seq_of]     # [N] flat tokens kept
+    new_index = np.cumsum(kept) - 1
+    attn = attention_layout(a.input_ids[kept], sq.starts, sq.num_new, keep, sq.samples, a.block_tables)
+    row_kept = kept[a.logit_rows]                                                       # [R] sampled rows kept
+    sp = b.sampling
+    per_row = {f: getattr(sp, f)[row_kept] for f in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
+                                                     "frequency_penalty", "repetition_penalty", "seeds", "counters")}
+    sampling = dataclasses.replace(sp, bitmask=None if sp.bitmask is None else sp.bitmask[row_kept], **per_row)
+    spec = dataclasses.replace(b.spec, row_layout=sampled_row_layout(keep[b.spec.batch_index]))
+    plp = dataclasses.replace(b.prompt_lp, rows=new_index[b.prompt_lp.rows])
+    seqs = dataclasses.replace(sq, num_drafts=keep.astype(np.int64))
+    return StepBatch(attn=attn, seqs=seqs, sampling=sampling, spec=spec, prompt_lp=plp,
+                     finished_seq_ids=b.finished_seq_ids)
+
+
 @functools.cache
 def _names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))

@@ -125,9 +125,13 @@ class WorkerSeqTable:
                             [ws.tokens for ws in seqs], np.asarray([first_row_pos[i] for i in samplers],
                                                                    dtype=np.int64))
 
-    def record(self, b: StepBatch, prep: PreparedStep, tokens: np.ndarray, accepted: np.ndarray) -> None:
-        """After the step: each sampling sequence's emitted tokens join its history."""
-        seq_ids, planned = b.seqs.seq_ids.tolist(), b.seqs.num_drafts.tolist()
+    def record(self, b: StepBatch, prep: PreparedStep, tokens: np.ndarray, accepted: np.ndarray,
+               planned: np.ndarray | None = None) -> None:
+        """After the step: each sampling sequence's emitted tokens join its history. `planned`: the drafts
+        the engine planned per scheduled sequence, where the runner verified fewer (`step_batch.trim_drafts`);
+        the next plan's positions assume all of those."""
+        seq_ids = b.seqs.seq_ids.tolist()
+        planned = (b.seqs.num_drafts if planned is None else planned).tolist()
         rows, acc, frm = tokens.tolist(), accepted.tolist(), prep.verify_from.tolist()
         for s, i in enumerate(b.spec.batch_index.tolist()):
             ws = self.seqs[seq_ids[i]]

@@ -39,7 +39,7 @@ _RENAMED = {
 _MONOTONIC = {"num_preemptions", "num_steps", "num_prompt_tokens", "num_generated_tokens", "num_draft_tokens",
               "num_accepted_draft_tokens", "prefix_cache_queries", "prefix_cache_hits",
               "grammar_cache_hits", "grammar_cache_misses", "grammar_mask_rows", "grammar_mask_seconds",
-              "drafter_seconds"}
+              "drafter_seconds", "num_draft_blocks", "num_drafts_proposed"}
 
 
 class _EngineCollector(Collector):
@@ -64,7 +64,8 @@ class _EngineCollector(Collector):
 
 
 def _speculation_metrics(stats: dict[str, Any]) -> Iterator[Any]:
-    """Acceptance length per verify step (a histogram), draft acceptance rate, drafter time per step."""
+    """Acceptance length per verify step (a histogram), draft acceptance rate, draft block length, drafter time
+    per step."""
     hist = stats.get("acceptance_length_histogram") or []
     if hist:
         cum, buckets = 0, []
@@ -78,6 +79,11 @@ def _speculation_metrics(stats: dict[str, Any]) -> Iterator[Any]:
     drafted = stats.get("num_draft_tokens", 0)
     yield GaugeMetricFamily("namazu_spec_draft_acceptance_rate", "accepted draft tokens / drafted tokens, since "
                             "start", value=stats.get("num_accepted_draft_tokens", 0) / drafted if drafted else 0.0)
+    blocks = stats.get("num_draft_blocks", 0)
+    yield GaugeMetricFamily("namazu_spec_draft_block_length", "drafts proposed per drafted sequence, mean since "
+                            "start (below --num-speculative-tokens where blocks end early: "
+                            "--speculative-min-confidence)",
+                            value=stats.get("num_drafts_proposed", 0) / blocks if blocks else 0.0)
     steps = stats.get("num_steps", 0)
     yield GaugeMetricFamily("namazu_spec_drafter_seconds_per_step", "drafter wall time per engine step, mean "
                             "since start", value=stats.get("drafter_seconds", 0.0) / steps if steps else 0.0)

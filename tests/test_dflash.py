@@ -119,10 +119,10 @@ def test_walk_over_a_draft_vocabulary_is_the_full_walk_restricted_to_it():
     temperature = torch.tensor([0.0, 0.7, 1.0, 1.5] * (m // 4))
     u = torch.rand(m, K, dtype=torch.float64)
     with torch.no_grad():
-        want_g, _ = full.walk(anchor, h, masked, K)
-        got_g, _ = short.walk(anchor, h, logits[..., short.draft_vocab], K)
-        want_s, want_q = full.walk(anchor, h, masked, K, temperature, u)
-        got_s, got_q = short.walk(anchor, h, logits[..., short.draft_vocab], K, temperature, u)
+        want_g, _, _ = full.walk(anchor, h, masked, K)
+        got_g, _, _ = short.walk(anchor, h, logits[..., short.draft_vocab], K)
+        want_s, want_q, _ = full.walk(anchor, h, masked, K, temperature, u)
+        got_s, got_q, _ = short.walk(anchor, h, logits[..., short.draft_vocab], K, temperature, u)
     assert torch.equal(got_g, want_g) and torch.equal(got_s, want_s)
     assert bool(torch.isin(got_s, short.draft_vocab).all())
     torch.testing.assert_close(got_q, want_q)
@@ -294,7 +294,7 @@ def test_metrics_export_speculation():
     from server.metrics import ServerMetrics
 
     stats = {"acceptance_length_histogram": [3, 1, 0, 2], "num_draft_tokens": 18, "num_accepted_draft_tokens": 7,
-             "num_steps": 4, "drafter_seconds": 0.2}
+             "num_steps": 4, "drafter_seconds": 0.2, "num_draft_blocks": 8, "num_drafts_proposed": 20}
     text = ServerMetrics(lambda: stats).render().decode()
     assert 'namazu_spec_acceptance_length_bucket{le="1.0"} 3.0' in text
     assert 'namazu_spec_acceptance_length_bucket{le="2.0"} 4.0' in text
@@ -302,6 +302,8 @@ def test_metrics_export_speculation():
     assert "namazu_spec_acceptance_length_sum 13.0" in text       # 3*1 + 1*2 + 2*4
     assert "namazu_spec_draft_acceptance_rate 0.3888" in text
     assert "namazu_spec_drafter_seconds_per_step 0.05" in text
+    assert "namazu_spec_draft_block_length 2.5" in text
+    assert "namazu_engine_num_draft_blocks_total 8.0" in text
 
 
 def test_flags_and_their_errors():
@@ -329,3 +331,177 @@ def test_graph_mode_drafts_and_outputs_equal_eager():
     assert graph == eager == base
     assert stats.num_draft_tokens > 0
     assert stats.acceptance_length_histogram == eager_stats.acceptance_length_histogram
+
+
+# -- blocks that end where the drafter is unsure (--speculative-min-confidence) ----------------------------
+def test_draft_counts_keep_the_prefix_whose_running_confidence_clears_the_bar():
+    from namazu.spec.dflash import draft_counts
+
+    conf = torch.tensor([[0.9, 0.9, 0.9, 0.9],      # running 0.9 0.81 0.729 0.656
+                         [0.5, 0.9, 0.9, 0.9],      # 0.5 0.45 0.405 0.36
+                         [0.1, 1.0, 1.0, 1.0],      # below at once: still one draft
+                         [1.0, 1.0, 1.0, 0.69]])    # 0.69 at the last
+    assert draft_counts(conf, 0.7).tolist() == [3, 1, 1, 3]
+    assert draft_counts(conf, 0.4).tolist() == [4, 3, 1, 4]
+    assert draft_counts(conf, 0.0).tolist() == [4, 4, 4, 4]          # off: every block k long
+    assert draft_counts(conf[:, :0], 0.5).tolist() == [0, 0, 0, 0]
+
+
+def test_walk_confidence_is_known_before_each_pick():
+    """Where a row samples, a position's confidence is q's largest probability, not q of the draw (a block
+    that kept a draw only when it was likely would bias the output); where it is greedy, it is the
+    selector's softmax at temperature 1 of its argmax, which at the first position (no predecessor pick)
+    is the largest probability a T=1 walk's q gives."""
+    drafter = make_proposer()
+    t = ModelConfig.from_pretrained(tiny_checkpoint())
+    model = DFlashDrafter.load(random_drafter(tiny_checkpoint()), t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    torch.manual_seed(1)
+    m = 12
+    h = torch.randn(m, K, t.hidden_size)
+    anchor = torch.randint(0, t.vocab_size, (m,))
+    logits = torch.randn(m, K, t.vocab_size) * 3
+    u = torch.rand(m, K, dtype=torch.float64)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.5] * (m // 4))
+    with torch.no_grad():
+        greedy = model.walk(anchor, h, logits, K)
+        mixed = model.walk(anchor, h, logits, K, temperature, u)
+        t1 = model.walk(anchor, h, logits, K, torch.ones(m), u)
+    assert drafter.min_confidence == 0
+    q_pick = mixed.q.gather(-1, mixed.ids.unsqueeze(-1)).squeeze(-1)
+    sampled = temperature > 0
+    torch.testing.assert_close(mixed.confidence[sampled], mixed.q.max(-1).values[sampled])
+    assert bool((q_pick[sampled] < mixed.confidence[sampled]).any())      # some draws were not the likeliest
+    torch.testing.assert_close(mixed.confidence[~sampled], greedy.confidence[~sampled])
+    torch.testing.assert_close(greedy.confidence[:, 0], t1.q[:, 0].max(-1).values)
+    assert bool(((greedy.confidence > 0) & (greedy.confidence <= 1)).all())
+
+
+class CountingProposer(DFlashProposer):
+    """Keeps the draft count of every block it proposes (batch 1: one per step)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.blocks: list[torch.Tensor] = []     # kept as tensors: reading them inside the step would sync
+
+    def propose(self, inp, k):
+        proposal = super().propose(inp, k)
+        counts = proposal.counts if proposal.counts is not None else torch.full((len(inp.seq_ids),), k)
+        self.blocks.append(counts.clone())
+        return proposal
+
+    @property
+    def counts(self) -> list[list[int]]:
+        return [c.tolist() for c in self.blocks]
+
+
+MIN_CONFIDENCE = 0.08   # the random drafter's running confidence falls past it at its 2nd or 3rd draft
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_early_block_ends_keep_outputs_identical_and_verify_fewer_rows(async_scheduling):
+    """With a threshold the blocks have varying lengths; greedy outputs stay those of plain decoding; and a
+    short block costs a short verify: at batch 1 each verify step's forward has 1 + the previous block's
+    count rows, also when async scheduling planned all K before the count was known."""
+    p = prompts(1, lo=5, hi=12, seed=31)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base, _ = run(p, params)
+    proposer = make_proposer(cls=CountingProposer)
+    proposer.min_confidence = MIN_CONFIDENCE
+    with LLM(tiny_checkpoint(), executor="inline", drafter=proposer, num_speculative_tokens=K,
+             async_scheduling=async_scheduling, debug_no_host_sync=True) as llm:
+        runner = llm.engine.executor.worker.runner
+        runner.profile = []
+        outs = llm.generate(prompt_token_ids=p, sampling_params=params, use_tqdm=False)
+        stats = llm.engine.get_stats()
+    assert [[c.token_ids for c in o.outputs] for o in outs] == base
+    counts = [c[0] for c in proposer.counts]
+    assert min(counts) >= 1 and len(set(counts)) > 1, counts                 # blocks really vary
+    rows = [s.num_tokens for s in runner.profile]
+    # Step 0 is the prefill; step i + 1 verifies block i. The last blocks may be cut by max_tokens.
+    checked = [(rows[i + 1], 1 + c) for i, c in enumerate(counts[:len(rows) - 1])][:len(counts) // 2]
+    assert all(r == want for r, want in checked), checked
+    assert stats.num_draft_blocks == len(counts)
+    assert stats.num_drafts_proposed == sum(counts)
+    assert 1 <= stats.mean_draft_block_length < K
+    assert stats.num_draft_tokens <= stats.num_drafts_proposed
+
+
+def test_early_block_ends_keep_seeded_sampling_identical_and_graph_mode_equal():
+    """At T > 0 with deterministic drafts the outputs equal plain decoding exactly, blocks ending early or
+    not (n > 1, seeds); graph mode, whose verify entries are K + 1 rows wide, gives the eager outputs."""
+    ps = prompts(3, lo=3, hi=12, seed=8)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=21, n=2, max_tokens=10, ignore_eos=True)
+    base, _ = run(ps, params)
+    proposer = make_proposer(sample_drafts=False, cls=CountingProposer)
+    proposer.min_confidence = MIN_CONFIDENCE
+    got, stats = run(ps, params, proposer, async_scheduling=True)
+    assert got == base and stats.num_draft_tokens > 0
+    assert len({c for block in proposer.counts for c in block}) > 1
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want, _ = run(ps[:2], greedy)
+    graph = make_proposer()
+    graph.min_confidence = MIN_CONFIDENCE
+    got, stats = run(ps[:2], greedy, graph, max_num_seqs=2, enforce_eager=False)
+    assert got == want and 1 <= stats.mean_draft_block_length < K
+
+
+def test_min_confidence_flag_validation_and_choice():
+    from namazu.engine_config import EngineConfig
+
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="--speculative-min-confidence"):
+            EngineConfig(speculative_min_confidence=bad)
+    with pytest.raises(ValueError, match="no confidence"):
+        EngineConfig(speculative_method="ngram", num_speculative_tokens=2, speculative_min_confidence=0.2)
+    # A named drafter keeps full blocks unless told; the flag reaches the proposer the workers get.
+    path = random_drafter(tiny_checkpoint())
+    with LLM(tiny_checkpoint(), executor="inline", speculative_model=path) as llm:
+        assert llm.engine.drafter.min_confidence == 0 and llm.engine.config.speculative_min_confidence == 0
+    with LLM(tiny_checkpoint(), executor="inline", speculative_model=path, speculative_min_confidence=0.25) as llm:
+        assert llm.engine.drafter.min_confidence == 0.25
+        assert llm.engine.executor.worker.runner.proposer.min_confidence == 0.25
+    # A caller's drafter keeps its own threshold unless the flag says otherwise.
+    own = make_proposer()
+    own.min_confidence = 0.4
+    with LLM(tiny_checkpoint(), executor="inline", drafter=own, num_speculative_tokens=K) as llm:
+        assert llm.engine.config.speculative_min_confidence == 0.4
+
+
+def test_blocks_ending_early_keep_the_targets_distribution_where_they_end():
+    """T = 1 through the selector walk, the block-ending rule and the acceptance rule (no model: the same
+    target logits for every row, so the second output token must follow that position's p whatever the
+    first was). Whether draft 1 is verified varies by row; had the rule read q of the drawn draft, the
+    verified draws would lean to likely candidates and the second token would not follow p."""
+    from namazu.spec.dflash import draft_counts
+    from namazu.spec.verify import verify_stochastic
+
+    t = ModelConfig.from_pretrained(tiny_checkpoint())
+    model = DFlashDrafter.load(random_drafter(tiny_checkpoint()), t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    g = torch.Generator().manual_seed(5)
+    s, k, v = 40_000, 2, t.vocab_size
+    h = torch.randn(1, k, t.hidden_size, generator=g).expand(s, -1, -1)
+    logits = (torch.randn(1, k, v, generator=g) * 3).expand(s, -1, -1)
+    anchor = torch.full((s,), 7)
+    with torch.no_grad():
+        walk = model.walk(anchor, h, logits, k, torch.ones(s), torch.rand(s, k, generator=g, dtype=torch.float64))
+    running = walk.confidence.cumprod(-1)[:, 1]
+    counts = draft_counts(walk.confidence, float(running.median()))
+    assert 0.2 < float((counts == 2).float().mean()) < 0.8            # draft 1 verified on some rows only
+    # The target at each position: most of its mass on that position's candidates, so drafts are often
+    # accepted and the rule (not the fallback to p) decides most second tokens.
+    cand = logits[0].topk(model.cfg.selector_k, -1).indices
+    on_cand = torch.zeros(k + 1, v).scatter_(1, torch.cat([cand, cand[-1:]]), 1.0)
+    target = torch.randn(k + 1, v, generator=g) + 5 * on_cand
+    p = target.softmax(-1)
+    sampled = torch.multinomial(p.repeat(s, 1), 1, generator=g).view(s, k + 1)
+    tokens, n = verify_stochastic(target.expand(s, -1, -1), sampled, walk.ids, walk.q, counts,
+                                  torch.zeros(s, dtype=torch.bool), torch.arange(s), torch.arange(k + 1).repeat(s, 1))
+    second = tokens[n >= 1, 1]
+    assert len(second) > s // 4
+    counts_obs = np.bincount(second.numpy(), minlength=v).astype(float)
+    expected = p[1].numpy() * len(second)
+    big = expected >= 5
+    obs = np.append(counts_obs[big], counts_obs[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    assert chi2 < _chi2_critical(len(obs) - 1), f"chi2 {chi2:.1f} over {len(obs) - 1} dof"

@@ -19,7 +19,12 @@ from namazu.engine import LLMEngine
 from namazu.engine_config import EngineConfig
 from namazu.spec.dflash_config import DFlashConfig, DrafterCheckpointError
 from namazu.spec.dflash_proposer import DFlashProposer
-from namazu.spec.selection import AUTO_DISABLE_BATCH_SIZE, SHIPPED_DRAFTER_DIR, choose_speculation
+from namazu.spec.selection import (
+    AUTO_DISABLE_BATCH_SIZE,
+    AUTO_MIN_CONFIDENCE,
+    SHIPPED_DRAFTER_DIR,
+    choose_speculation,
+)
 
 PROMPTS = ["Tell me a story.", "Hello, who are you?", "Write a JSON object with a name.", "東京について教えて"]
 MAX_TOKENS = [60, 5, 9, 12]
@@ -105,6 +110,20 @@ def test_explicit_settings_override_the_defaults():
         EngineConfig(speculative_disable_batch_size=-1)
 
 
+def test_blocks_end_at_the_measured_threshold_by_default_and_where_told():
+    """The shipped drafter ends its blocks at the measured default; the flag overrides it (0: full blocks);
+    a named drafter keeps full blocks unless told; the proposer the workers get carries the number."""
+    c = choose()
+    assert AUTO_MIN_CONFIDENCE > 0 and c.min_confidence == AUTO_MIN_CONFIDENCE
+    assert c.drafter.min_confidence == AUTO_MIN_CONFIDENCE and "running confidence" in c.describe()
+    assert c.resolve(EngineConfig()).speculative_min_confidence == AUTO_MIN_CONFIDENCE
+    off = choose(speculative_min_confidence=0)
+    assert off.min_confidence == 0 == off.drafter.min_confidence and "confidence" not in off.describe()
+    assert choose(speculative_min_confidence=0.5).drafter.min_confidence == 0.5
+    assert choose(speculative_model=shipped()).drafter.min_confidence == 0
+    assert choose(speculative_model=shipped(), speculative_min_confidence=0.2).drafter.min_confidence == 0.2
+
+
 def test_a_bad_shipped_drafter_is_refused_naming_the_field(tmp_path):
     with pytest.raises(DrafterCheckpointError, match="shipped with the model.*'hidden_size'"):
         LLM(str(model_copy(tmp_path, drafter={"hidden_size": 128})), executor="inline")
@@ -133,6 +152,8 @@ def run_steps(engine: LLMEngine, params: list[SamplingParams]):
 
 
 def engine_for(threshold: int | None, async_scheduling: bool, drafter=None, **kw) -> LLMEngine:
+    # Full blocks: the switch's row accounting below counts k drafts per drafted step.
+    kw.setdefault("speculative_min_confidence", None if drafter is not None else 0)
     return LLMEngine(EngineConfig(executor="inline", async_scheduling=async_scheduling,
                                   speculative_disable_batch_size=threshold, **kw), drafter=drafter)
 
@@ -161,6 +182,11 @@ def test_no_drafts_above_the_threshold_and_drafting_resumes_below(greedy_referen
     assert stats.num_draft_rows == stats.num_draft_tokens
     last_big = max(t for t, (live, _) in enumerate(steps) if live > 2)
     assert steps[last_big + 2][1] > 0, "drafting did not resume when the batch shrank"
+    # A block is counted where one was drafted: each is verified by the next step, but for a sequence's
+    # last one and the one before the batch grew (not the zeros of the undrafted steps).
+    verified = sum(stats.acceptance_length_histogram)
+    assert verified <= stats.num_draft_blocks <= verified + len(PROMPTS) + 1
+    assert stats.num_drafts_proposed == stats.num_draft_blocks * DFlashConfig.load(shipped()).num_draft_tokens
 
 
 def test_async_scheduling_switches_the_same_way(greedy_reference):

@@ -17,11 +17,11 @@ def install_probe(worker) -> None:
             logits[:, (37 * runner.rank) % logits.shape[1]] += 1e4
         return logits
 
-    def record(b, prep, tokens, accepted):
+    def record(b, prep, tokens, accepted, *rest):
         for s, i in enumerate(b.spec.batch_index):
             n = int(accepted[s])
             runner.probe_log.append((int(b.seqs.seq_ids[i]), [int(t) for t in tokens[s, :n + 1]]))
-        real_record(b, prep, tokens, accepted)
+        real_record(b, prep, tokens, accepted, *rest)
 
     runner.model.compute_logits = compute_logits
     runner.seqs.record = record

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +133,28 @@ def _shared_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (p_ctx @ ctx_v).view(heads, m, b, d).transpose(0, 1) + p[..., n:] @ v
 
 
+class Walk(NamedTuple):
+    """The selector walk's drafts: ids [M, k], q [M, k, V] when sampling (else None), confidence [M, k]."""
+
+    ids: torch.Tensor
+    q: torch.Tensor | None
+    confidence: torch.Tensor
+
+
+def draft_counts(confidence: torch.Tensor, min_confidence: float) -> torch.Tensor:
+    """Drafts worth verifying per row of confidence [M, k]: the longest prefix whose running product of
+    confidences stays at or above `min_confidence` (the product tracks the chance that the whole prefix
+    is accepted: `bench/draft_confidence.py`), and at least one, so a drafted sequence always verifies
+    something (the drafter has already run; a block of none would make the step a plain decode that
+    paid for a draft). 0 keeps all k. Device only: the counts reach the host with the step's one read."""
+    m, k = confidence.shape
+    if min_confidence <= 0 or k == 0:
+        return torch.full((m,), k, dtype=torch.long, device=confidence.device)
+    # The running product only falls, so the kept drafts are exactly those whose product clears the bar.
+    keep = (confidence.cumprod(-1) >= min_confidence).sum(-1)
+    return keep.clamp_min(1)
+
+
 class Selector(nn.Module):
     """DFlash2's candidate selector: S(a, b) = U(b) + <pred[a] * (proj h), succ[b]> for a candidate b of a
     position whose predecessor token is a, U(b) the drafter's logit of b and h its hidden state there."""
@@ -206,12 +229,17 @@ class DFlashDrafter(nn.Module):
         return lm_head if self.draft_vocab is None else lm_head.index_select(0, self.draft_vocab)
 
     def walk(self, anchor: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, k: int,
-             temperature: torch.Tensor | None = None, uniforms: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+             temperature: torch.Tensor | None = None, uniforms: torch.Tensor | None = None) -> Walk:
         """The selector's walk over the top-K candidates of each position: greedy where temperature is 0
         (or None), inverse-CDF with `uniforms` [M, k] elsewhere. `logits` [M, >=k, N] are over the draft
-        vocabulary (`draft_head`). Returns ids [M, k] and, when sampling, q [M, k, V]: the distribution
-        each draft was drawn from (zero outside the candidates)."""
+        vocabulary (`draft_head`). Returns ids [M, k]; when sampling, q [M, k, V]: the distribution each
+        draft was drawn from (zero outside the candidates); and each position's confidence [M, k], the
+        signal `draft_counts` ends a block on: the largest probability of the selector's softmax over the
+        candidates there (at 1 where the row is greedy: the pick's own probability; q's where it
+        samples). Where a row samples it must not be the pick's own q: a block that kept a drawn draft
+        only when the draw was likely would verify drafts no longer distributed as q, and the output
+        would drift from the target's distribution. The largest probability depends on the picks before
+        the position only, so the stopping rule stays lossless."""
         logits = logits[:, :k].float()
         cand_logits, cand = logits.topk(self.cfg.selector_k, dim=-1)          # [M, k, K]
         if self.draft_vocab is not None:
@@ -224,10 +252,11 @@ class DFlashDrafter(nn.Module):
         pairs = cand_logits[:, 1:].unsqueeze(-2) + torch.einsum(
             "mjpr,mjcr->mjpc", sel.pred[cand[:, :-1]] * a[:, 1:].unsqueeze(-2), sel.succ[cand[:, 1:]]).float()
         s, pick = first.float(), anchor
-        ids, qs = [], []
+        ids, qs, confs = [], [], []
         for j in range(k):
             if j:
                 s = pairs[:, j - 1].gather(1, pick.view(-1, 1, 1).expand(-1, 1, pairs.shape[-1])).squeeze(1)
+            p1 = s.softmax(-1)
             best = s.argmax(-1)
             if temperature is not None:
                 t = temperature.float().clamp_min(1e-6).unsqueeze(-1)
@@ -236,12 +265,16 @@ class DFlashDrafter(nn.Module):
                 # makes the last entry exactly 1 > u, so the pick always has q > 0.
                 cdf = q.double().cumsum(-1)
                 below = (cdf / cdf[:, -1:] <= uniforms[:, j:j + 1]).sum(-1)
-                pick = torch.where(temperature > 0, below, best)
+                sampled = temperature > 0
+                pick = torch.where(sampled, below, best)
                 qs.append(torch.zeros(q.shape[0], self.cfg.vocab_size, device=q.device).scatter_(1, cand[:, j], q))
+                conf = torch.where(sampled, q.max(-1).values, p1.max(-1).values)
             else:
                 pick = best
+                conf = p1.max(-1).values
             ids.append(cand[:, j].gather(1, pick.unsqueeze(-1)).squeeze(-1))
-        return torch.stack(ids, 1), (torch.stack(qs, 1) if qs else None)
+            confs.append(conf)
+        return Walk(torch.stack(ids, 1), torch.stack(qs, 1) if qs else None, torch.stack(confs, 1))
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:

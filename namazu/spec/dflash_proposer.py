@@ -18,7 +18,7 @@ import torch
 
 from namazu.layers.cpu_layout import k_major, use_k_major_linears, wants_k_major
 from namazu.layers.sampler import hash_uniform
-from namazu.spec.dflash import DFlashDrafter
+from namazu.spec.dflash import DFlashDrafter, draft_counts
 from namazu.spec.dflash_config import check_drafter_checkpoint
 from namazu.spec.proposer import Proposal, ProposerInput
 
@@ -30,7 +30,7 @@ class DFlashProposer:
     on_device = True
 
     def __init__(self, path: str, target_vocab_size: int, target_hidden_size: int, target_num_layers: int,
-                 sample_drafts: bool = True):
+                 sample_drafts: bool = True, min_confidence: float = 0.0):
         # Checked here, in the engine process, so a wrong checkpoint fails before any worker starts.
         self.cfg = check_drafter_checkpoint(path, target_vocab_size, target_hidden_size, target_num_layers)
         self.path = str(path)
@@ -43,6 +43,10 @@ class DFlashProposer:
         # At T > 0: draw drafts from the selector's q and verify with the full rule (True), or draft
         # greedily and verify as deterministic drafts (False). Both are lossless.
         self.sample_drafts = sample_drafts
+        # A block ends before the first draft at which the running product of the walk's confidences
+        # falls below this (`dflash.draft_counts`); 0: every block is k drafts long.
+        # `--speculative-min-confidence` sets it (`selection.choose_speculation`).
+        self.min_confidence = min_confidence
 
     # -- set-up in the worker -------------------------------------------------------------------------
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
@@ -101,15 +105,18 @@ class DFlashProposer:
         k = min(k, self.cfg.num_draft_tokens)
         anchor, _, h, logits = self.draft_block(inp, k)
         if inp.all_greedy or not self.sample_drafts:
-            ids, q = self.model.walk(anchor, h, logits, k)
+            walk = self.model.walk(anchor, h, logits, k)
         else:
             # Draft j of a sequence takes the output index after its bonus token, plus j.
             base = inp.counters.gather(1, inp.accepted.unsqueeze(-1)).squeeze(-1) + 1
             u = hash_uniform(inp.seeds, base, k, STREAM_DRAFT)
-            ids, q = self.model.walk(anchor, h, logits, k, inp.temperature, u)
+            walk = self.model.walk(anchor, h, logits, k, inp.temperature, u)
+        # Where the block ends depends on the drafter's own values only, never on the target's: the
+        # verify stays lossless whatever the threshold.
+        counts = draft_counts(walk.confidence, self.min_confidence) if self.min_confidence > 0 else None
         self.draft_seconds += time.perf_counter() - t0
         self.draft_calls += 1
-        return Proposal(ids, probs=q)
+        return Proposal(walk.ids, counts=counts, probs=walk.q)
 
 
 def make_dflash_proposer(path: str, target_config) -> DFlashProposer:

@@ -1,4 +1,5 @@
-"""Which drafter a server runs, with how many draft tokens, above which batch size it stops drafting, and why.
+"""Which drafter a server runs, with how many draft tokens, above which batch size it stops drafting, where
+its blocks end, and why.
 
 One decision at start-up, from the engine flags and the checkpoint, made the same way by the engine and
 by every further node of a multi-node run (`distributed/node.py`), so all ranks hold the same proposer:
@@ -8,9 +9,10 @@ by every further node of a multi-node run (`distributed/node.py`), so all ranks 
   block size - 1; the batch-size threshold defaults to 0 (never disable: explicit users keep the
   behaviour they asked for);
 - nothing named: the DFlash drafter the checkpoint ships in its `drafter/` directory (namazu-tiny does),
-  with its block size - 1 draft tokens unless `--num-speculative-tokens` says otherwise, and the
-  measured break-even batch size as the threshold; a checkpoint without `drafter/` serves without
-  speculation;
+  with its block size - 1 draft tokens unless `--num-speculative-tokens` says otherwise, the measured
+  break-even batch size as the threshold, and blocks that end at the measured confidence threshold
+  (`--speculative-min-confidence`; a named drafter keeps full blocks unless told); a checkpoint without
+  `drafter/` serves without speculation;
 - `--num-speculative-tokens 0`: off, whatever else is set.
 """
 from __future__ import annotations
@@ -35,6 +37,15 @@ SHIPPED_DRAFTER_DIR = "drafter"
 # largest batch at which drafting paid.
 AUTO_DISABLE_BATCH_SIZE = 1
 
+# The running-confidence threshold at which the shipped drafter's blocks end (`dflash.draft_counts`), the
+# fastest of those measured at batch 1 (CPU, eager, fp32, shared machine, load 1.8-2.5, 40 held-out
+# captured prompts x 2 rounds, 128 tokens: `python bench/drafter_step.py --requests CAPTURE --batch 1
+# --rounds 2 --groups 40 --output-len 128 --min-confidence 0 0.15 0.25 0.35`): 0 / 0.15 / 0.25 / 0.35 gave
+# 1.14x / 1.18x / 1.20x / 1.21x of speculation off with 6.87 / 5.54 / 4.66 / 4.04 verify rows per verify
+# step at acceptance length 2.73 / 2.72 / 2.67 / 2.60; 0.5 was slower than 0.35 (1.51x against 1.58x in
+# another run); over 60 prompts 0 / 0.35 gave 1.36x / 1.41x. `bench/draft_confidence.py` calibrates it.
+AUTO_MIN_CONFIDENCE = 0.35
+
 
 @dataclass(frozen=True)
 class SpeculationChoice:
@@ -43,18 +54,38 @@ class SpeculationChoice:
     disable_batch_size: int              # 0: never disabled by batch size
     why: str                             # for the start-up log: where the drafter came from
     limit_why: str = ""                  # and where the threshold came from
+    min_confidence: float = 0.0          # where a DFlash drafter's blocks end (0: always k drafts)
 
     def resolve(self, config: EngineConfig) -> EngineConfig:
         """The config with the concrete numbers, for the workers (which read them, never decide them)."""
         return dataclasses.replace(config, num_speculative_tokens=self.num_speculative_tokens,
-                                   speculative_disable_batch_size=self.disable_batch_size)
+                                   speculative_disable_batch_size=self.disable_batch_size,
+                                   speculative_min_confidence=self.min_confidence)
 
     def describe(self) -> str:
         if not self.num_speculative_tokens:
             return f"speculative decoding off ({self.why})"
         limit = (f"drafting only while at most {self.disable_batch_size} sequence(s) run ({self.limit_why})"
                  if self.disable_batch_size else f"drafting at every batch size ({self.limit_why})")
-        return f"speculative decoding: {self.why}, {self.num_speculative_tokens} draft tokens, {limit}"
+        blocks = (f", blocks end where the drafter's running confidence falls below {self.min_confidence:g}"
+                  if self.min_confidence else "")
+        return f"speculative decoding: {self.why}, {self.num_speculative_tokens} draft tokens{blocks}, {limit}"
+
+
+def _with_min_confidence(choice: SpeculationChoice, value: float | None, auto: float) -> SpeculationChoice:
+    """`choice` with its drafter's block-ending threshold set: `value` (the flag), else `auto`, else the
+    threshold a caller-built drafter already carries. A drafter without confidences takes only 0."""
+    drafter = choice.drafter
+    if drafter is None:
+        return choice
+    if not hasattr(drafter, "min_confidence"):
+        if value:
+            raise ValueError(f"--speculative-min-confidence {value}: {type(drafter).__name__} has no draft "
+                             "confidence to end a block on (only a DFlash drafter does); use 0")
+        return choice
+    x = value if value is not None else auto if auto is not None else drafter.min_confidence
+    drafter.min_confidence = float(x)
+    return dataclasses.replace(choice, min_confidence=float(x))
 
 
 def shipped_drafter_path(model_path: str | Path) -> Path | None:
@@ -69,6 +100,7 @@ def choose_speculation(config: EngineConfig, model_path: str | Path, model_confi
     draft count and batch-size threshold. A drafter checkpoint that does not fit the target raises
     `DrafterCheckpointError` naming the field or tensor, whether named by a flag or shipped."""
     n, limit = config.num_speculative_tokens, config.speculative_disable_batch_size
+    mc = config.speculative_min_confidence
     explicit_limit = limit or 0
     limit_why = "--speculative-disable-batch-size" if limit is not None else "the default for a named drafter"
     if n == 0:
@@ -78,12 +110,13 @@ def choose_speculation(config: EngineConfig, model_path: str | Path, model_confi
     if drafter is not None:
         if n is None:
             raise ValueError("a drafter was given without --num-speculative-tokens")
-        return SpeculationChoice(drafter, n, explicit_limit, f"{type(drafter).__name__} given by the caller",
-                                 limit_why)
+        return _with_min_confidence(SpeculationChoice(drafter, n, explicit_limit, f"{type(drafter).__name__} "
+                                                      "given by the caller", limit_why), mc, None)
     if config.speculative_method == "ngram":
         # The config's own check guarantees n > 0 here.
-        return SpeculationChoice(NgramProposer(config.ngram_max, config.ngram_min), n, explicit_limit,
-                                 "n-gram prompt lookup (--speculative-method ngram)", limit_why)
+        return _with_min_confidence(SpeculationChoice(NgramProposer(config.ngram_max, config.ngram_min), n,
+                                                      explicit_limit, "n-gram prompt lookup (--speculative-method "
+                                                      "ngram)", limit_why), mc, 0.0)
     tp = config.tensor_parallel_size
     if config.speculative_model is not None:
         if tp > 1:
@@ -92,8 +125,9 @@ def choose_speculation(config: EngineConfig, model_path: str | Path, model_confi
                              "which the ranks split); use --speculative-method ngram or --tp 1")
         proposer = make_dflash_proposer(config.speculative_model, model_config)
         n = proposer.cfg.num_draft_tokens if n is None else n
-        return SpeculationChoice(proposer, n, explicit_limit,
-                                 f"DFlash drafter {config.speculative_model} (--speculative-model)", limit_why)
+        return _with_min_confidence(SpeculationChoice(proposer, n, explicit_limit, f"DFlash drafter "
+                                                      f"{config.speculative_model} (--speculative-model)",
+                                                      limit_why), mc, 0.0)
     path = shipped_drafter_path(model_path)
     if path is None:
         why = "the model ships no drafter/ and none was named (--speculative-model)"
@@ -109,5 +143,6 @@ def choose_speculation(config: EngineConfig, model_path: str | Path, model_confi
     n = proposer.cfg.num_draft_tokens if n is None else n
     if limit is None:
         limit, limit_why = AUTO_DISABLE_BATCH_SIZE, "the measured break-even of the shipped drafter"
-    return SpeculationChoice(proposer, n, limit, f"DFlash drafter {path} (shipped with the model, block size "
-                                                 f"{proposer.cfg.block_size})", limit_why)
+    return _with_min_confidence(SpeculationChoice(proposer, n, limit, f"DFlash drafter {path} (shipped with the "
+                                                  f"model, block size {proposer.cfg.block_size})", limit_why),
+                                mc, AUTO_MIN_CONFIDENCE)

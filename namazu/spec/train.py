@@ -312,7 +312,7 @@ def acceptance_length(drafter: DFlashDrafter, target: Target, examples: list[Exa
         while a < t - 1:
             kk = min(k, t - 1 - a, drafter.cfg.num_draft_tokens)
             h = draft_hidden(drafter, target.embed, ids, ctx, torch.tensor([a]))[:, :kk]
-            drafts, _ = drafter.walk(ids[a:a + 1], h, h @ head.T, kk)
+            drafts = drafter.walk(ids[a:a + 1], h, h @ head.T, kk).ids
             match = (drafts[0] == ids[a + 1:a + 1 + kk]).long()
             acc = int(torch.cumprod(match, 0).sum())
             taus[kind].append(acc + 1)
