@@ -30,12 +30,13 @@ from namazu.spec.proposer import Proposer
 
 SHIPPED_DRAFTER_DIR = "drafter"
 
-# The batch size up to which the shipped drafter paid on every workload measured (CPU, eager, fp32,
-# namazu-tiny, bench/RESULTS.md round 4): 1.30x plain decoding at batch 1 (200 held-out chat prompts);
-# at batch 2-4 it paid with answers that end at EOS (1.22-1.30x) but not with fixed 48-token answers
-# past EOS (0.92-0.93x). `python bench/drafter_step.py` prints off / on / auto side by side and the
-# largest batch at which drafting paid.
-AUTO_DISABLE_BATCH_SIZE = 1
+# The batch size up to which the shipped drafter paid in both idle runs with answers that end at EOS (CPU,
+# eager, fp32, namazu-tiny, bench/RESULTS.md rounds 4 and 5): round 4 (full blocks) 1.30x / 1.22x plain
+# decoding at batch 2 / 4, round 5 (blocks ending at confidence 0.35) 1.23x / 1.26x; at batch 8 1.02x /
+# 1.06x, within noise. Fixed 48-token answers run past EOS into text no drafter was trained on, where
+# round 4 found batches 2-4 did not pay (0.92-0.93x). `python bench/drafter_step.py` prints off / on /
+# auto side by side and the largest batch at which drafting paid.
+AUTO_DISABLE_BATCH_SIZE = 4
 
 # The running-confidence threshold at which the shipped drafter's blocks end (`dflash.draft_counts`), the
 # fastest of those measured at batch 1 (CPU, eager, fp32, shared machine, load 1.8-2.5, 40 held-out
