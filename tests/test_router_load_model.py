@@ -86,3 +86,20 @@ def test_decode_steps_reads_max_tokens_from_the_body():
     assert decode_steps({"max_completion_tokens": 8, "max_tokens": 16}) == 8
     assert decode_steps({"max_tokens": 0}) is None and decode_steps({"max_tokens": True}) is None
     assert decode_steps({"max_tokens": "9"}) is None and decode_steps(None) is None and decode_steps({}) is None
+
+
+def test_late_first_tokens_do_not_starve_a_replica_but_a_real_change_gets_through():
+    """A few first tokens delayed by what the router cannot see (a long prefill in the same step) must not
+    multiply the replica's rate (the router would then avoid it); a lasting change of rate must still be
+    learned."""
+    est = RateEstimator(SLOW_PRIOR)
+    for _ in range(30):
+        for blocks in (2, 10, 30, 60):
+            est.first_token(blocks, 12.0 + 3.0 * blocks)
+    for blocks in (2, 60, 2, 60, 2, 60):                # the long prompts' first tokens came ~1.5 s late
+        est.first_token(blocks, 12.0 + 3.0 * blocks + (1500.0 if blocks == 60 else 0.0))
+    assert est.rates.ms_per_block < 1.7 * 3.0          # 19 ms per block if taken as they came
+    for _ in range(40):                                 # the replica really got 2.5x slower
+        for blocks in (2, 10, 30, 60):
+            est.first_token(blocks, 12.0 + 7.5 * blocks)
+    assert est.rates.ms_per_block == pytest.approx(7.5, rel=0.1)

@@ -44,6 +44,7 @@ class Rates:
 # replace the prior.
 PRIOR = Rates(ms_per_block=8.0, ms_per_step=15.0, overhead_ms=10.0)
 DEFAULT_STEPS = 64          # decode steps of a request that does not say (no max_tokens), before data
+OUTLIER = 1.5               # a first-token time counts for at most this multiple of the current fit
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,13 @@ class RateEstimator:
         before or with it (its own uncached blocks and those of the requests it found in their prefill)."""
         if not (blocks >= 0 and ms >= 0):
             return
+        # Winsorized against the current fit: a first token that came late for reasons the router cannot
+        # see (a long prefill that entered the same step, another process on the core) would otherwise pull
+        # the replica's rate up several-fold, and the router then starves that replica (bench/RESULTS.md,
+        # router round 6: one replica read 26.9 ms per block against 7.3 for its twins, and got 44 of 240
+        # requests). A lasting change of rate still gets through, at most OUTLIER times the fit per observation.
+        r = self.rates
+        ms = min(ms, OUTLIER * (r.overhead_ms + r.ms_per_block * blocks) + r.ms_per_step)
         keep = 1.0 - self.alpha
         self._sums = [s * keep for s in self._sums]
         for i, v in enumerate((1.0, blocks, ms, blocks * blocks, blocks * ms)):
