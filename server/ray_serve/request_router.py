@@ -16,7 +16,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 import server.ray_serve.decisions as decisions
 from server.router.index import EventIndex, RoutingHistory
-from server.router.load_model import DEFAULT_STEPS, PRIOR, Pending, first_token_ms
+from server.router.load_model import DEFAULT_STEPS, PRIOR, first_token_ms, split_open
 from server.router.policy import (
     DEFAULT_PREFIX_WEIGHT,
     DEFAULT_QUEUE_WEIGHT,
@@ -61,10 +61,9 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
         # Ray Serve does not show this router a request's first token: a request counts as in its prefill
         # (ahead of a new one) until its first token was expected, then as decoding from then on. The
         # rates stay the prior, for the same reason.
-        pending = tuple(Pending(u, b, n) for u, b, n, t in mine if t > now)
-        running = tuple(max(1.0, n - 1000.0 * (now - t) / PRIOR.ms_per_step) for _, _, n, t in mine if t <= now)
+        pending, running = split_open(mine, now, PRIOR.ms_per_step)
         return ReplicaView(rid, cached, max(float(stats.get("active_kv_blocks", 0)), float(open_blocks)),
-                           float(queued), int(queue_len), pending, running, capacity, PRIOR)
+                           float(queued), int(queue_len), pending, tuple(running), capacity, PRIOR)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

@@ -56,6 +56,20 @@ class Pending:
     steps: float            # decode steps it will run
 
 
+def split_open(requests: Sequence[tuple[int, int, float, float | None]], now: float, ms_per_step: float
+               ) -> tuple[tuple[Pending, ...], list[float]]:
+    """A router's open requests at a replica, (uncached blocks, prompt blocks, decode steps, time of the
+    first token or None) each: those still before their first token at `now` (the prefill ahead of a new
+    request), and the decode steps left of the others (the slots they hold), at `ms_per_step`."""
+    pending, running = [], []
+    for uncached, blocks, steps, first_at in requests:
+        if first_at is None or first_at > now:
+            pending.append(Pending(uncached, blocks, steps))
+        else:
+            running.append(max(1.0, steps - 1000.0 * (now - first_at) / ms_per_step))
+    return tuple(pending), running
+
+
 def decode_steps(body: object) -> int | None:
     """A request body's max_tokens (max_completion_tokens first): its decode length at most, the exact one
     for most clients; None when it sets neither."""

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from server.router.index import EventIndex, RoutingHistory
-from server.router.load_model import Pending, RateEstimator, first_token_ms
+from server.router.load_model import RateEstimator, first_token_ms, split_open
 from server.router.policy import ReplicaView, queued_estimate, wait_ms
 
 logger = logging.getLogger(__name__)
@@ -75,10 +75,8 @@ class Replica:
             cached = self.history.matched(hashes, now)
         queued = queued_estimate(self.in_flight, self.capacity, self.reported_waiting)
         rates = self.rates.rates
-        pending = tuple(Pending(o.uncached, o.blocks, o.steps) for o in self.open.values()
-                        if o.first_at is None or o.first_at > now)
-        running = [max(1.0, o.steps - 1000.0 * (now - o.first_at) / rates.ms_per_step)
-                   for o in self.open.values() if o.first_at is not None and o.first_at <= now]
+        pending, running = split_open([(o.uncached, o.blocks, o.steps, o.first_at) for o in self.open.values()],
+                                      now, rates.ms_per_step)
         # Other clients' sequences in the slots: their lengths unknown, half a typical one left on average.
         others = max(0, int(self.load.get("num_running", 0)) - self.closed_requests - self.in_flight)
         running += [self.rates.steps / 2] * others
