@@ -1,6 +1,7 @@
 """Shared pieces of the engine tests: a tiny random checkpoint, prompts, and the dense greedy oracle."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tempfile
 
@@ -59,3 +60,20 @@ def assert_greedy_equal(got: list[int], ref: list[int], gaps: list[float]) -> No
             assert gaps[i] < NEAR_TIE, f"differs at {i}: {a} vs {b} (reference top-2 gap {gaps[i]:.2e})"
             return
     assert len(got) == len(ref), f"length {len(got)} vs {len(ref)}"
+
+
+def assert_same_fields(x, y, where: str, exact_types: bool = True) -> None:
+    """Two dataclass instances (step batches, their parts) field by field, nested ones too; an assertion
+    names the first field that differs. `exact_types`: arrays of the same dtype and values of the same
+    type, not only equal values."""
+    for f in dataclasses.fields(x):
+        a, b = getattr(x, f.name), getattr(y, f.name)
+        if dataclasses.is_dataclass(a):
+            assert_same_fields(a, b, f"{where}.{f.name}", exact_types)
+        elif isinstance(a, np.ndarray):
+            if exact_types:
+                assert isinstance(b, np.ndarray), f"{where}.{f.name}"
+                assert a.dtype == b.dtype, f"{where}.{f.name}: {a.dtype}{a.shape} {b.dtype}{b.shape}"
+            assert a.shape == b.shape and np.array_equal(a, b), f"{where}.{f.name}: {a} != {b}"
+        else:
+            assert a == b and (not exact_types or type(a) is type(b)), f"{where}.{f.name}: {a!r} != {b!r}"

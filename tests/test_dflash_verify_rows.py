@@ -1,10 +1,10 @@
 """A verify step sized by the drafts the worker holds: `step_batch.trim_drafts` turns a batch planned with k
 drafts per sequence into exactly the batch the engine's own builder makes when it plans fewer (the oracle),
 so a block that ended early (or was never drafted) costs only its own rows."""
-import dataclasses
 
 import numpy as np
 import pytest
+from engine_helpers import assert_same_fields
 
 from namazu import SamplingParams
 from namazu.batch_builder import build_step_batch
@@ -45,17 +45,6 @@ def _batch(drafts: list[int]):
     return batch
 
 
-def _assert_same(x, y, where: str) -> None:
-    for f in dataclasses.fields(x):
-        a, b = getattr(x, f.name), getattr(y, f.name)
-        if dataclasses.is_dataclass(a):
-            _assert_same(a, b, f"{where}.{f.name}")
-        elif isinstance(a, np.ndarray):
-            assert a.shape == b.shape and np.array_equal(a, b), f"{where}.{f.name}: {a} != {b}"
-        else:
-            assert a == b, f"{where}.{f.name}: {a!r} != {b!r}"
-
-
 @pytest.mark.parametrize("keep", [[2, 0, 1, 0], [0, 0, 3, 0], [0, 0, 0, 0], [5, 0, 3, 0]],
                          ids=["both-shorter", "one-undrafted", "none-held", "all-held"])
 def test_trimmed_batch_is_the_batch_planned_with_fewer_drafts(keep):
@@ -64,7 +53,7 @@ def test_trimmed_batch_is_the_batch_planned_with_fewer_drafts(keep):
     want = _batch(keep)
     # Only the plan's own record of the step in flight stays (the engine's assumption, not the worker's).
     assert np.array_equal(got.seqs.assumed_drafts, want.seqs.assumed_drafts)
-    _assert_same(got, want, "batch")
+    assert_same_fields(got, want, "batch", exact_types=False)
 
 
 def test_trimming_leaves_the_planned_batch_alone_and_refuses_more_drafts():

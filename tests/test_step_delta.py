@@ -1,7 +1,6 @@
 """The step wire format (namazu/step_delta.py) and its shared-memory transport (namazu/step_channel.py):
 the worker rebuilds exactly the batch the engine built, a running decode's message does not grow with
 context length, bad bytes are refused, and the shared-memory segment never outlives the engine."""
-import dataclasses
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_helpers import prompts, tiny_checkpoint
+from engine_helpers import assert_same_fields, prompts, tiny_checkpoint
 
 from namazu import LLM, SamplingParams
 from namazu.batch_builder import build_step_batch
@@ -30,19 +29,6 @@ def _features(i: int) -> SamplingParams:
                        max_tokens=12, prompt_logprobs=2, ignore_eos=True),
         SamplingParams(temperature=0.7, allowed_token_ids=list(range(65, 91)), min_tokens=4, max_tokens=12),
     ][i % 4]
-
-
-def _assert_same(x, y, where: str) -> None:
-    for f in dataclasses.fields(x):
-        a, b = getattr(x, f.name), getattr(y, f.name)
-        if dataclasses.is_dataclass(a):
-            _assert_same(a, b, f"{where}.{f.name}")
-        elif isinstance(a, np.ndarray):
-            assert isinstance(b, np.ndarray), f"{where}.{f.name}"
-            assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}.{f.name}: {a.dtype}{a.shape} {b.dtype}{b.shape}"
-            assert np.array_equal(a, b), f"{where}.{f.name}: {a} != {b}"
-        else:
-            assert a == b and type(a) is type(b), f"{where}.{f.name}: {a!r} != {b!r}"
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -66,7 +52,7 @@ def test_the_worker_rebuilds_every_batch_the_engine_built(async_scheduling):
 
         def spy_decode(raw):
             got = decode(raw)
-            _assert_same(sent.pop(0), got, f"step {len(checked)}")
+            assert_same_fields(sent.pop(0), got, f"step {len(checked)}")
             checked.append(got)
             return got
 
@@ -102,7 +88,7 @@ def _running_message_sizes(context: int) -> list[int]:
     for step in range(40):
         b = _decode_batch(32, context, step)
         raw = enc.encode(b)
-        _assert_same(b, dec.decode(raw), f"step {step}")
+        assert_same_fields(b, dec.decode(raw), f"step {step}")
         sizes.append(len(raw))
     return sizes
 
@@ -124,16 +110,16 @@ def test_a_running_decode_message_is_o_changes():
 def test_tables_that_shrink_or_are_replaced_arrive_intact():
     enc, dec = StepEncoder(), StepDecoder()
     b = _decode_batch(3, 40, 0)
-    _assert_same(b, dec.decode(enc.encode(b)), "first")
+    assert_same_fields(b, dec.decode(enc.encode(b)), "first")
     b = _decode_batch(3, 40, 0)
     b.attn.block_tables[1, 1] = 777                          # preempted and scheduled again: new blocks
     b.seqs.num_blocks[2] = 2                                 # a rejected draft's block freed
     b.attn.block_tables[2, 2] = 0
-    _assert_same(b, dec.decode(enc.encode(b)), "changed")
+    assert_same_fields(b, dec.decode(enc.encode(b)), "changed")
     b.finished_seq_ids = [0]
     b2 = _decode_batch(3, 40, 0)
     b2.finished_seq_ids, b2.seqs.seq_ids[0] = [0], 9        # 0 forgotten, 9 arrives in its slot
-    _assert_same(b2, dec.decode(enc.encode(b2)), "reused slot")
+    assert_same_fields(b2, dec.decode(enc.encode(b2)), "reused slot")
     assert dec.num_known == enc.num_known == 3
 
 
