@@ -69,6 +69,14 @@ def _errors(*statuses: str) -> dict[str, Any]:
             for s in statuses}
 
 
+def _absent_if_null(props: dict[str, Any], required: str) -> dict[str, Any]:
+    """Every optional field the server reads (server/protocol.py `Fields`) takes null as absent, as OpenAI's
+    own API does: the schema says so, or a client sending null (or a fuzzer) sees a documented type the
+    server does not hold to. The ignored fields keep their own rule (`IGNORED_FIELDS`)."""
+    return {name: schema if name == required or name in IGNORED_FIELDS or schema.get("nullable") else _nullable(schema)
+            for name, schema in props.items()}
+
+
 def _sampling(vocab_size: int) -> dict[str, Any]:
     """The fields both generation endpoints accept (server/protocol.py `_read_sampling`)."""
     token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
@@ -113,7 +121,8 @@ def _completion_request(vocab_size: int, max_logprobs: int) -> dict[str, Any]:
         "logprobs": _nullable(_int(0, max_logprobs)),
         "suffix": _nullable({"type": "string", "maxLength": 0}),
     })
-    return {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": props}
+    return {"type": "object", "required": ["prompt"], "additionalProperties": False,
+            "properties": _absent_if_null(props, "prompt")}
 
 
 def _chat_request(vocab_size: int, max_logprobs: int) -> dict[str, Any]:
@@ -154,7 +163,8 @@ def _chat_request(vocab_size: int, max_logprobs: int) -> dict[str, Any]:
         "response_format": _nullable({"type": "object", "properties": {
             "type": {"type": "string", "enum": ["text"]}}}),
     })
-    return {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": props}
+    return {"type": "object", "required": ["messages"], "additionalProperties": False,
+            "properties": _absent_if_null(props, "messages")}
 
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
