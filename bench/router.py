@@ -148,9 +148,15 @@ async def burst(client: httpx.AsyncClient, pm: PromptMaker, args) -> list[Result
 
 
 def router_rates(url: str) -> str:
-    """What the router measured on each replica (its wait estimate's rates): 'ms per block/ms per step'."""
+    """Each replica's rates, 'ms per block/ms per step': as the router learned them from its requests (its
+    wait estimate's), then in parentheses as the replica measured them of its own steps (its last /load)."""
     reps = httpx.get(url + "/router/state", timeout=10).json()["replicas"]
-    return " ".join(f"{r['rates']['ms_per_block']:.1f}/{r['rates']['ms_per_step']:.1f}" for r in reps)
+
+    def own(load: dict) -> str:
+        return f"{load.get('ms_per_prefill_block', 0.0):.1f}/{load.get('ms_per_decode_step', 0.0):.1f}"
+
+    return " ".join(f"{r['rates']['ms_per_block']:.1f}/{r['rates']['ms_per_step']:.1f} ({own(r['load'] or {})})"
+                    for r in reps)
 
 
 def router_shares(url: str) -> dict[str, int]:
@@ -222,7 +228,7 @@ COLUMNS = [("front", "front", "{}"), ("policy", "policy", "{}"), ("rate", "rate 
            ("min_share", "min share", "{:.0%}"), ("max_queue", "max queue", "{}"),
            ("mean_queue", "mean queue", "{:.2f}"),
            ("offered", "req/s offered", "{:.2f}"), ("req_s", "req/s done", "{:.2f}"), ("kept_up", "kept up", "{}"),
-           ("rates", "router's ms/block / ms/step per replica", "{}")]
+           ("rates", "ms/block / ms/step per replica: router's (replica's own)", "{}")]
 
 
 def table(rows: list[dict]) -> str:

@@ -32,6 +32,7 @@ from namazu.scheduler.sequence import Sequence, SequenceStatus
 from namazu.spec.proposer import Proposer
 from namazu.spec.selection import choose_speculation
 from namazu.step_batch import StepResult
+from namazu.step_rates import StepRates
 from namazu.structured.bitmask import fill_step_bitmask
 from namazu.structured.factory import StructuredOutputs, grammar_for, needs_compiler
 from namazu.tokenizer import Tokenizer
@@ -49,6 +50,8 @@ class _Launched:
     prompt_lp_items: list[tuple[ScheduledSeq, int]]
     num_prompt_logprobs: int
     drafts_next: bool = False          # the worker was asked to draft after this step
+    launched_at: float = 0.0           # perf_counter seconds at submission
+    prompt_tokens: int = 0             # prefill tokens it computes (chunks of prompts, recomputes)
 
 
 def mean_acceptance_length(histogram: list[int]) -> float:
@@ -87,6 +90,10 @@ class EngineStats:
     # ends early where the drafter is unsure (--speculative-min-confidence).
     num_draft_blocks: int = 0
     num_drafts_proposed: int = 0
+    # This replica's measured cost of a step of decodes and of one more prompt block in a step
+    # (`namazu.step_rates`; 0.0 until measured), for the KV-aware router's wait estimate.
+    ms_per_decode_step: float = 0.0
+    ms_per_prefill_block: float = 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -143,6 +150,8 @@ class LLMEngine:
         self._mask_seconds = 0.0
         self._accept_hist = [0] * (self.num_speculative_tokens + 1)
         self._drafter_seconds = 0.0
+        self.step_rates = StepRates(config.block_size)     # reported to the KV-aware router
+        self._collected_at = 0.0
         info = self.worker_info
         logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s%s",
                     self.model_path, self.num_kv_blocks, config.block_size, self.max_model_len, info.device,
@@ -278,11 +287,18 @@ class LLMEngine:
             self.scheduler.submitted(item, plan.speculate)
         self._num_steps += 1
         self._draft_rows += sum(item.num_drafts for item in plan.scheduled)
+        # A step's new tokens past one per sequence are prefill: a decode computes one (its drafts are
+        # verify rows, priced into the decode step).
+        prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
         return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num,
-                         self.drafter is not None and plan.speculate)
+                         self.drafter is not None and plan.speculate, time.perf_counter(), prefill)
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
         result = self.executor.collect()
+        done = time.perf_counter()
+        # The step ran from its launch, or from the previous step's results if it was queued behind it.
+        self.step_rates.observe(launched.prompt_tokens, 1000.0 * (done - max(launched.launched_at, self._collected_at)))
+        self._collected_at = done
         self._drafter_seconds += result.drafter_seconds
         touched: dict[str, RequestState] = {}
         if launched.prompt_lp_items:
@@ -384,7 +400,9 @@ class LLMEngine:
             grammar_mask_rows=self._mask_rows, grammar_mask_seconds=self._mask_seconds,
             acceptance_length_histogram=list(self._accept_hist), drafter_seconds=self._drafter_seconds,
             num_spec_disabled_steps=self.scheduler.num_spec_disabled_steps, num_draft_rows=self._draft_rows,
-            num_draft_blocks=self._draft_blocks, num_drafts_proposed=self._drafts_proposed)
+            num_draft_blocks=self._draft_blocks, num_drafts_proposed=self._drafts_proposed,
+            ms_per_decode_step=self.step_rates.ms_per_decode_step,
+            ms_per_prefill_block=self.step_rates.ms_per_prefill_block)
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()

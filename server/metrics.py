@@ -32,6 +32,10 @@ _RENAMED = {
     "kv_cache_usage": ("namazu_kv_cache_usage_ratio", "fraction of KV-cache blocks held by live sequences"),
     "prefix_cache_hit_rate": ("namazu_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / "
                               "prompt tokens admitted, since start"),
+    "ms_per_decode_step": ("namazu_decode_step_ms", "measured milliseconds of an engine step of decodes (the "
+                           "KV-aware router's wait estimate; 0 until measured)"),
+    "ms_per_prefill_block": ("namazu_prefill_block_ms", "measured milliseconds one more prompt block adds to an "
+                             "engine step (0 until measured)"),
     "peak_num_running": ("namazu_peak_num_running", "most sequences that shared one engine step"),
     "requests_in_flight": ("namazu_requests_in_flight", "engine requests the server is streaming now"),
     "peak_requests_in_flight": ("namazu_peak_requests_in_flight", "most engine requests in flight at once"),

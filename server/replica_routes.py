@@ -2,7 +2,8 @@
 
 GET /kv/events?after=N[&limit=M][&replica_id=ID]: the prefix cache's events with id > N (see
 `namazu.scheduler.kv_events`); a cursor that cannot be replayed gets a snapshot of every stored hash.
-GET /load: queue depth and active KV blocks, cheap enough to poll several times a second.
+GET /load: queue depth, active KV blocks and the measured step rates (`namazu.step_rates`), cheap enough
+to poll several times a second.
 """
 from __future__ import annotations
 
@@ -42,5 +43,6 @@ async def load(request: Request) -> Response:
         "active_kv_blocks": round(s.kv_cache_usage * s.num_kv_blocks), "num_kv_blocks": s.num_kv_blocks,
         "kv_cache_usage": s.kv_cache_usage, "block_size": state.engine.config.block_size,
         "max_num_seqs": state.engine.config.max_num_seqs,
+        "ms_per_decode_step": s.ms_per_decode_step, "ms_per_prefill_block": s.ms_per_prefill_block,
         "replica_id": state.engine.replica_id,
     })

@@ -85,6 +85,22 @@ def test_stream_passes_through_and_disconnect_aborts_on_the_replica(cluster):
         raise AssertionError(f"the replica kept generating after the client left: {load}, {replica.metrics()}")
 
 
+def test_a_replica_reports_the_rates_it_measures_of_its_own_steps(cluster):
+    """GET /load and /metrics carry the replica's ms per decode step and per prefill block
+    (`namazu.step_rates`): what the Ray Serve request router prices waits with."""
+    _, replicas = cluster
+    replica = replicas[0]
+    rng = random.Random(7)
+    for words in (10, 80, 30, 120):
+        body = {"prompt": "rates " + _words(rng, words), "max_tokens": 8, "ignore_eos": True}
+        assert _complete(replica.url, body).status_code == 200
+    load = httpx.get(replica.url + "/load", timeout=5).json()
+    assert load["ms_per_decode_step"] > 0 and load["ms_per_prefill_block"] > 0, load
+    metrics = replica.metrics()
+    assert metrics["namazu_decode_step_ms"] == pytest.approx(load["ms_per_decode_step"], rel=0.5)
+    assert metrics["namazu_prefill_block_ms"] > 0
+
+
 def test_router_metrics_show_decisions_and_scores(cluster):
     router, replicas = cluster
     assert _complete(router.url, {"prompt": "metrics", "max_tokens": 1}).status_code == 200

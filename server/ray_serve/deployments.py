@@ -88,7 +88,8 @@ class NamazuEngine:
         return {"replica_id": log.replica_id, "last_id": log.last_id, "hashes": sorted(log.stored_hashes()),
                 "pid": os.getpid(), "warm_at": self.warm_at, "max_num_seqs": self.engine.config.max_num_seqs,
                 "num_waiting": stats.num_waiting, "num_running": stats.num_running,
-                "active_kv_blocks": round(stats.kv_cache_usage * stats.num_kv_blocks)}
+                "active_kv_blocks": round(stats.kv_cache_usage * stats.num_kv_blocks),
+                "ms_per_decode_step": stats.ms_per_decode_step, "ms_per_prefill_block": stats.ms_per_prefill_block}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         from server.ray_serve.autoscaling import KV, QUEUE, RUNNING

@@ -5,7 +5,8 @@ request. The ingress passes the prompt's block hashes as the request's third arg
 replica publishes, through `record_routing_stats`, a snapshot of its KV events log (replica id, last
 event id, every stored block hash) with its queue depth and active KV blocks. The snapshot feeds the
 same `EventIndex` the HTTP router uses, the router's own routing history covers what the snapshot
-cannot show yet, and the cost is `server.router.policy`'s, so both paths route alike.
+cannot show yet, and the cost is `server.router.policy`'s, so both paths route alike. The wait is priced at
+the rates each replica measures of its own steps (`namazu.step_rates`), since first tokens are not seen here.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 import server.ray_serve.decisions as decisions
 from server.router.index import EventIndex, RoutingHistory
-from server.router.load_model import DEFAULT_STEPS, PRIOR, first_token_ms, split_open
+from server.router.load_model import DEFAULT_STEPS, first_token_ms, reported_rates, split_open
 from server.router.policy import (
     DEFAULT_PREFIX_WEIGHT,
     DEFAULT_QUEUE_WEIGHT,
@@ -59,11 +60,12 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
                           namazu_replica_id=stats.get("replica_id"), pid=stats.get("pid"),
                           warm_at=stats.get("warm_at"))
         # Ray Serve does not show this router a request's first token: a request counts as in its prefill
-        # (ahead of a new one) until its first token was expected, then as decoding from then on. The
-        # rates stay the prior, for the same reason.
-        pending, running = split_open(mine, now, PRIOR.ms_per_step)
+        # (ahead of a new one) until its first token was expected, then as decoding from then on. For the
+        # same reason the rates are the replica's own measurement of its steps, not learned here.
+        rates = reported_rates(stats)
+        pending, running = split_open(mine, now, rates.ms_per_step)
         return ReplicaView(rid, cached, max(float(stats.get("active_kv_blocks", 0)), float(open_blocks)),
-                           float(queued), int(queue_len), pending, tuple(running), capacity, PRIOR)
+                           float(queued), int(queue_len), pending, tuple(running), capacity, rates)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

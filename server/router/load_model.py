@@ -23,8 +23,11 @@ fit defined when every prompt has the same length.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from namazu.step_rates import DecayedLinearFit
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,21 @@ def first_token_ms(rates: Rates, wait_ms: float, uncached: int) -> float:
     return wait_ms + rates.overhead_ms + rates.ms_per_block * uncached
 
 
+def reported_rates(report: Mapping[str, object], prior: Rates = PRIOR) -> Rates:
+    """A replica's own measurement of its rates (`namazu.step_rates`, in `GET /load` and Ray Serve's routing
+    stats), each rate the prior's until the replica has measured it. The fixed part of a first token is a
+    step's own (the prefill step's cost without its blocks). For a front that cannot time first tokens
+    itself (Ray Serve), and right on hardware unlike the one the prior was measured on."""
+    def measured(key: str) -> float:
+        value = report.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        return float(value) if ok else 0.0     # type: ignore[arg-type]
+
+    step, block = measured("ms_per_decode_step"), measured("ms_per_prefill_block")
+    return Rates(ms_per_block=block or prior.ms_per_block, ms_per_step=step or prior.ms_per_step,
+                 overhead_ms=step or prior.overhead_ms)
+
+
 class RateEstimator:
     """One replica's rates, learned from the router's own requests (exponentially weighted, `alpha` per
     observation), pulled toward `prior` with the weight of `prior_weight` observations."""
@@ -128,10 +146,8 @@ class RateEstimator:
         self.prior, self.alpha = prior, alpha
         # The prior as two pseudo-observations that never decay: no blocks, and `prior_blocks` blocks.
         half = prior_weight / 2
-        ys = (prior.overhead_ms, prior.overhead_ms + prior.ms_per_block * prior_blocks)
-        self._prior_sums = (prior_weight, half * prior_blocks, sum(half * y for y in ys),
-                            half * prior_blocks ** 2, half * prior_blocks * ys[1])
-        self._sums = [0.0] * 5          # weight, sum x, sum y, sum x^2, sum x*y of the observations
+        at_blocks = prior.overhead_ms + prior.ms_per_block * prior_blocks
+        self._fit = DecayedLinearFit(alpha, [(0.0, prior.overhead_ms, half), (prior_blocks, at_blocks, half)])
         self.step_ms = prior.ms_per_step
         self.steps = float(DEFAULT_STEPS)
         self.first_tokens = self.decodes = 0
@@ -148,10 +164,7 @@ class RateEstimator:
         # requests). A lasting change of rate still gets through, at most OUTLIER times the fit per observation.
         r = self.rates
         ms = min(ms, OUTLIER * (r.overhead_ms + r.ms_per_block * blocks) + r.ms_per_step)
-        keep = 1.0 - self.alpha
-        self._sums = [s * keep for s in self._sums]
-        for i, v in enumerate((1.0, blocks, ms, blocks * blocks, blocks * ms)):
-            self._sums[i] += v
+        self._fit.add(blocks, ms)
         self.first_tokens += 1
 
     def decode(self, steps: int, ms: float) -> None:
@@ -169,10 +182,10 @@ class RateEstimator:
 
     @property
     def rates(self) -> Rates:
-        w, sx, sy, sxx, sxy = (a + b for a, b in zip(self._sums, self._prior_sums))
-        var = w * sxx - sx * sx
-        slope = (w * sxy - sx * sy) / var if var > 1e-9 else self.prior.ms_per_block
+        slope = self._fit.solve()[1]
+        if slope is None:
+            slope = self.prior.ms_per_block
         # A fit that says prefill is free or negative (a noisy few samples) is not a rate to route on.
         slope = max(slope, 0.05 * self.prior.ms_per_block)
-        intercept = max(0.0, (sy - slope * sx) / w)
+        intercept = max(0.0, self._fit.intercept_at(slope))
         return Rates(ms_per_block=slope, ms_per_step=max(self.step_ms, 1e-3), overhead_ms=intercept)
