@@ -10,7 +10,8 @@ burst of unrelated chat requests (all at once) checks that every replica still g
 
     python bench/router.py                                  # 3 namazu-tiny replicas, 1 thread each
     python bench/router.py --rates 1,2 --policies round_robin,kv --users 12
-    python bench/router.py --rates 12:17:1 --policies round_robin,kv   # each policy's highest sustained rate
+    python bench/router.py --rates 3:9:2 --policies round_robin,kv     # each policy's highest sustained rate
+    python bench/router.py --system-len 384 --users 80 --rates 12:17:1  # short system prompts
     python bench/router.py --ray                            # also through `--replicas 3:3` (Ray Serve)
 
 Writes a table to stdout, a section of bench/RESULTS.md (--write) and bench/router.png.
@@ -411,11 +412,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--rates", default="1,2,3", help="conversation request rates (req/s, Poisson): a list, or "
                    "start:stop:step for a fine grid near saturation")
-    p.add_argument("--users", type=int, default=80, help="conversations per point (x --turns requests: p99 over "
-                   "320 requests by default, not set by the slowest one or two)")
+    p.add_argument("--users", type=int, default=60, help="conversations per point (x --turns requests: p99 over "
+                   "240 requests by default, not set by the slowest one or two)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--systems", type=int, default=4, help="distinct system prompts shared by the users")
-    p.add_argument("--system-len", type=int, default=384)
+    # Long enough that prefill, which the router saves, is a real part of a turn's cost (at 384 tokens a
+    # turn's time is mostly decode and slot waits, which no routing saves: bench/RESULTS.md).
+    p.add_argument("--system-len", type=int, default=1536)
     p.add_argument("--turn-input-len", type=int, default=32)
     p.add_argument("--turn-output-len", type=int, default=16)
     p.add_argument("--burst", type=int, default=30, help="unrelated requests sent at once after each sweep")
