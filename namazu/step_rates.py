@@ -30,11 +30,15 @@ class DecayedLinearFit:
         if not 0 < alpha <= 1:
             raise ValueError(f"want 0 < alpha <= 1, got {alpha}")
         self.alpha = alpha
+        self.set_prior(prior)
+        self._sums = [0.0] * 5          # weight, sum x, sum y, sum x^2, sum x*y of the observations
+        self.count = 0
+
+    def set_prior(self, prior: Iterable[tuple[float, float, float]]) -> None:
+        """Replaces the prior pseudo-observations (x, y, weight); the observations stay."""
         self._prior = [0.0] * 5
         for x, y, w in prior:
             self._prior = [a + b for a, b in zip(self._prior, (w, w * x, w * y, w * x * x, w * x * y))]
-        self._sums = [0.0] * 5          # weight, sum x, sum y, sum x^2, sum x*y of the observations
-        self.count = 0
 
     def add(self, x: float, y: float) -> None:
         keep = 1.0 - self.alpha

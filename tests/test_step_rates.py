@@ -13,7 +13,8 @@ from namazu.engine import LLMEngine
 from namazu.engine_config import EngineConfig
 from namazu.sampling_params import SamplingParams
 from namazu.step_rates import DecayedLinearFit, StepRates
-from server.router.load_model import PRIOR, Rates, reported_rates
+from server.router.load_model import PRIOR, Rates, fleet_rates, reported_rates
+from server.router.policy import Decision
 from tests.engine_helpers import prompts, tiny_checkpoint
 
 
@@ -114,24 +115,61 @@ def test_the_router_reads_a_report_field_by_field_and_keeps_the_prior_for_what_i
         assert half == Rates(ms_per_block=PRIOR.ms_per_block, ms_per_step=30.0, overhead_ms=30.0)
 
 
-def test_the_ray_serve_request_router_prices_waits_at_each_replicas_reported_rates():
+def test_a_replica_that_has_not_measured_borrows_its_twins_rates():
+    """The spill rule compares replicas: one that just started must not be priced at a prior measured on
+    other hardware beside twins that measured theirs."""
+    gpu = {"ms_per_decode_step": 25.0, "ms_per_prefill_block": 0.3}
+    got = fleet_rates([gpu, {}, {"ms_per_decode_step": 35.0, "ms_per_prefill_block": 0.5}, {"ms_per_decode_step": 0.0}])
+    assert got[0] == Rates(ms_per_block=0.3, ms_per_step=25.0, overhead_ms=25.0)
+    assert got[1] == got[3] == Rates(ms_per_block=0.5, ms_per_step=35.0, overhead_ms=35.0)   # the (upper) median
+    assert fleet_rates([{}, {}]) == [PRIOR, PRIOR]        # nobody measured yet
+
+
+def test_the_ray_serve_request_router_prices_waits_at_the_replicas_reported_rates():
     """Ray Serve shows the request router no first token, so the rates in a replica's view are the ones the
-    replica reports in its routing stats (the prior until it has measured them)."""
+    replicas report in their routing stats."""
     pytest.importorskip("ray.serve")
+    import asyncio
     from collections import namedtuple
     from types import SimpleNamespace
 
     from server.ray_serve.request_router import NamazuRequestRouter
 
-    router = object.__new__(NamazuRequestRouter)     # no Ray controller: only the view is under test
+    router = object.__new__(NamazuRequestRouter)     # no Ray controller: only the routing decision
     router.initialize_state()
     router._replica_queue_len_cache = {}
+    seen = {}
+
+    def choose(views, blocks, steps):
+        seen.update({v.name: v.rates for v in views})
+        return Decision(views[0].name, {})
+
+    router.policy.choose = choose
 
     def replica(name: str, **stats: float) -> SimpleNamespace:
         return SimpleNamespace(replica_id=namedtuple("ReplicaID", "unique_id")(name),
                                routing_stats={"max_num_seqs": 4, "num_waiting": 0, **stats})
 
-    gpu = router._view(replica("gpu", ms_per_decode_step=25.0, ms_per_prefill_block=0.3), [], now=0.0)
-    fresh = router._view(replica("fresh"), [], now=0.0)
-    assert gpu.rates == Rates(ms_per_block=0.3, ms_per_step=25.0, overhead_ms=25.0)
-    assert fresh.rates == PRIOR
+    asyncio.run(router.choose_replicas([replica("gpu", ms_per_decode_step=25.0, ms_per_prefill_block=0.3),
+                                        replica("fresh")]))
+    assert seen == {"gpu": Rates(ms_per_block=0.3, ms_per_step=25.0, overhead_ms=25.0),
+                    "fresh": Rates(ms_per_block=0.3, ms_per_step=25.0, overhead_ms=25.0)}
+
+
+def test_the_standalone_router_starts_from_the_replicas_own_rates_and_learns_from_there():
+    """Before its first request to a replica the router's rates are what the replicas report (here its twin:
+    it has not measured yet), not a prior measured elsewhere; the router's own first-token times then move
+    them as before."""
+    from server.router.pool import ReplicaPool
+
+    pool = ReplicaPool(["http://a", "http://b"], client=None)
+    r = pool.replicas["http://a"]
+    pool.reported(r, {"max_num_seqs": 4, "num_running": 0, "num_waiting": 0})
+    assert r.view([], 2.0, now=0.0).rates == PRIOR            # nothing measured anywhere yet
+    pool.reported(pool.replicas["http://b"], {"max_num_seqs": 4, "ms_per_decode_step": 30.0,
+                                              "ms_per_prefill_block": 0.5})
+    assert r.view([], 2.0, now=0.0).rates == pytest.approx(Rates(ms_per_block=0.5, ms_per_step=30.0, overhead_ms=30.0))
+    ticket = r.opened([], new_blocks=20, prompt_blocks=20, now=0.0)
+    r.first_token(ticket, now=0.060)                          # 60 ms for 20 blocks: slower than reported
+    learned = r.view([], 2.0, now=0.1).rates
+    assert learned.ms_per_block > 0.5 and r.rates.first_tokens == 1

@@ -17,7 +17,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 import server.ray_serve.decisions as decisions
 from server.router.index import EventIndex, RoutingHistory
-from server.router.load_model import DEFAULT_STEPS, first_token_ms, reported_rates, split_open
+from server.router.load_model import DEFAULT_STEPS, Rates, first_token_ms, fleet_rates, split_open
 from server.router.policy import (
     DEFAULT_PREFIX_WEIGHT,
     DEFAULT_QUEUE_WEIGHT,
@@ -41,7 +41,7 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
         # its first token was expected), oldest first
         self._open: dict[str, tuple[str, int, int, float, float]] = {}
 
-    def _view(self, replica: RunningReplica, hashes: list[int], now: float) -> ReplicaView:
+    def _view(self, replica: RunningReplica, hashes: list[int], now: float, rates: Rates) -> ReplicaView:
         rid = replica.replica_id.unique_id
         stats = replica.routing_stats or {}
         index = self._index.setdefault(rid, EventIndex())
@@ -61,8 +61,7 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
                           warm_at=stats.get("warm_at"))
         # Ray Serve does not show this router a request's first token: a request counts as in its prefill
         # (ahead of a new one) until its first token was expected, then as decoding from then on. For the
-        # same reason the rates are the replica's own measurement of its steps, not learned here.
-        rates = reported_rates(stats)
+        # same reason the rates are the replicas' own measurements of their steps (`rates`), not learned here.
         pending, running = split_open(mine, now, rates.ms_per_step)
         return ReplicaView(rid, cached, max(float(stats.get("active_kv_blocks", 0)), float(open_blocks)),
                            float(queued), int(queue_len), pending, tuple(running), capacity, rates)
@@ -76,7 +75,8 @@ class NamazuRequestRouter(FIFOMixin, RequestRouter):
         steps = float(info.get("max_tokens") or DEFAULT_STEPS)
         now = time.monotonic()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        views = [self._view(r, hashes, now) for r in candidate_replicas]
+        rates = fleet_rates([r.routing_stats or {} for r in candidate_replicas])
+        views = [self._view(r, hashes, now, rate) for r, rate in zip(candidate_replicas, rates)]
         decision = self.policy.choose(views, blocks, steps)
         self._history[decision.replica].record(hashes, now)
         decisions.record_costs(decision.costs)

@@ -120,19 +120,35 @@ def first_token_ms(rates: Rates, wait_ms: float, uncached: int) -> float:
     return wait_ms + rates.overhead_ms + rates.ms_per_block * uncached
 
 
+def _measured(report: Mapping[str, object], key: str) -> float:
+    value = report.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return float(value) if ok else 0.0     # type: ignore[arg-type]
+
+
 def reported_rates(report: Mapping[str, object], prior: Rates = PRIOR) -> Rates:
     """A replica's own measurement of its rates (`namazu.step_rates`, in `GET /load` and Ray Serve's routing
     stats), each rate the prior's until the replica has measured it. The fixed part of a first token is a
-    step's own (the prefill step's cost without its blocks). For a front that cannot time first tokens
-    itself (Ray Serve), and right on hardware unlike the one the prior was measured on."""
-    def measured(key: str) -> float:
-        value = report.get(key)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-        return float(value) if ok else 0.0     # type: ignore[arg-type]
-
-    step, block = measured("ms_per_decode_step"), measured("ms_per_prefill_block")
+    step's own (the prefill step's cost without its blocks)."""
+    step, block = _measured(report, "ms_per_decode_step"), _measured(report, "ms_per_prefill_block")
     return Rates(ms_per_block=block or prior.ms_per_block, ms_per_step=step or prior.ms_per_step,
                  overhead_ms=step or prior.overhead_ms)
+
+
+def fleet_rates(reports: Sequence[Mapping[str, object]], prior: Rates = PRIOR) -> list[Rates]:
+    """Every replica's reported rates, where one has not measured a rate yet the median of those that have
+    (the replicas serve one model, on like hardware as a rule), and `prior` only where none has. The spill
+    rule compares one replica's wait with another's recompute: a replica that has just started must not
+    look ten times slower or faster than its twins because its rate is a prior measured elsewhere (a
+    fresh replica priced at 8 ms per block beside twins measured at 0.5 got no spill from them)."""
+    def median(key: str, default: float) -> float:
+        seen = sorted(v for v in (_measured(r, key) for r in reports) if v > 0)
+        return seen[len(seen) // 2] if seen else default
+
+    step = median("ms_per_decode_step", 0.0)
+    fleet = Rates(ms_per_block=median("ms_per_prefill_block", prior.ms_per_block),
+                  ms_per_step=step or prior.ms_per_step, overhead_ms=step or prior.overhead_ms)
+    return [reported_rates(r, fleet) for r in reports]
 
 
 class RateEstimator:
@@ -143,14 +159,23 @@ class RateEstimator:
                  prior_blocks: float = 24.0):
         if not 0 < alpha <= 1 or prior_weight <= 0 or prior_blocks <= 0:
             raise ValueError("want 0 < alpha <= 1, prior_weight > 0 and prior_blocks > 0")
-        self.prior, self.alpha = prior, alpha
-        # The prior as two pseudo-observations that never decay: no blocks, and `prior_blocks` blocks.
-        half = prior_weight / 2
-        at_blocks = prior.overhead_ms + prior.ms_per_block * prior_blocks
-        self._fit = DecayedLinearFit(alpha, [(0.0, prior.overhead_ms, half), (prior_blocks, at_blocks, half)])
+        self.alpha, self.prior_weight, self.prior_blocks = alpha, prior_weight, prior_blocks
+        self._fit = DecayedLinearFit(alpha)
         self.step_ms = prior.ms_per_step
         self.steps = float(DEFAULT_STEPS)
         self.first_tokens = self.decodes = 0
+        self.set_prior(prior)
+
+    def set_prior(self, prior: Rates) -> None:
+        """Pulls the fit toward `prior` from now on (the replica's own measurement, once it reports one:
+        right from the first request on any hardware, and a replica that gets few requests is not left
+        with a few old samples); the decode step is the prior's until a decode was observed."""
+        self.prior = prior
+        # The prior as two pseudo-observations that never decay: no blocks, and `prior_blocks` blocks.
+        half, x = self.prior_weight / 2, self.prior_blocks
+        self._fit.set_prior([(0.0, prior.overhead_ms, half), (x, prior.overhead_ms + prior.ms_per_block * x, half)])
+        if not self.decodes:
+            self.step_ms = prior.ms_per_step
 
     def first_token(self, blocks: float, ms: float) -> None:
         """A request sent while a slot was free had its first token after `ms`; `blocks` were prefilled

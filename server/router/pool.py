@@ -9,7 +9,8 @@ blocks = reported - prompt blocks of its requests that finished since + uncached
 requests sent since (a cached prefix is shared, not added); queued = reported - its requests finished
 since. A burst arriving between two polls therefore spreads, and a replica that just finished a long
 prompt does not look busy until the next poll. The router also times its own requests on each replica
-(first token, spacing of the streamed tokens) for the replica's rates (`load_model.RateEstimator`), and
+(first token, spacing of the streamed tokens) for the replica's rates (`load_model.RateEstimator`, pulled
+toward the rates the replica reports it measured of its own steps), and
 knows which of them are still before their first token: those are the prefill ahead of a new request.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import httpx
 
 from server.router.index import EventIndex, RoutingHistory
-from server.router.load_model import RateEstimator, first_token_ms, split_open
+from server.router.load_model import RateEstimator, first_token_ms, fleet_rates, split_open
 from server.router.policy import ReplicaView, queued_estimate, wait_ms
 
 logger = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ class ReplicaPool:
         try:
             r = await self.client.get(replica.url + "/load", headers=self.headers, timeout=2.0)
             r.raise_for_status()
-            replica.reported(r.json())
+            self.reported(replica, r.json())
             self._check_block_size(replica, replica.load.get("block_size"))
             more = True
             while more:
@@ -252,6 +253,14 @@ class ReplicaPool:
             # Load or events missing: routing falls back to the router's own history for this replica.
             replica.last_error = f"poll failed: {type(e).__name__}: {e}"
             logger.debug("replica %s: %s", replica.url, replica.last_error)
+
+    def reported(self, replica: Replica, load: dict[str, Any]) -> None:
+        """A replica's /load answer. What the replicas measured of their own steps becomes each one's rate
+        prior (`load_model.fleet_rates`: a replica that has not measured yet borrows its twins')."""
+        replica.reported(load)
+        replicas = list(self.replicas.values())
+        for rep, prior in zip(replicas, fleet_rates([rep.load for rep in replicas])):
+            rep.rates.set_prior(prior)
 
     def _check_block_size(self, replica: Replica, block_size: Any) -> None:
         if block_size is None:
