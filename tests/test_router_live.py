@@ -91,8 +91,8 @@ def test_a_replica_reports_the_rates_it_measures_of_its_own_steps(cluster):
     _, replicas = cluster
     replica = replicas[0]
     rng = random.Random(7)
-    for words in (10, 80, 30, 120):
-        body = {"prompt": "rates " + _words(rng, words), "max_tokens": 8, "ignore_eos": True}
+    for words in (10, 250, 30, 250):    # prefills far longer than a decode step even on a loaded machine
+        body = {"prompt": "rates " + _words(rng, words), "max_tokens": 4, "ignore_eos": True}
         assert _complete(replica.url, body).status_code == 200
     load = httpx.get(replica.url + "/load", timeout=5).json()
     assert load["ms_per_decode_step"] > 0 and load["ms_per_prefill_block"] > 0, load
