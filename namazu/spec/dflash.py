@@ -328,21 +328,19 @@ class DFlashDrafter(nn.Module):
         the softmax's largest probability are taken for every possible previous pick at once, and only
         the chain of picks stays a loop, one small gather per position. The same values as the loop of
         `walk` (the same row-wise argmax and softmax over the same scores), in a third of its ops."""
-        m, k, kk = cand.shape
-        best0, conf0 = first.argmax(-1), first.softmax(-1).amax(-1)                # [M]
-        picks = [best0]
+        k = cand.shape[1]
+        picks = [first.argmax(-1, keepdim=True)]                                      # [M, 1] each
+        conf0 = first.softmax(-1).amax(-1, keepdim=True)
         if k > 1:
-            # [M, (k-1) * K]: the best next candidate after each candidate of each position.
-            nxt = pairs.argmax(-1).flatten(1)
-            offsets = torch.arange(0, (k - 1) * kk, kk, device=cand.device)
-            for j in range(k - 1):
-                picks.append(nxt.gather(1, (picks[-1] + offsets[j]).unsqueeze(-1)).squeeze(-1))
-        pick = torch.stack(picks, 1)                                                  # [M, k]
+            # Per later position, [M, K]: the best next candidate after each candidate of the position before.
+            for nxt in pairs.argmax(-1).unbind(1):
+                picks.append(nxt.gather(1, picks[-1]))
+        pick = torch.cat(picks, 1)                                                    # [M, k]
         ids = cand.gather(2, pick.unsqueeze(-1)).squeeze(-1)
         if k == 1:
-            return Walk(ids, None, conf0.unsqueeze(-1))
+            return Walk(ids, None, conf0)
         later = pairs.softmax(-1).amax(-1).gather(2, pick[:, :-1].unsqueeze(-1)).squeeze(-1)     # [M, k-1]
-        return Walk(ids, None, torch.cat([conf0.unsqueeze(-1), later], 1))
+        return Walk(ids, None, torch.cat([conf0, later], 1))
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
