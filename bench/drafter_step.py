@@ -13,8 +13,10 @@ every setup in turn (the order rotating), so that a shared machine's load falls 
 first round at every batch size is run and not counted (graph mode
 compiles its ladder entries there).
 Per setup and batch (median over rounds): drafter ms per step (`drafter_seconds` / steps: extending the
-context cache and drafting), engine ms per step, output tokens/s, mean acceptance length, verify rows
-per verify step (1 + drafts verified) and drafts proposed per drafted sequence; then off / on /
+context cache and drafting), engine ms per step, CPU ms per step (this process's CPU time: with --threads 1
+it moves much less than the wall clock with other processes' load, so "vs off (CPU)", output tokens per
+CPU second against off's, is the ratio to compare on a shared machine), output tokens/s, mean acceptance
+length, verify rows per verify step (1 + drafts verified) and drafts proposed per drafted sequence; then off / on /
 auto side by side with their ratios, and the largest batch at which drafting paid (the break-even that
 `namazu/spec/selection.py` takes as the auto threshold). Greedy, answers end at EOS or --output-len
 (--ignore-eos: always --output-len; past EOS the target writes text no drafter was trained on, which
@@ -119,14 +121,16 @@ def main(argv: list[str] | None = None) -> int:
             # drift within a round falls on all setups alike.
             before = {name: llms[name].engine.get_stats() for name, _, _ in setups}
             wall = dict.fromkeys(before, 0.0)
+            cpu = dict.fromkeys(before, 0.0)
             tokens = dict.fromkeys(before, 0)
             answers: dict[str, list] = {name: [] for name in before}
             for g, batch in enumerate(batches):
                 for j in range(len(setups)):
                     name = setups[(g + j) % len(setups)][0]
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     outs = llms[name].generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
                     wall[name] += time.perf_counter() - t0
+                    cpu[name] += time.process_time() - c0
                     tokens[name] += sum(len(o.outputs[0].token_ids) for o in outs)
                     answers[name] += [list(o.outputs[0].token_ids) for o in outs]
             for name, _, _ in setups:
@@ -141,27 +145,29 @@ def main(argv: list[str] | None = None) -> int:
                 rows.setdefault((name, bsz), []).append({
                     "drafter_ms": 1e3 * (s1.drafter_seconds - s0.drafter_seconds) / max(1, steps),
                     "step_ms": 1e3 * wall[name] / max(1, steps), "tok_s": tokens[name] / wall[name],
+                    "cpu_ms": 1e3 * cpu[name] / max(1, steps), "tok_cpu_s": tokens[name] / cpu[name],
                     "tau": mean_acceptance_length(hist.tolist()),
                     "rows": 1 + (s1.num_draft_tokens - s0.num_draft_tokens) / verifies if verifies else 0.0,
                     "block": (s1.num_drafts_proposed - s0.num_drafts_proposed) / blocks if blocks else 0.0})
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     differ = sorted(k for k, v in same_work.items() if len(v) > 1)
     print("greedy answers identical across setups: " + ("yes" if not differ else f"NO (round, batch): {differ}"))
-    print("| setup | batch | drafter ms/step | engine ms/step | output tok/s | vs off | mean acceptance length "
-          "| verify rows per verify step | drafts per block |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| setup | batch | drafter ms/step | engine ms/step | CPU ms/step | output tok/s | vs off | vs off (CPU) "
+          "| mean acceptance length | verify rows per verify step | drafts per block |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for bsz in args.batch:
         for name, _, mode in setups:
             off_name = f"{mode}/off" if len(args.modes) > 1 else "off"
             off = statistics.median(x["tok_s"] for x in rows[(off_name, bsz)])
+            off_cpu = statistics.median(x["tok_cpu_s"] for x in rows[(off_name, bsz)])
             xs = rows[(name, bsz)]
 
             def med(key: str, xs=xs) -> float:
                 return statistics.median(x[key] for x in xs)
             spec = (f"{med('tau'):.2f} | {med('rows'):.2f} | {med('block'):.2f}" if name != off_name
                     else "- | - | -")
-            print(f"| {name} | {bsz} | {med('drafter_ms'):.2f} | {med('step_ms'):.2f} | {med('tok_s'):.1f} | "
-                  f"{med('tok_s') / off:.2f}x | {spec} |")
+            print(f"| {name} | {bsz} | {med('drafter_ms'):.2f} | {med('step_ms'):.2f} | {med('cpu_ms'):.2f} | "
+                  f"{med('tok_s'):.1f} | {med('tok_s') / off:.2f}x | {med('tok_cpu_s') / off_cpu:.2f}x | {spec} |")
     side_by_side(rows, setups, args.batch, args.modes)
     for llm in llms.values():
         llm.close()
