@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
                          "greedy answers comparable across setups)")
     ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "graph"],
                     help="eager steps, and/or decode, verify and draft steps as compiled graphs")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="then, per setup at the first batch size: this process's CPU ms per engine step by step "
+                         "kind (plain decode, verify) and by part (target forward, logits, drafter context and "
+                         "proposal, the rest of the worker's step, the engine outside it)")
     args = ap.parse_args(argv)
 
     from namazu import LLM, SamplingParams
@@ -169,9 +173,94 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {bsz} | {med('drafter_ms'):.2f} | {med('step_ms'):.2f} | {med('cpu_ms'):.2f} | "
                   f"{med('tok_s'):.1f} | {med('tok_s') / off:.2f}x | {med('tok_cpu_s') / off_cpu:.2f}x | {spec} |")
     side_by_side(rows, setups, args.batch, args.modes)
+    if args.breakdown:
+        bsz = args.batch[0]
+        batches = [[prompts[(g * bsz + i) % len(prompts)] for i in range(bsz)] for g in range(args.groups)]
+        print(f"\nCPU ms per engine step by kind and part (batch {bsz}, {args.groups} generate calls per setup)")
+        print("| setup | step kind | steps | step | target forward | logits | drafter context | drafter proposal "
+              "| rest of the worker step | engine outside it |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name, _, _ in setups:
+            for kind, n, parts in step_breakdown(llms[name], batches, params):
+                print(f"| {name} | {kind} | {n} | " + " | ".join(f"{1e3 * parts[p] / n:.2f}" for p in PARTS) + " |")
     for llm in llms.values():
         llm.close()
     return 0
+
+
+PARTS = ("step", "target forward", "logits", "drafter context", "drafter proposal", "rest of the worker step",
+         "engine outside it")
+
+
+def step_breakdown(llm, batches: list, params) -> list[tuple[str, int, dict[str, float]]]:
+    """Runs `batches` with the inline worker's parts timed (thread CPU time, wrappers on the instances,
+    removed after); returns per step kind (plain decode, verify, other: prefill or mixed) the step count
+    and CPU seconds per part. A step is attributed to the kind of the batch its worker executed."""
+    eng = llm.engine
+    runner = eng.executor.worker.runner
+    model, proposer = runner.model, runner.proposer
+    totals: dict[str, dict[str, float]] = collections.defaultdict(lambda: dict.fromkeys(PARTS, 0.0))
+    counts: collections.Counter = collections.Counter()
+    now = {"kind": "other", "parts": None}
+
+    def timed(obj, attr: str, part: str) -> None:
+        inner = getattr(obj, attr)
+
+        def wrapper(*a, **kw):
+            t0 = time.thread_time()
+            try:
+                return inner(*a, **kw)
+            finally:
+                if now["parts"] is not None:
+                    now["parts"][part] += time.thread_time() - t0
+        setattr(obj, attr, wrapper)
+
+    def execute(b, inner=runner.execute):
+        sq = b.seqs
+        plain = bool(len(sq.seq_ids)) and bool((sq.num_new == 1).all())
+        now["kind"] = ("verify" if int(sq.num_drafts.sum()) else "plain decode") if plain else "other"
+        now["parts"] = parts = {p: 0.0 for p in PARTS}
+        t0 = time.thread_time()
+        try:
+            return inner(b)
+        finally:
+            parts["step"] = time.thread_time() - t0
+            named = sum(parts[p] for p in PARTS[1:5])
+            parts["rest of the worker step"] = parts["step"] - named
+            now["done"] = parts
+
+    def step(inner=eng.step):
+        now["done"] = None
+        t0 = time.thread_time()
+        out = inner()
+        total = time.thread_time() - t0
+        parts = now["done"]
+        if parts is not None:
+            parts["engine outside it"] = total - parts["step"]
+            parts["step"] = total
+            counts[now["kind"]] += 1
+            for p in PARTS:
+                totals[now["kind"]][p] += parts[p]
+        now["parts"] = None
+        return out
+
+    timed(model, "forward", "target forward")
+    timed(model, "compute_logits", "logits")
+    if proposer is not None and hasattr(proposer, "extend_context"):
+        timed(proposer, "extend_context", "drafter context")
+    if proposer is not None:
+        timed(proposer, "propose", "drafter proposal")
+    runner.execute, eng.step = execute, step
+    try:
+        for batch in batches:
+            llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+    finally:
+        for obj, attrs in ((model, ("forward", "compute_logits")), (runner, ("execute",)), (eng, ("step",)),
+                           (proposer, ("extend_context", "propose"))):
+            for attr in attrs:
+                if obj is not None:
+                    obj.__dict__.pop(attr, None)
+    return [(kind, counts[kind], totals[kind]) for kind in ("plain decode", "verify", "other") if counts[kind]]
 
 
 def side_by_side(rows: dict, setups: list, batches: list[int], modes: list[str]) -> None:

@@ -402,10 +402,12 @@ class ModelRunner:
     def _proposer_input(self, b: StepBatch, hidden: torch.Tensor | None, captured: dict[int, torch.Tensor],
                         rows: torch.Tensor | None, tokens: torch.Tensor | None, accepted: torch.Tensor | None,
                         where: dict | None = None) -> ProposerInput:
+        """`where` given: a device proposer's call, inside the step, where the histories are not updated yet
+        and a device proposer works from tensors: none are collected."""
         sq, idx = b.seqs, b.spec.batch_index
         return ProposerInput(
             seq_ids=[int(sq.seq_ids[i]) for i in idx], prompt_lens=[int(sq.prompt_lens[i]) for i in idx],
-            histories=[self.seqs.seqs[int(sq.seq_ids[i])].tokens for i in idx],
+            histories=[] if where is not None else [self.seqs.seqs[int(sq.seq_ids[i])].tokens for i in idx],
             hidden=captured, final_hidden=hidden, rows=rows, tokens=tokens, accepted=accepted, **(where or {}))
 
     def _propose_on_device(self, b: StepBatch, prep: PreparedStep, hidden: torch.Tensor,
@@ -414,7 +416,6 @@ class ModelRunner:
         """A device proposer drafts from this forward's hidden states before the host read; its ids stay
         in the draft buffer and only their counts (and grammar sequences' ids) join the result."""
         inp = self._proposer_input(b, hidden, captured, rows, tokens, accepted, where)
-        inp.histories = []          # not updated yet: a device proposer works from tensors
         proposal = self.proposer.propose(inp, self.num_speculative_tokens)
         if self.share_decisions:
             proposal = share_device_proposal(proposal, self.world_size)
