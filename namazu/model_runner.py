@@ -345,9 +345,11 @@ class ModelRunner:
                     tokens, accepted = share_decision(tokens, accepted, self.world_size)
                 values.update(tokens=tokens, accepted=accepted, num_drafts=num_drafts)
                 if device_proposer and b.spec.max_drafts_next:     # the engine's decision: draft now
-                    first = row_layout[:, 0]
-                    where.update(temperature=st.temperature[first], seeds=st.seeds[first],
-                                 counters=st.counters[row_layout], all_greedy=bool(b.sampling.all_greedy))
+                    where.update(all_greedy=bool(b.sampling.all_greedy))
+                    if not b.sampling.all_greedy:      # what a proposer that draws reads
+                        first = row_layout[:, 0]
+                        where.update(temperature=st.temperature[first], seeds=st.seeds[first],
+                                     counters=st.counters[row_layout])
                     values.update(self._propose_on_device(b, prep, hidden, captured, real_rows[row_layout],
                                                           tokens, accepted, where))
                 if b.sampling.num_logprobs >= 0:
@@ -424,9 +426,12 @@ class ModelRunner:
         counts = proposal.counts if proposal.counts is not None else torch.full(
             (ids.shape[0],), ids.shape[1], dtype=torch.long, device=self.device)
         self.drafts.write_device(self._tensor(prep.slots), proposal)
-        padded = torch.zeros(ids.shape[0], b.spec.max_drafts_next, dtype=torch.long, device=self.device)
-        padded[:, :ids.shape[1]] = ids[:, :b.spec.max_drafts_next]
-        return {"next_num_drafts": counts, "next_draft_ids": padded}
+        width = b.spec.max_drafts_next
+        if ids.shape[1] != width:       # the result declares [S, max_drafts_next]
+            padded = torch.zeros(ids.shape[0], width, dtype=torch.long, device=self.device)
+            padded[:, :ids.shape[1]] = ids[:, :width]
+            ids = padded
+        return {"next_num_drafts": counts, "next_draft_ids": ids}
 
     def _propose(self, b: StepBatch, prep: PreparedStep, result: StepResult, hidden: torch.Tensor,
                  captured: dict[int, torch.Tensor], row_layout: torch.Tensor, tokens: torch.Tensor,
