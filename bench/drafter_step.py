@@ -13,8 +13,10 @@ every setup in turn (the order rotating), so that a shared machine's load falls 
 first round at every batch size is run and not counted (graph mode
 compiles its ladder entries there).
 Per setup and batch (median over rounds): drafter ms per step (`drafter_seconds` / steps: extending the
-context cache and drafting), engine ms per step, output tokens/s, mean acceptance length, verify rows
-per verify step (1 + drafts verified) and drafts proposed per drafted sequence; then off / on /
+context cache and drafting), engine ms per step, CPU ms per step (this process's CPU time: with --threads 1
+it moves much less than the wall clock with other processes' load, so "vs off (CPU)", output tokens per
+CPU second against off's, is the ratio to compare on a shared machine), output tokens/s, mean acceptance
+length, verify rows per verify step (1 + drafts verified) and drafts proposed per drafted sequence; then off / on /
 auto side by side with their ratios, and the largest batch at which drafting paid (the break-even that
 `namazu/spec/selection.py` takes as the auto threshold). Greedy, answers end at EOS or --output-len
 (--ignore-eos: always --output-len; past EOS the target writes text no drafter was trained on, which
@@ -62,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
                          "greedy answers comparable across setups)")
     ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "graph"],
                     help="eager steps, and/or decode, verify and draft steps as compiled graphs")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="then, per setup at the first batch size: this process's CPU ms per engine step by step "
+                         "kind (plain decode, verify) and by part (target forward, logits, drafter context and "
+                         "proposal, the rest of the worker's step, the engine outside it)")
     args = ap.parse_args(argv)
 
     from namazu import LLM, SamplingParams
@@ -119,14 +125,16 @@ def main(argv: list[str] | None = None) -> int:
             # drift within a round falls on all setups alike.
             before = {name: llms[name].engine.get_stats() for name, _, _ in setups}
             wall = dict.fromkeys(before, 0.0)
+            cpu = dict.fromkeys(before, 0.0)
             tokens = dict.fromkeys(before, 0)
             answers: dict[str, list] = {name: [] for name in before}
             for g, batch in enumerate(batches):
                 for j in range(len(setups)):
                     name = setups[(g + j) % len(setups)][0]
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     outs = llms[name].generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
                     wall[name] += time.perf_counter() - t0
+                    cpu[name] += time.process_time() - c0
                     tokens[name] += sum(len(o.outputs[0].token_ids) for o in outs)
                     answers[name] += [list(o.outputs[0].token_ids) for o in outs]
             for name, _, _ in setups:
@@ -141,31 +149,118 @@ def main(argv: list[str] | None = None) -> int:
                 rows.setdefault((name, bsz), []).append({
                     "drafter_ms": 1e3 * (s1.drafter_seconds - s0.drafter_seconds) / max(1, steps),
                     "step_ms": 1e3 * wall[name] / max(1, steps), "tok_s": tokens[name] / wall[name],
+                    "cpu_ms": 1e3 * cpu[name] / max(1, steps), "tok_cpu_s": tokens[name] / cpu[name],
                     "tau": mean_acceptance_length(hist.tolist()),
                     "rows": 1 + (s1.num_draft_tokens - s0.num_draft_tokens) / verifies if verifies else 0.0,
                     "block": (s1.num_drafts_proposed - s0.num_drafts_proposed) / blocks if blocks else 0.0})
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     differ = sorted(k for k, v in same_work.items() if len(v) > 1)
     print("greedy answers identical across setups: " + ("yes" if not differ else f"NO (round, batch): {differ}"))
-    print("| setup | batch | drafter ms/step | engine ms/step | output tok/s | vs off | mean acceptance length "
-          "| verify rows per verify step | drafts per block |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| setup | batch | drafter ms/step | engine ms/step | CPU ms/step | output tok/s | vs off | vs off (CPU) "
+          "| mean acceptance length | verify rows per verify step | drafts per block |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for bsz in args.batch:
         for name, _, mode in setups:
             off_name = f"{mode}/off" if len(args.modes) > 1 else "off"
             off = statistics.median(x["tok_s"] for x in rows[(off_name, bsz)])
+            off_cpu = statistics.median(x["tok_cpu_s"] for x in rows[(off_name, bsz)])
             xs = rows[(name, bsz)]
 
             def med(key: str, xs=xs) -> float:
                 return statistics.median(x[key] for x in xs)
             spec = (f"{med('tau'):.2f} | {med('rows'):.2f} | {med('block'):.2f}" if name != off_name
                     else "- | - | -")
-            print(f"| {name} | {bsz} | {med('drafter_ms'):.2f} | {med('step_ms'):.2f} | {med('tok_s'):.1f} | "
-                  f"{med('tok_s') / off:.2f}x | {spec} |")
+            print(f"| {name} | {bsz} | {med('drafter_ms'):.2f} | {med('step_ms'):.2f} | {med('cpu_ms'):.2f} | "
+                  f"{med('tok_s'):.1f} | {med('tok_s') / off:.2f}x | {med('tok_cpu_s') / off_cpu:.2f}x | {spec} |")
     side_by_side(rows, setups, args.batch, args.modes)
+    if args.breakdown:
+        bsz = args.batch[0]
+        batches = [[prompts[(g * bsz + i) % len(prompts)] for i in range(bsz)] for g in range(args.groups)]
+        print(f"\nCPU ms per engine step by kind and part (batch {bsz}, {args.groups} generate calls per setup)")
+        print("| setup | step kind | steps | step | target forward | logits | drafter context | drafter proposal "
+              "| rest of the worker step | engine outside it |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name, _, _ in setups:
+            for kind, n, parts in step_breakdown(llms[name], batches, params):
+                print(f"| {name} | {kind} | {n} | " + " | ".join(f"{1e3 * parts[p] / n:.2f}" for p in PARTS) + " |")
     for llm in llms.values():
         llm.close()
     return 0
+
+
+PARTS = ("step", "target forward", "logits", "drafter context", "drafter proposal", "rest of the worker step",
+         "engine outside it")
+
+
+def step_breakdown(llm, batches: list, params) -> list[tuple[str, int, dict[str, float]]]:
+    """Runs `batches` with the inline worker's parts timed (thread CPU time, wrappers on the instances,
+    removed after); returns per step kind (plain decode, verify, other: prefill or mixed) the step count
+    and CPU seconds per part. A step is attributed to the kind of the batch its worker executed."""
+    eng = llm.engine
+    runner = eng.executor.worker.runner
+    model, proposer = runner.model, runner.proposer
+    totals: dict[str, dict[str, float]] = collections.defaultdict(lambda: dict.fromkeys(PARTS, 0.0))
+    counts: collections.Counter = collections.Counter()
+    now = {"kind": "other", "parts": None}
+
+    def timed(obj, attr: str, part: str) -> None:
+        inner = getattr(obj, attr)
+
+        def wrapper(*a, **kw):
+            t0 = time.thread_time()
+            try:
+                return inner(*a, **kw)
+            finally:
+                if now["parts"] is not None:
+                    now["parts"][part] += time.thread_time() - t0
+        setattr(obj, attr, wrapper)
+
+    def execute(b, inner=runner.execute):
+        sq = b.seqs
+        plain = bool(len(sq.seq_ids)) and bool((sq.num_new == 1).all())
+        now["kind"] = ("verify" if int(sq.num_drafts.sum()) else "plain decode") if plain else "other"
+        now["parts"] = parts = {p: 0.0 for p in PARTS}
+        t0 = time.thread_time()
+        try:
+            return inner(b)
+        finally:
+            parts["step"] = time.thread_time() - t0
+            named = sum(parts[p] for p in PARTS[1:5])
+            parts["rest of the worker step"] = parts["step"] - named
+            now["done"] = parts
+
+    def step(inner=eng.step):
+        now["done"] = None
+        t0 = time.thread_time()
+        out = inner()
+        total = time.thread_time() - t0
+        parts = now["done"]
+        if parts is not None:
+            parts["engine outside it"] = total - parts["step"]
+            parts["step"] = total
+            counts[now["kind"]] += 1
+            for p in PARTS:
+                totals[now["kind"]][p] += parts[p]
+        now["parts"] = None
+        return out
+
+    timed(model, "forward", "target forward")
+    timed(model, "compute_logits", "logits")
+    if proposer is not None and hasattr(proposer, "extend_context"):
+        timed(proposer, "extend_context", "drafter context")
+    if proposer is not None:
+        timed(proposer, "propose", "drafter proposal")
+    runner.execute, eng.step = execute, step
+    try:
+        for batch in batches:
+            llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+    finally:
+        for obj, attrs in ((model, ("forward", "compute_logits")), (runner, ("execute",)), (eng, ("step",)),
+                           (proposer, ("extend_context", "propose"))):
+            for attr in attrs:
+                if obj is not None:
+                    obj.__dict__.pop(attr, None)
+    return [(kind, counts[kind], totals[kind]) for kind in ("plain decode", "verify", "other") if counts[kind]]
 
 
 def side_by_side(rows: dict, setups: list, batches: list[int], modes: list[str]) -> None:

@@ -345,9 +345,11 @@ class ModelRunner:
                     tokens, accepted = share_decision(tokens, accepted, self.world_size)
                 values.update(tokens=tokens, accepted=accepted, num_drafts=num_drafts)
                 if device_proposer and b.spec.max_drafts_next:     # the engine's decision: draft now
-                    first = row_layout[:, 0]
-                    where.update(temperature=st.temperature[first], seeds=st.seeds[first],
-                                 counters=st.counters[row_layout], all_greedy=bool(b.sampling.all_greedy))
+                    where.update(all_greedy=bool(b.sampling.all_greedy))
+                    if not b.sampling.all_greedy:      # what a proposer that draws reads
+                        first = row_layout[:, 0]
+                        where.update(temperature=st.temperature[first], seeds=st.seeds[first],
+                                     counters=st.counters[row_layout])
                     values.update(self._propose_on_device(b, prep, hidden, captured, real_rows[row_layout],
                                                           tokens, accepted, where))
                 if b.sampling.num_logprobs >= 0:
@@ -402,10 +404,12 @@ class ModelRunner:
     def _proposer_input(self, b: StepBatch, hidden: torch.Tensor | None, captured: dict[int, torch.Tensor],
                         rows: torch.Tensor | None, tokens: torch.Tensor | None, accepted: torch.Tensor | None,
                         where: dict | None = None) -> ProposerInput:
+        """`where` given: a device proposer's call, inside the step, where the histories are not updated yet
+        and a device proposer works from tensors: none are collected."""
         sq, idx = b.seqs, b.spec.batch_index
         return ProposerInput(
             seq_ids=[int(sq.seq_ids[i]) for i in idx], prompt_lens=[int(sq.prompt_lens[i]) for i in idx],
-            histories=[self.seqs.seqs[int(sq.seq_ids[i])].tokens for i in idx],
+            histories=[] if where is not None else [self.seqs.seqs[int(sq.seq_ids[i])].tokens for i in idx],
             hidden=captured, final_hidden=hidden, rows=rows, tokens=tokens, accepted=accepted, **(where or {}))
 
     def _propose_on_device(self, b: StepBatch, prep: PreparedStep, hidden: torch.Tensor,
@@ -414,7 +418,6 @@ class ModelRunner:
         """A device proposer drafts from this forward's hidden states before the host read; its ids stay
         in the draft buffer and only their counts (and grammar sequences' ids) join the result."""
         inp = self._proposer_input(b, hidden, captured, rows, tokens, accepted, where)
-        inp.histories = []          # not updated yet: a device proposer works from tensors
         proposal = self.proposer.propose(inp, self.num_speculative_tokens)
         if self.share_decisions:
             proposal = share_device_proposal(proposal, self.world_size)
@@ -423,9 +426,12 @@ class ModelRunner:
         counts = proposal.counts if proposal.counts is not None else torch.full(
             (ids.shape[0],), ids.shape[1], dtype=torch.long, device=self.device)
         self.drafts.write_device(self._tensor(prep.slots), proposal)
-        padded = torch.zeros(ids.shape[0], b.spec.max_drafts_next, dtype=torch.long, device=self.device)
-        padded[:, :ids.shape[1]] = ids[:, :b.spec.max_drafts_next]
-        return {"next_num_drafts": counts, "next_draft_ids": padded}
+        width = b.spec.max_drafts_next
+        if ids.shape[1] != width:       # the result declares [S, max_drafts_next]
+            padded = torch.zeros(ids.shape[0], width, dtype=torch.long, device=self.device)
+            padded[:, :ids.shape[1]] = ids[:, :width]
+            ids = padded
+        return {"next_num_drafts": counts, "next_draft_ids": ids}
 
     def _propose(self, b: StepBatch, prep: PreparedStep, result: StepResult, hidden: torch.Tensor,
                  captured: dict[int, torch.Tensor], row_layout: torch.Tensor, tokens: torch.Tensor,

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from namazu.layers.cpu_layout import k_major, wants_k_major
 from namazu.layers.norm import RMSNorm
 from namazu.spec.dflash_config import WEIGHTS_FILE, DFlashConfig, DrafterCheckpointError, check_drafter_checkpoint
 
@@ -82,6 +83,10 @@ class DraftLayer(nn.Module):
         self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        # Serving: q/k/v and gate/up each as one product (`DFlashDrafter.fuse_for_serving`); None: the
+        # separate modules (training, whose gradients flow through them).
+        self.qkv_weight: torch.Tensor | None = None
+        self.gate_up_weight: torch.Tensor | None = None
 
     def context_kv(self, feat: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The injected keys/values of context features feat [..., T, H] at positions [..., T]:
@@ -98,9 +103,17 @@ class DraftLayer(nn.Module):
         c = self.cfg
         m, b, _ = x.shape
         hn = self.conv_attn(self.attn_norm(x))
-        q = rope(self.q_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2), pos.unsqueeze(1), c.rope_theta)
-        k = rope(self.k_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2), pos.unsqueeze(1), c.rope_theta)
-        v = self.v_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2)
+        if self.qkv_weight is not None:
+            # One product for q, k and v, and one rotation for q and k: the same values as below.
+            qkv = F.linear(hn, self.qkv_weight).view(m, b, 3, c.num_heads, c.head_dim).permute(0, 2, 3, 1, 4)
+            qk = rope(qkv[:, :2], pos[:, None, None], c.rope_theta)                    # [M, 2, heads, B, D]
+            q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
+        else:
+            q = rope(self.q_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2), pos.unsqueeze(1),
+                     c.rope_theta)
+            k = rope(self.k_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2), pos.unsqueeze(1),
+                     c.rope_theta)
+            v = self.v_proj(hn).view(m, b, c.num_heads, c.head_dim).transpose(1, 2)
         if ctx_k.shape[0] == 1 and m > 1:
             att = _shared_context_attention(q, k, v, ctx_k[0].to(q.dtype), ctx_v[0].to(q.dtype), ctx_visible)
         else:
@@ -111,6 +124,9 @@ class DraftLayer(nn.Module):
             att = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=visible)
         x = x + self.o_proj(att.transpose(1, 2).reshape(m, b, -1))
         hn = self.conv_mlp(self.mlp_norm(x))
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(hn, self.gate_up_weight).chunk(2, dim=-1)
+            return x + self.down_proj(F.silu(gate) * up)
         return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
 
 
@@ -189,6 +205,33 @@ class DFlashDrafter(nn.Module):
             if name.endswith("proj.weight") or name == "fc.weight":
                 nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[1]))
 
+        # Serving: every layer's context key and value projections as one product (`fuse_for_serving`).
+        self.context_kv_weight: torch.Tensor | None = None
+
+    def fuse_for_serving(self) -> None:
+        """Concatenates, for inference only, the weights applied to the same input: each layer's q/k/v and
+        gate/up, and all layers' context keys and values. Fewer, larger products (each row of a product
+        is the same dot products in the same order, so the values do not change: tests hold them equal);
+        on CPU the concatenations take the K-major layout the modules' weights have. Call it after the
+        weights are final: training updates the separate modules, never these copies."""
+        def fused(ws: list[torch.Tensor]) -> torch.Tensor:
+            w = torch.cat([x.detach() for x in ws])
+            return k_major(w) if wants_k_major(w) else w
+
+        for layer in self.layers:
+            layer.qkv_weight = fused([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight])
+            layer.gate_up_weight = fused([layer.gate_proj.weight, layer.up_proj.weight])
+        self.context_kv_weight = fused([w for layer in self.layers for w in (layer.k_proj.weight, layer.v_proj.weight)])
+
+    def context_kv_all(self, feat: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's injected keys and values of context features feat [T, H] at positions [T]:
+        [layers, T, heads, head_dim] each (keys rotated), the values of each layer's `context_kv`, in
+        one product and one rotation (after `fuse_for_serving`)."""
+        c = self.cfg
+        kv = F.linear(feat, self.context_kv_weight).view(-1, c.num_layers, 2, c.num_heads, c.head_dim)
+        k = rope(kv[:, :, 0].permute(1, 2, 0, 3), positions, c.rope_theta)            # [layers, heads, T, D]
+        return k.transpose(1, 2), kv[:, :, 1].transpose(0, 1)
+
     # -- pieces ---------------------------------------------------------------------------------------
     def fuse(self, hidden: dict[int, torch.Tensor] | list[torch.Tensor]) -> torch.Tensor:
         """The context feature of each position from the target's hidden states of `target_layers`."""
@@ -251,6 +294,8 @@ class DFlashDrafter(nn.Module):
         first = cand_logits[:, 0] + ((sel.pred[anchor] * a[:, 0]).unsqueeze(-2) * sel.succ[cand[:, 0]]).sum(-1)
         pairs = cand_logits[:, 1:].unsqueeze(-2) + torch.einsum(
             "mjpr,mjcr->mjpc", sel.pred[cand[:, :-1]] * a[:, 1:].unsqueeze(-2), sel.succ[cand[:, 1:]]).float()
+        if temperature is None:
+            return self._greedy_walk(cand, first.float(), pairs)
         s, pick = first.float(), anchor
         ids, qs, confs = [], [], []
         for j in range(k):
@@ -275,6 +320,27 @@ class DFlashDrafter(nn.Module):
             ids.append(cand[:, j].gather(1, pick.unsqueeze(-1)).squeeze(-1))
             confs.append(conf)
         return Walk(torch.stack(ids, 1), torch.stack(qs, 1) if qs else None, torch.stack(confs, 1))
+
+    @staticmethod
+    def _greedy_walk(cand: torch.Tensor, first: torch.Tensor, pairs: torch.Tensor) -> Walk:
+        """The walk where every row is greedy, with the per-position ops done once over the score tables:
+        each position's pick and confidence depend only on the previous pick (one of K), so the argmax and
+        the softmax's largest probability are taken for every possible previous pick at once, and only
+        the chain of picks stays a loop, one small gather per position. The same values as the loop of
+        `walk` (the same row-wise argmax and softmax over the same scores), in a third of its ops."""
+        k = cand.shape[1]
+        picks = [first.argmax(-1, keepdim=True)]                                      # [M, 1] each
+        conf0 = first.softmax(-1).amax(-1, keepdim=True)
+        if k > 1:
+            # Per later position, [M, K]: the best next candidate after each candidate of the position before.
+            for nxt in pairs.argmax(-1).unbind(1):
+                picks.append(nxt.gather(1, picks[-1]))
+        pick = torch.cat(picks, 1)                                                    # [M, k]
+        ids = cand.gather(2, pick.unsqueeze(-1)).squeeze(-1)
+        if k == 1:
+            return Walk(ids, None, conf0)
+        later = pairs.softmax(-1).amax(-1).gather(2, pick[:, :-1].unsqueeze(-1)).squeeze(-1)     # [M, k-1]
+        return Walk(ids, None, torch.cat([conf0, later], 1))
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:

@@ -64,6 +64,7 @@ class DFlashProposer:
         if wants_k_major(self.head):
             use_k_major_linears(self.model)
             self.head = k_major(self.head)
+        self.model.fuse_for_serving()
         c = self.cfg
         self.block_size = block_size
         self.cache = torch.zeros(c.num_layers, 2, num_blocks * block_size, c.num_heads, c.head_dim,
@@ -73,11 +74,9 @@ class DFlashProposer:
     def extend_context(self, inp: ProposerInput) -> None:
         """Writes the context entries of every position this forward computed."""
         t0 = time.perf_counter()
-        feat = self.model.fuse(inp.hidden)                                  # [N, H]
-        for li, layer in enumerate(self.model.layers):
-            k, v = layer.context_kv(feat, inp.positions)                     # [heads, N, head_dim]
-            self.cache[li, 0, inp.slot_mapping] = k.transpose(0, 1)
-            self.cache[li, 1, inp.slot_mapping] = v.transpose(0, 1)
+        k, v = self.model.context_kv_all(self.model.fuse(inp.hidden), inp.positions)   # [layers, N, heads, D]
+        self.cache[:, 0, inp.slot_mapping] = k
+        self.cache[:, 1, inp.slot_mapping] = v
         self.draft_seconds += time.perf_counter() - t0
 
     def draft_block(self, inp: ProposerInput, k: int

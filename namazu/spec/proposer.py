@@ -36,7 +36,8 @@ class ProposerInput:
     slot_mapping: torch.Tensor | None = None   # [N] its KV-cache slot (block * block_size + offset)
     block_tables: torch.Tensor | None = None   # [B, max_blocks] of the batch's sequences
     batch_index: torch.Tensor | None = None    # [S] batch row of each sampling sequence
-    # Sampling settings of each sampling sequence, for a proposer that draws (and returns q):
+    # Sampling settings of each sampling sequence, for a proposer that draws (and returns q); None where
+    # every row is greedy (all_greedy):
     temperature: torch.Tensor | None = None    # [S]
     seeds: torch.Tensor | None = None          # [S]
     counters: torch.Tensor | None = None       # [S, K+1] output index of each sampled row's token
