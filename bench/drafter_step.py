@@ -15,7 +15,9 @@ compiles its ladder entries there).
 Per setup and batch (median over rounds): drafter ms per step (`drafter_seconds` / steps: extending the
 context cache and drafting), engine ms per step, CPU ms per step (this process's CPU time: with --threads 1
 it moves much less than the wall clock with other processes' load, so "vs off (CPU)", output tokens per
-CPU second against off's, is the ratio to compare on a shared machine), output tokens/s, mean acceptance
+CPU second against off's, is the ratio to compare on a shared machine), output tokens/s, decode tokens/s
+(the tokens after each prompt's first, over the wall time from the batch's last first token to its end:
+the phase drafting speeds up, without the prefills it does not touch), mean acceptance
 length, verify rows per verify step (1 + drafts verified) and drafts proposed per drafted sequence; then off / on /
 auto side by side with their ratios, and the largest batch at which drafting paid (the break-even that
 `namazu/spec/selection.py` takes as the auto threshold). Greedy, answers end at EOS or --output-len
@@ -127,15 +129,23 @@ def main(argv: list[str] | None = None) -> int:
             wall = dict.fromkeys(before, 0.0)
             cpu = dict.fromkeys(before, 0.0)
             tokens = dict.fromkeys(before, 0)
+            decode_wall = dict.fromkeys(before, 0.0)
+            decode_tokens = dict.fromkeys(before, 0)
             answers: dict[str, list] = {name: [] for name in before}
             for g, batch in enumerate(batches):
                 for j in range(len(setups)):
                     name = setups[(g + j) % len(setups)][0]
                     t0, c0 = time.perf_counter(), time.process_time()
                     outs = llms[name].generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
-                    wall[name] += time.perf_counter() - t0
+                    took = time.perf_counter() - t0
+                    wall[name] += took
                     cpu[name] += time.process_time() - c0
-                    tokens[name] += sum(len(o.outputs[0].token_ids) for o in outs)
+                    made = sum(len(o.outputs[0].token_ids) for o in outs)
+                    tokens[name] += made
+                    # The decode phase: from the batch's last first token to its end (its prefills are done;
+                    # drafting speeds up only this part).
+                    decode_wall[name] += took - max(o.metrics.get("time_to_first_token", 0.0) for o in outs)
+                    decode_tokens[name] += made - len(outs)
                     answers[name] += [list(o.outputs[0].token_ids) for o in outs]
             for name, _, _ in setups:
                 s0, s1 = before[name], llms[name].engine.get_stats()
@@ -150,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                     "drafter_ms": 1e3 * (s1.drafter_seconds - s0.drafter_seconds) / max(1, steps),
                     "step_ms": 1e3 * wall[name] / max(1, steps), "tok_s": tokens[name] / wall[name],
                     "cpu_ms": 1e3 * cpu[name] / max(1, steps), "tok_cpu_s": tokens[name] / cpu[name],
+                    "dec_tok_s": decode_tokens[name] / max(1e-9, decode_wall[name]),
                     "tau": mean_acceptance_length(hist.tolist()),
                     "rows": 1 + (s1.num_draft_tokens - s0.num_draft_tokens) / verifies if verifies else 0.0,
                     "block": (s1.num_drafts_proposed - s0.num_drafts_proposed) / blocks if blocks else 0.0})
@@ -157,13 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     differ = sorted(k for k, v in same_work.items() if len(v) > 1)
     print("greedy answers identical across setups: " + ("yes" if not differ else f"NO (round, batch): {differ}"))
     print("| setup | batch | drafter ms/step | engine ms/step | CPU ms/step | output tok/s | vs off | vs off (CPU) "
-          "| mean acceptance length | verify rows per verify step | drafts per block |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| decode tok/s | decode vs off | mean acceptance length | verify rows per verify step | drafts per block |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for bsz in args.batch:
         for name, _, mode in setups:
             off_name = f"{mode}/off" if len(args.modes) > 1 else "off"
             off = statistics.median(x["tok_s"] for x in rows[(off_name, bsz)])
             off_cpu = statistics.median(x["tok_cpu_s"] for x in rows[(off_name, bsz)])
+            off_dec = statistics.median(x["dec_tok_s"] for x in rows[(off_name, bsz)])
             xs = rows[(name, bsz)]
 
             def med(key: str, xs=xs) -> float:
@@ -171,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = (f"{med('tau'):.2f} | {med('rows'):.2f} | {med('block'):.2f}" if name != off_name
                     else "- | - | -")
             print(f"| {name} | {bsz} | {med('drafter_ms'):.2f} | {med('step_ms'):.2f} | {med('cpu_ms'):.2f} | "
-                  f"{med('tok_s'):.1f} | {med('tok_s') / off:.2f}x | {med('tok_cpu_s') / off_cpu:.2f}x | {spec} |")
+                  f"{med('tok_s'):.1f} | {med('tok_s') / off:.2f}x | {med('tok_cpu_s') / off_cpu:.2f}x | "
+                  f"{med('dec_tok_s'):.1f} | {med('dec_tok_s') / off_dec:.2f}x | {spec} |")
     side_by_side(rows, setups, args.batch, args.modes)
     if args.breakdown:
         bsz = args.batch[0]
