@@ -108,9 +108,11 @@ def collect(drafter: DFlashDrafter, target, records: list, temperatures: list[fl
             scores.append(drafter.selector.scores(prev, cand, cand_logits, h).numpy())
             cand_u.append(cand_logits.numpy())
             valid.append(inside.numpy())
-            row = at.clamp(max=n - 2)                                   # the target row predicting at + 1
+            # The target row predicting token at + 1, among the output's rows only (the tempered, filtered
+            # distribution of every prompt row would be most of the work).
+            row = at.clamp(max=n - 2) - start
             for t in temperatures:
-                pt = target_probs(logits, rec.sampling, t)
+                pt = target_probs(logits[start:n - 1], rec.sampling, t)
                 p[t].append(pt[row.unsqueeze(-1), cand].numpy())
                 p_top[t].append(pt.max(-1).values[row].numpy())
     if not scores:
