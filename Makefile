@@ -70,7 +70,8 @@ tiny-model: $(STAMP)
 # (trained and served over those lm_head rows), fp32 (bf16 autocast was slower per step on this CPU).
 # The capture runs first, not alongside: the trainer now takes under a second per step of 8 sequences and
 # gains more from the whole data set than from the overlap. Measured: 39 min 41 s on the shared 2-core machine
-# (held-out capture ~2, training capture ~9, training 28, final held-out evaluation ~1).
+# (held-out capture ~2, training capture ~9, training 28, final held-out evaluation ~1); the calibration
+# after it took 4 min 26 s on the loaded shared machine.
 DRAFTER_BUILD ?= build/drafter
 DRAFTER_TRAIN = --block-size 7 --anchors 128 --batch 8 --soft-weight 0.5 --hidden-cache memory --eval-every 200 \
 	--draft-vocab 2048 --eval-k 6 --no-bf16 --steps 20000 --time-budget 28

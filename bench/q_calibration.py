@@ -5,7 +5,8 @@
 
 Offline, on held-out captured requests (the target run over each prompt + captured output, the drafter
 over a block at every output anchor, both along the captured continuation: `namazu.spec.calibrate`'s
-estimate, which that module's docstring defines). Per temperature it prints, per draft position j:
+estimate, and the engine's, both defined in that module's docstring). Per temperature it prints, per
+draft position j:
 E[sum_x min(p_T(x), q(x))] with today's q (scale 1) and with the drafter config's `q_temperature_scale`;
 how much of p_T the selector's top-K candidates hold (the most any q over them can overlap); and the
 expected acceptance length 1 + sum_j prod_{i<=j} alpha_i of each, beside the greedy oracle's
@@ -22,6 +23,15 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def lengths(pos, t: float, scales, k_cand: int) -> str:
+    """'along the capture | engine estimate' expected acceptance lengths of q at these scales."""
+    from namazu.spec import calibrate as cal
+
+    sc = np.asarray(scales, dtype=float)
+    along = cal.expected_length(cal.overlap(pos, t, sc, k_cand), pos.valid)
+    return f"{along:.3f} | {cal.engine_length(*cal.chain_factors(pos, t, sc, k_cand)):.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,20 +83,26 @@ def main(argv: list[str] | None = None) -> int:
         for name, a in rows:
             print(f"| {name} | {mean(a)} | {cal.expected_length(a, v):.3f} |")
 
-        print(f"\nLevers at T={t:g} (expected acceptance length; scales multiply T):\n")
-        print("| lever | scales | expected acceptance length |")
-        print("|---|---|---:|")
-        for c in (0.7, 1.0, 1.4, 2.0, 2.8):
-            print(f"| one scale, K={k_own} | {c:g} | {cal.expected_length(cal.overlap(pos, t, c, k_own), v):.3f} |")
+        print(f"\nLevers at T={t:g} (scales multiply T). Expected acceptance length along the captured outputs "
+              f"(all requests), and the engine's estimate (`calibrate.engine_length`, over the "
+              f"{int(np.isclose(pos.cap_temperature, t).sum()):,} anchors of requests captured at T={t:g}):\n")
+        print("| lever | scales | along the capture | engine estimate |")
+        print("|---|---|---:|---:|")
+
+        for c in (0.75, 1.0, 1.3, 1.6, 2.0):
+            print(f"| one scale, K={k_own} | {c:g} | {lengths(pos, t, c, k_own)} |")
+        print(f"| the config's scales, K={k_own} | {shipped} | {lengths(pos, t, shipped, k_own)} |")
         for kc in cands:
-            fit = cal.fit_scales(pos, [t], kc)
-            got = cal.expected_length(cal.overlap(pos, t, np.asarray(fit), kc), v)
-            print(f"| per-position scales fitted in-sample, K={kc} | {[round(c, 2) for c in fit]} | {got:.3f} |")
+            if np.isclose(pos.cap_temperature, t).any():
+                fit = cal.fit_scales(pos, [t], kc)
+                print(f"| per-position scales fitted in-sample, K={kc} | {[round(c, 2) for c in fit]} | "
+                      f"{lengths(pos, t, fit, kc)} |")
         s, u, p = pos.scores[:, :, :k_own], pos.logits[:, :, :k_own], pos.p[t][:, :, :k_own]
         for beta in (0.0, 0.5, 1.0):
             best = max((cal.expected_length(np.minimum(p, cal.softmax((u + beta * (s - u)) / (t * c))).sum(-1), v), c)
                        for c in cal.DEFAULT_GRID)
-            print(f"| selector term weighted {beta:g} in q, best one scale, K={k_own} | {best[1]:g} | {best[0]:.3f} |")
+            print(f"| selector term weighted {beta:g} in q, best one scale, K={k_own} | {best[1]:g} | "
+                  f"{best[0]:.3f} | - |")
     return 0
 
 

@@ -89,8 +89,9 @@ def test_a_bad_scale_is_refused_naming_the_field(tmp_path, value):
 
 
 def test_fit_finds_the_scale_that_makes_q_the_targets_p():
-    """Synthetic positions whose target p is exactly softmax(s / (T * c_j)) over the candidates: the fit
-    returns c_j (each on the grid), where the overlap is 1 and the expected acceptance length k + 1."""
+    """Synthetic positions whose target p is exactly softmax(s / (T * c_j)) over the candidates, captured
+    tokens drawn from p: the fit returns c_j (each on the grid), where every overlap and every path weight
+    is 1 and the engine's expected acceptance length is 1 + the positions inside the output."""
     rng = np.random.default_rng(0)
     a, k, kc = 400, 4, 6
     grid = calibrate.DEFAULT_GRID
@@ -98,16 +99,26 @@ def test_fit_finds_the_scale_that_makes_q_the_targets_p():
     scores = rng.normal(size=(a, k, kc)) * 2
     valid = np.ones((a, k), bool)
     valid[-50:, 2:] = False                                     # blocks cut by the end of an output
-    pos = calibrate.Positions(scores, scores, valid)
+    cap_t = np.where(np.arange(a) % 2, 1.0, 0.7)                # half the requests captured at each temperature
+    pos = calibrate.Positions(scores, scores, valid, cap_temperature=cap_t)
     for t in (0.7, 1.0):
         pos.p[t] = calibrate.softmax(scores / (t * np.array(true)[None, :, None]))
         pos.p_top[t] = pos.p[t].max(-1)
+    p_own = np.where(cap_t[:, None, None] == 0.7, pos.p[0.7], pos.p[1.0])     # each request's own p
+    pos.cap_index = (p_own.cumsum(-1) < rng.random((a, k, 1))).sum(-1)
+    for t in (0.7, 1.0):
+        pos.p_cap[t] = np.take_along_axis(pos.p[t], pos.cap_index[..., None], -1)[..., 0]
     scales = calibrate.fit_scales(pos, [0.7, 1.0], kc)
     assert scales == pytest.approx(true)
     s = calibrate.summary(pos, 0.7, scales, kc)
     assert s["overlap_after"] == pytest.approx([1.0] * k, abs=1e-4)
-    assert s["expected_length_after"] == pytest.approx(1 + (350 * k + 50 * 2) / a, abs=1e-3)
-    assert s["expected_length_before"] < s["expected_length_after"] - 0.5
+    assert s["engine_length_after"] == pytest.approx(1 + (175 * k + 25 * 2) / 200, abs=1e-3)
+    assert s["engine_length_before"] < s["engine_length_after"] - 0.5
+    # A captured token outside the candidates is one no accepted draft can be: its path weight is 0.
+    pos.cap_index[:, 0] = -1
+    alpha, beta, _ = calibrate.chain_factors(pos, 0.7, np.asarray(true), kc)
+    assert (beta[:, 0] == 0).all() and (alpha[:, 0] > 0.99).all()
+    assert calibrate.engine_length(alpha, beta, valid[cap_t == 0.7]) == pytest.approx(2.0)
 
 
 def test_calibrate_command_writes_the_field_it_fitted(tmp_path, capsys):
@@ -117,7 +128,8 @@ def test_calibrate_command_writes_the_field_it_fitted(tmp_path, capsys):
     w = CaptureWriter(tmp_path / "capture")
     for i, p in enumerate(prompts(6, lo=4, hi=10, seed=5)):
         out = prompts(1, lo=12, hi=20, seed=100 + i)[0]
-        w.write(CaptureRecord(f"r{i}", p, [out], ["stop"], {"temperature": 0.7, "top_p": 0.9, "seed": i}))
+        temp = (0.7, 1.0)[i % 2]
+        w.write(CaptureRecord(f"r{i}", p, [out], ["stop"], {"temperature": temp, "top_p": 0.9, "seed": i}))
     w.close()
     before = (drafter / "config.json").read_text()
     args = ["--drafter", str(drafter), "--data", str(tmp_path / "capture"), "--target", target]
@@ -132,4 +144,5 @@ def test_calibrate_command_writes_the_field_it_fitted(tmp_path, capsys):
     assert cfg.q_temperature_scale != [1.0] * cfg.num_draft_tokens   # a random drafter is no calibrated one
     rows = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
     assert [r["temperature"] for r in rows] == [0.7, 1.0]
-    assert all(r["expected_length_after"] >= r["expected_length_before"] for r in rows)
+    # The fit maximises the mean over the temperatures (from scale 1, so it cannot lose there).
+    assert sum(r["engine_length_after"] for r in rows) >= sum(r["engine_length_before"] for r in rows) - 1e-6

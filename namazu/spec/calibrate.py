@@ -12,13 +12,20 @@ overlaps p_T most, and how far off it is changes along the block. This command m
 captured requests and picks the scales c_j that maximise the expected acceptance length, then writes them
 into the drafter's config.json (the weights are untouched).
 
-The estimate is made along the captured continuation (teacher forcing): for every anchor a of every
-captured output, draft position j's candidates and scores are those the walk computes when its previous
-pick is the captured token a + j - 1, and p_T is the target's distribution after the captured tokens up
-to a + j - 1. The expected acceptance length of a block is 1 + sum_j prod_{i<=j} alpha_i with alpha_i the
-overlap at position i (blocks cut by the end of the output count only the positions inside it); the
-engine instead continues from what the verify step emitted, which these captures approximate (the
-engine's own number: `bench/spec_acceptance.py`).
+Two estimates, both from captured requests (the target run over prompt + captured output, the drafter
+over a block at every output anchor):
+- along the captured continuation (teacher forcing): alpha_j = sum_x min(p_T(x), q_j(x)) with the
+  captured tokens as the prefix, and 1 + sum_j prod_{i<=j} alpha_i per anchor. It says where overlap is
+  lost, but it is not what the engine gets: there the prefix of draft j is the drafts accepted before it,
+  distributed as min(p, q) / alpha, not as p, and a flatter q accepts less likely tokens after which the
+  block's later drafts fit worse. Fitted on this estimate the scales came out flatter than the engine's
+  best (bench/q_calibration.py).
+- the engine's: on requests captured at the temperature T itself (same top-k/top-p/min-p: the captured
+  token c_j is a sample of p_T), reweighting the captured path to the path of accepted drafts gives
+  E[acceptance length] = 1 + E[sum_j alpha_j * prod_{m<j} min(1, q_m(c_m) / p_T(c_m))]
+  (importance weight min(p, q)(c) / (alpha p(c)) per accepted position, times the chance alpha to get
+  there), unbiased for the engine's chain from each anchor. The fit maximises this one.
+Blocks cut by the end of an output count only the positions inside it.
 """
 from __future__ import annotations
 
@@ -64,6 +71,9 @@ class Positions:
     valid: np.ndarray                  # [A, k] the position lies inside the output
     p: dict[float, np.ndarray] = field(default_factory=dict)     # T -> [A, k, Kmax] p_T at the candidates
     p_top: dict[float, np.ndarray] = field(default_factory=dict)  # T -> [A, k] p_T of the target's top token
+    cap_index: np.ndarray | None = None    # [A, k] the captured token's index among the candidates, or -1
+    p_cap: dict[float, np.ndarray] = field(default_factory=dict)  # T -> [A, k] p_T of the captured token
+    cap_temperature: np.ndarray | None = None   # [A] the temperature its request was captured at
 
     @property
     def k(self) -> int:
@@ -85,7 +95,8 @@ def collect(drafter: DFlashDrafter, target, records: list, temperatures: list[fl
     head = drafter.draft_head(target.lm_head)
     if k_max > head.shape[0]:
         raise ValueError(f"--k-max {k_max} exceeds the draft vocabulary's {head.shape[0]} tokens")
-    scores, cand_u, valid = [], [], []
+    scores, cand_u, valid, cap_index, cap_t = [], [], [], [], []
+    p_cap: dict[float, list] = {t: [] for t in temperatures}
     p: dict[float, list] = {t: [] for t in temperatures}
     p_top: dict[float, list] = {t: [] for t in temperatures}
     for rec in tqdm(records, desc="captured requests", unit="req", disable=not progress):
@@ -108,6 +119,10 @@ def collect(drafter: DFlashDrafter, target, records: list, temperatures: list[fl
             scores.append(drafter.selector.scores(prev, cand, cand_logits, h).numpy())
             cand_u.append(cand_logits.numpy())
             valid.append(inside.numpy())
+            tok = ids[(at + 1).clamp(max=n - 1)]                        # the captured token of each position
+            hit = cand == tok.unsqueeze(-1)
+            cap_index.append(torch.where(hit.any(-1), hit.float().argmax(-1), -1).numpy())
+            cap_t.append(np.full(len(anchors), float(rec.sampling.get("temperature") or 0.0)))
             # The target row predicting token at + 1, among the output's rows only (the tempered, filtered
             # distribution of every prompt row would be most of the work).
             row = at.clamp(max=n - 2) - start
@@ -115,10 +130,12 @@ def collect(drafter: DFlashDrafter, target, records: list, temperatures: list[fl
                 pt = target_probs(logits[start:n - 1], rec.sampling, t)
                 p[t].append(pt[row.unsqueeze(-1), cand].numpy())
                 p_top[t].append(pt.max(-1).values[row].numpy())
+                p_cap[t].append(pt[row, tok].numpy())
     if not scores:
         raise ValueError("no captured output of at least 2 tokens")
     return Positions(np.concatenate(scores), np.concatenate(cand_u), np.concatenate(valid),
-                     {t: np.concatenate(v) for t, v in p.items()}, {t: np.concatenate(v) for t, v in p_top.items()})
+                     {t: np.concatenate(v) for t, v in p.items()}, {t: np.concatenate(v) for t, v in p_top.items()},
+                     np.concatenate(cap_index), {t: np.concatenate(v) for t, v in p_cap.items()}, np.concatenate(cap_t))
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -144,48 +161,87 @@ def expected_length(alpha: np.ndarray, valid: np.ndarray) -> float:
     return float(1.0 + np.cumprod(np.where(valid, alpha, 0.0), axis=1).sum(1).mean())
 
 
+def chain_factors(pos: Positions, temperature: float, scale: float | np.ndarray, k_cand: int,
+                  j: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(alpha, beta, valid) [A', k] (or [A'] of position j alone) over the anchors of requests captured at
+    `temperature`: alpha_j the overlap of q_j with p_T, beta_j = min(1, q_j(c_j) / p_T(c_j)) the weight
+    that moves the captured path to the path of accepted drafts (0 where the captured token is not a
+    candidate: no accepted draft is that token)."""
+    rows = np.isclose(pos.cap_temperature, temperature)
+    cols = slice(None) if j is None else j
+    sc = np.asarray(scale, dtype=np.float64)
+    if j is not None and sc.ndim:
+        sc = sc[j]
+    elif sc.ndim:
+        sc = sc[None, :, None]
+    q = softmax(pos.scores[rows][:, cols, :k_cand] / (temperature * sc))
+    alpha = np.minimum(pos.p[temperature][rows][:, cols, :k_cand], q).sum(-1)
+    idx = pos.cap_index[rows][:, cols]
+    inside = (idx >= 0) & (idx < k_cand)
+    q_c = np.take_along_axis(q, np.clip(idx, 0, k_cand - 1)[..., None], -1)[..., 0] * inside
+    p_c = pos.p_cap[temperature][rows][:, cols]
+    beta = np.where(p_c > 0, np.minimum(1.0, q_c / np.maximum(p_c, 1e-30)), 0.0)
+    return alpha, beta, pos.valid[rows]
+
+
+def engine_length(alpha: np.ndarray, beta: np.ndarray, valid: np.ndarray) -> float:
+    """1 + mean over anchors of sum_j alpha_j prod_{m<j} beta_m (module docstring)."""
+    if not len(alpha):
+        return float("nan")
+    a, b = np.where(valid, alpha, 0.0), np.where(valid, beta, 0.0)
+    reach = np.cumprod(np.concatenate([np.ones((len(b), 1)), b[:, :-1]], 1), 1)
+    return float(1.0 + (a * reach).sum(1).mean())
+
+
 def fit_scales(pos: Positions, temperatures: list[float], k_cand: int, grid: tuple[float, ...] = DEFAULT_GRID,
                sweeps: int = 3) -> list[float]:
-    """Per-position scales from `grid` that maximise the mean expected acceptance length over
-    `temperatures`, by coordinate ascent from 1 (a position's best scale depends on the ones before it,
-    which weigh how often it is reached, and on those after it, which weigh what its acceptance is worth)."""
+    """Per-position scales from `grid` that maximise the engine's expected acceptance length (`engine_length`)
+    averaged over `temperatures`, by coordinate ascent from 1: position j's scale moves alpha_j and beta_j,
+    and the length is B_j (alpha_j + beta_j R_j) + terms without them, B_j = prod_{m<j} beta_m (how often j
+    is reached) and R_j = sum_{i>j} alpha_i prod_{j<m<i} beta_m (what reaching j + 1 is worth)."""
     k = pos.k
     scales = np.ones(k)
-    alpha = {t: overlap(pos, t, scales, k_cand) for t in temperatures}
-    cand = {t: {j: np.stack([overlap(pos, t, c, k_cand, j) for c in grid], 1) for j in range(k)}
-            for t in temperatures}                                            # [A, len(grid)] per position
-    valid = pos.valid.astype(np.float64)
+    temps = [t for t in temperatures if np.isclose(pos.cap_temperature, t).any()]
+    if not temps:
+        raise ValueError(f"no captured request was sampled at any of the temperatures {temperatures}")
     for _ in range(sweeps):
         changed = False
         for j in range(k):
             total = np.zeros(len(grid))
-            for t in temperatures:
-                a = alpha[t] * valid
-                before = np.cumprod(np.concatenate([np.ones((len(a), 1)), a[:, :j]], 1), 1)[:, -1]
-                after = 1.0 + np.cumprod(a[:, j + 1:], 1).sum(1)              # what reaching j+1 is worth
-                total += ((before * valid[:, j])[:, None] * cand[t][j] * after[:, None]).mean(0)
+            for t in temps:
+                alpha, beta, valid = chain_factors(pos, t, scales, k_cand)
+                a, b = np.where(valid, alpha, 0.0), np.where(valid, beta, 0.0)
+                before = np.prod(b[:, :j], axis=1)
+                after = (a[:, j + 1:] * np.cumprod(np.concatenate([np.ones((len(b), 1)), b[:, j + 1:-1]], 1), 1)
+                         ).sum(1) if j + 1 < k else np.zeros(len(a))
+                for g, c in enumerate(grid):
+                    aj, bj, _ = chain_factors(pos, t, c, k_cand, j)
+                    total[g] += float((before * np.where(valid[:, j], aj + bj * after, 0.0)).mean())
             best = float(grid[int(np.argmax(total))])
             if best != scales[j]:
                 scales[j], changed = best, True
-                for t in temperatures:
-                    alpha[t][:, j] = overlap(pos, t, best, k_cand, j)
         if not changed:
             break
     return [float(c) for c in scales]
 
 
 def summary(pos: Positions, temperature: float, scales: list[float], k_cand: int) -> dict:
-    """Per-position overlap, candidate coverage and expected acceptance length with and without `scales`."""
+    """With and without `scales`: the engine's expected acceptance length (over the requests captured at
+    `temperature`), and along the captured continuation (every request) the overlap per position, the
+    candidates' share of p_T and the expected length each gives."""
     v = pos.valid
     before = overlap(pos, temperature, 1.0, k_cand)
     after = overlap(pos, temperature, np.asarray(scales), k_cand)
     cover = pos.p[temperature][:, :, :k_cand].sum(-1)
     mean = lambda x: [round(float(x[v[:, j], j].mean()), 4) for j in range(pos.k)]  # noqa: E731
-    return {"temperature": temperature, "candidates": k_cand, "overlap_before": mean(before),
-            "overlap_after": mean(after), "coverage": mean(cover),
-            "expected_length_before": round(expected_length(before, v), 4),
-            "expected_length_after": round(expected_length(after, v), 4),
-            "expected_length_coverage_cap": round(expected_length(cover, v), 4),
+    rows = int(np.isclose(pos.cap_temperature, temperature).sum())
+    engine = lambda sc: round(engine_length(*chain_factors(pos, temperature, sc, k_cand)), 4)  # noqa: E731
+    return {"temperature": temperature, "candidates": k_cand, "anchors_captured_at_temperature": rows,
+            "engine_length_before": engine(1.0), "engine_length_after": engine(np.asarray(scales)),
+            "overlap_before": mean(before), "overlap_after": mean(after), "coverage": mean(cover),
+            "along_capture_length_before": round(expected_length(before, v), 4),
+            "along_capture_length_after": round(expected_length(after, v), 4),
+            "along_capture_coverage_cap": round(expected_length(cover, v), 4),
             "oracle_greedy_length": round(expected_length(pos.p_top[temperature], v), 4)}
 
 
