@@ -25,7 +25,10 @@ over a block at every output anchor):
   E[acceptance length] = 1 + E[sum_j alpha_j * prod_{m<j} min(1, q_m(c_m) / p_T(c_m))]
   (importance weight min(p, q)(c) / (alpha p(c)) per accepted position, times the chance alpha to get
   there), unbiased for the engine's chain from each anchor. The fit maximises this one.
-Blocks cut by the end of an output count only the positions inside it.
+Blocks cut by the end of an output count only the positions inside it. Both average over every anchor of
+the output, not over the anchors a decode visits (those lie more often where drafts fail, and the engine
+answers anew): the level reads higher than the engine's (2.21 against 1.95 on the same 110 held-out
+requests at T=0.7), the differences between scales agree (+0.016 against +0.01).
 """
 from __future__ import annotations
 
