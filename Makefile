@@ -70,15 +70,20 @@ tiny-model: $(STAMP)
 # (trained and served over those lm_head rows), fp32 (bf16 autocast was slower per step on this CPU).
 # The capture runs first, not alongside: the trainer now takes under a second per step of 8 sequences and
 # gains more from the whole data set than from the overlap. Measured: 39 min 41 s on the shared 2-core machine
-# (held-out capture ~2, training capture ~9, training 28, final held-out evaluation ~1).
+# (held-out capture ~2, training capture ~9, training 28, final held-out evaluation ~1); the calibration
+# after it took 4 min 26 s on the loaded shared machine.
 DRAFTER_BUILD ?= build/drafter
 DRAFTER_TRAIN = --block-size 7 --anchors 128 --batch 8 --soft-weight 0.5 --hidden-cache memory --eval-every 200 \
 	--draft-vocab 2048 --eval-k 6 --no-bf16 --steps 20000 --time-budget 28
+# Then q's sampling temperature per draft position is fitted on the training capture (config.json's
+# q_temperature_scale; weights untouched; see docs/speculative.md).
+DRAFTER_CALIBRATE = --temperatures 0.7 1.0
 drafter-model: $(STAMP)
 	rm -rf $(DRAFTER_BUILD)/capture-train $(DRAFTER_BUILD)/capture-heldout
 	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.traffic --out $(DRAFTER_BUILD)/heldout_requests.jsonl -n 250 --split valid --seed 1 --capture-dir $(DRAFTER_BUILD)/capture-heldout
 	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.traffic --out $(DRAFTER_BUILD)/train_requests.jsonl -n 1500 --capture-dir $(DRAFTER_BUILD)/capture-train
 	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.train --data $(DRAFTER_BUILD)/capture-train --heldout $(DRAFTER_BUILD)/capture-heldout --out $(TINY_DIR)/drafter $(DRAFTER_TRAIN)
+	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.calibrate --drafter $(TINY_DIR)/drafter --data $(DRAFTER_BUILD)/capture-train $(DRAFTER_CALIBRATE)
 
 # MoE kernel microbenchmark: every backend, BF16 and NVFP4, vs a roofline measured in the same run
 # (ARGS="--write" updates bench/RESULTS.md; on a GPU machine it runs the Kimi-K2 and namazu-tiny shapes).

@@ -2,6 +2,7 @@
 
     python bench/spec_acceptance.py --requests build/drafter/capture-heldout --drafters shipped=DIR ngram \
         [--temperature 0.7] [--limit 200] [--k 6] [--greedy-drafts] [--min-confidence 0 0.25]
+        [--captured-temperature 0.7]
 
 Each captured request is generated again with its own top-p, top-k and seed at --temperature (each answer
 at most as long as the captured one), in one inline engine per drafter, 16 sequences at a time, drafting at
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafters", nargs="+", required=True, metavar="NAME=DIR|ngram")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--limit", type=int, default=200)
+    ap.add_argument("--captured-temperature", type=float, default=None, metavar="T",
+                    help="only the requests captured at temperature T (the ones whose captured answers are "
+                         "samples of what --temperature T replays: `namazu.spec.calibrate`'s estimate uses those)")
     ap.add_argument("--k", type=int, default=6, help="draft tokens per step")
     ap.add_argument("--greedy-drafts", action="store_true", help="DFlash drafts its top tokens at T > 0")
     ap.add_argument("--min-confidence", type=float, nargs="+", default=[0.0], metavar="X",
@@ -67,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from namazu.spec.capture import read_records
 
-    records = [r for _, r in zip(range(args.limit), read_records(args.requests))]
+    wanted = (r for r in read_records(args.requests) if args.captured_temperature is None
+              or abs((r.sampling.get("temperature") or 0.0) - args.captured_temperature) < 1e-6)
+    records = [r for _, r in zip(range(args.limit), wanted)]
     rows = []
     runs = [(spec, x) for spec in args.drafters for x in (args.min_confidence if "=" in spec else [0.0])]
     for spec, x in tqdm(runs, desc="drafters", unit="drafter"):

@@ -28,18 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def top_probs(logits: torch.Tensor, sampling: dict, temperature: float) -> torch.Tensor:
     """[T, V] raw logits -> [T] probability of the top token under the request's sampling distribution."""
-    from namazu.layers.sampler import SamplingTensors, process_logits
+    from namazu.spec.calibrate import target_probs
 
-    n, v = logits.shape
-    full = lambda x, dt=torch.float32: torch.full((n,), x, dtype=dt)  # noqa: E731
-    top_k = int(sampling.get("top_k") or 0) or v
-    top_p = float(sampling.get("top_p") or 1.0)
-    min_p = float(sampling.get("min_p") or 0.0)
-    t = SamplingTensors(temperature=full(temperature), top_k=full(top_k, torch.long), top_p=full(top_p),
-                        min_p=full(min_p), presence_penalty=full(0.0), frequency_penalty=full(0.0),
-                        repetition_penalty=full(1.0), seeds=full(0, torch.long), counters=full(0, torch.long),
-                        any_top_k_top_p=top_k < v or top_p < 1.0, any_min_p=min_p > 0)
-    return torch.softmax(process_logits(logits.float(), t), dim=-1).max(dim=-1).values
+    return target_probs(logits, sampling, temperature).max(dim=-1).values
 
 
 def oracle_acceptance(p_top: np.ndarray, k: int) -> float:

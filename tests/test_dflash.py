@@ -266,9 +266,10 @@ def _second_token_distribution(prompt: list[int]) -> np.ndarray:
     return (p1 @ p2).numpy()
 
 
-@pytest.mark.parametrize("sample_drafts, shortlist", [(True, 0), (False, 0), (True, 220)],
-                         ids=["selector-q", "greedy-drafts", "selector-q-draft-vocab"])
-def test_sampling_distribution_equals_the_targets(sample_drafts, shortlist):
+@pytest.mark.parametrize("sample_drafts, shortlist, scales", [(True, 0, None), (False, 0, None), (True, 220, None),
+                                                              (True, 0, (0.5, 2.0, 1.5, 0.8))],
+                         ids=["selector-q", "greedy-drafts", "selector-q-draft-vocab", "selector-q-calibrated"])
+def test_sampling_distribution_equals_the_targets(sample_drafts, shortlist, scales):
     prompt = prompts(1, lo=6, hi=6, seed=2)[0]
     want = _second_token_distribution(prompt)
     n = 3000          # three requests of n=1000 (a request may have at most 1024 sequences)
@@ -276,7 +277,9 @@ def test_sampling_distribution_equals_the_targets(sample_drafts, shortlist):
     # Many candidates: q spreads like the (flat) random target's p, so drafts are often accepted and the
     # acceptance rule shapes a large share of the samples.
     # A draft vocabulary leaves q zero on the tokens outside it: the residual p - q must restore them.
-    proposer = make_proposer(sample_drafts=sample_drafts, shortlist=shortlist, selector_k=200)
+    # A calibrated q (per-position temperature scales) is still exactly the q the rule sees.
+    extra = {"q_temperature_scale": scales} if scales else {}
+    proposer = make_proposer(sample_drafts=sample_drafts, shortlist=shortlist, selector_k=200, **extra)
     got, stats = run([prompt] * 3, params, proposer, max_num_seqs=256,
                      max_num_batched_tokens=2048, seed=1)
     print("accepted", stats.num_accepted_draft_tokens, "of", stats.num_draft_tokens)

@@ -298,13 +298,17 @@ class DFlashDrafter(nn.Module):
             return self._greedy_walk(cand, first.float(), pairs)
         s, pick = first.float(), anchor
         ids, qs, confs = [], [], []
+        # Calibrated sampling temperature per position (config `q_temperature_scale`, fitted by
+        # `namazu.spec.calibrate`): the drafter's scores are not the target's logits, so s / T alone is not
+        # the q closest to the target's tempered distribution. Greedy rows never see it.
+        scale = self.cfg.q_temperature_scale or [1.0] * k
         for j in range(k):
             if j:
                 s = pairs[:, j - 1].gather(1, pick.view(-1, 1, 1).expand(-1, 1, pairs.shape[-1])).squeeze(1)
             p1 = s.softmax(-1)
             best = s.argmax(-1)
             if temperature is not None:
-                t = temperature.float().clamp_min(1e-6).unsqueeze(-1)
+                t = temperature.float().clamp_min(1e-6).unsqueeze(-1) * scale[j]
                 q = (s / t).softmax(-1)
                 # Inverse CDF: the first candidate whose cumulative mass exceeds u. Dividing by the total
                 # makes the last entry exactly 1 > u, so the pick always has q > 0.

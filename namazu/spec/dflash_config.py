@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,10 @@ class DFlashConfig:
     # checkpoint's `draft_vocab` tensor (the frequent output tokens; a shortlist makes the drafter's
     # lm_head product N/V as large, and a token outside it is never drafted, only missed).
     draft_vocab_size: int = 0
+    # Sampling calibration: where a request samples at temperature T, draft j is drawn from
+    # softmax(s_j / (T * q_temperature_scale[j])) over the selector's candidates (the q the lossless rule
+    # sees). Fitted on captured traffic by `namazu.spec.calibrate`; empty = scale 1 at every position.
+    q_temperature_scale: list[float] = field(default_factory=list)
     trained_on: str = field(default="")   # provenance note (data kind), informational
 
     def __post_init__(self) -> None:
@@ -63,6 +68,14 @@ class DFlashConfig:
             bad("draft_vocab_size", f"must be in [0, vocab_size={self.vocab_size}]")
         if not 1 <= self.selector_k <= (self.draft_vocab_size or self.vocab_size):
             bad("selector_k", f"must be in [1, the draft vocabulary's size {self.draft_vocab_size or self.vocab_size}]")
+        scales = self.q_temperature_scale
+        if not isinstance(scales, (list, tuple)) or any(
+                isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < math.inf for c in scales):
+            bad("q_temperature_scale", "must be a list of positive finite numbers")
+        if scales and len(scales) != self.num_draft_tokens:
+            bad("q_temperature_scale", f"must hold one scale per drafted position (block_size - 1 = "
+                                       f"{self.num_draft_tokens}) or none")
+        self.q_temperature_scale = [float(c) for c in scales]
 
     @property
     def num_draft_tokens(self) -> int:
