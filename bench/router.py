@@ -3,7 +3,9 @@
 Workload (replayed, Poisson arrivals): many users share a few long system prompts and hold multi-turn
 conversations; turn k of a user carries the system prompt, the user's earlier turns and the model's
 earlier answers, plus a new question, and is sent only after turn k-1's answer arrived. Every run uses
-fresh text (its own seed) so no run finds another run's prefixes in a cache. Per policy and rate: TTFT
+fresh text (its own seed) so no run finds another run's prefixes in a cache; each point first sends one
+request per system prompt through the policy under test (not counted: a running service has its system
+prompts computed; --cold skips it). Per policy and rate: TTFT
 p50/p99, prompt tokens computed (prompt - cached, from the usage chunks), prefix-cache hit rate, the
 share of requests each replica got, and each replica's queue depth over time (GET /load, 4 Hz). Then a
 burst of unrelated chat requests (all at once) checks that every replica still gets work.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import shlex
@@ -87,6 +90,7 @@ class Run:
     queue: list[tuple[float, int, int, int]] = field(default_factory=list)   # (t, replica, waiting, running)
     offered: float = float("nan")  # the realized arrival rate: requests / last scheduled arrival (s)
     rates: str = ""                # the router's measured ms per prefill block / per decode step, per replica
+    meta: list[dict] = field(default_factory=list)   # per conversation turn: user, turn, system prompt, send time
 
 
 async def sample_queues(urls: list[str], out: list, stop_event: asyncio.Event, t0: float) -> None:
@@ -105,8 +109,9 @@ async def sample_queues(urls: list[str], out: list, stop_event: asyncio.Event, t
 
 
 async def conversations(client: httpx.AsyncClient, pm: PromptMaker, rate: float, args, seed: int
-                        ) -> tuple[list[Result], float]:
-    """The conversation turns at `rate`; returns their results and the realized offered rate."""
+                        ) -> tuple[list[Result], float, list[dict]]:
+    """The conversation turns at `rate`; returns their results, the realized offered rate and each turn's
+    place in the workload (user, turn, system prompt, scheduled send time)."""
     rng = np.random.default_rng(seed)
     n = args.users * args.turns
     times = arrivals(rate, n, rng)
@@ -114,6 +119,14 @@ async def conversations(client: httpx.AsyncClient, pm: PromptMaker, rate: float,
     histories = [[{"role": "system", "content": systems[u % args.systems]}] for u in range(args.users)]
     questions = [pm.text(args.turn_input_len) for _ in range(n)]
     previous: list[asyncio.Future | None] = [None] * args.users
+    if not args.cold:
+        # A service's system prompts live for hours: the point starts with each one computed once, by one
+        # request through the policy under test (not counted), so that its tail is the steady state and not
+        # the few first turns that arrive while every system prompt is still being computed (both policies
+        # pay that; it was most of the KV-aware router's tail: bench/RESULTS.md).
+        await asyncio.gather(*(stream_request(client, "/v1/chat/completions", {
+            "messages": [{"role": "system", "content": text}, {"role": "user", "content": pm.text(8)}],
+            "max_tokens": 1}) for text in systems))
     t0 = time.perf_counter()
 
     async def one(i: int, user: int, prev: asyncio.Future | None, done: asyncio.Future) -> Result:
@@ -132,13 +145,15 @@ async def conversations(client: httpx.AsyncClient, pm: PromptMaker, rate: float,
     # Users take turns in a random order (each exactly `turns` times), so no policy gets stickiness for
     # free from a user count that happens to divide the replica count.
     order = rng.permutation(np.repeat(np.arange(args.users), args.turns))
-    tasks = []
+    tasks, meta, turns = [], [], [0] * args.users
     for i in range(n):
         user = int(order[i])
+        meta.append({"user": user, "turn": turns[user], "system": user % args.systems, "at": float(times[i])})
+        turns[user] += 1
         done = asyncio.get_running_loop().create_future()
         tasks.append(one(i, user, previous[user], done))
         previous[user] = done
-    return list(await asyncio.gather(*tasks)), n / float(times[-1])
+    return list(await asyncio.gather(*tasks)), n / float(times[-1]), meta
 
 
 async def burst(client: httpx.AsyncClient, pm: PromptMaker, args) -> list[Result]:
@@ -189,15 +204,15 @@ async def measure(front: str, url: str, policy: str, rate: float, pm: PromptMake
         stop_event = asyncio.Event()
         t0 = time.perf_counter()
         sampler = asyncio.create_task(sample_queues(replica_urls, queue, stop_event, t0))
-        offered = float("nan")
+        offered, meta = float("nan"), []
         if np.isnan(rate):
             results = await burst(c, pm, args)
         else:
-            results, offered = await conversations(c, pm, rate, args, seed)
+            results, offered, meta = await conversations(c, pm, rate, args, seed)
         wall = time.perf_counter() - t0
         stop_event.set()
         await sampler
-        return Run(front, policy, rate, results, wall, diff(shares(url), before, 3), queue, offered)
+        return Run(front, policy, rate, results, wall, diff(shares(url), before, 3), queue, offered, meta=meta)
 
 
 def summarize(run: Run) -> dict:
@@ -406,6 +421,19 @@ def verdict(rows: list[dict]) -> list[str]:
     return out
 
 
+def write_dump(runs: list[Run], path: Path) -> None:
+    """One JSON line per request, to see which requests make a tail (a turn's place in its conversation,
+    its system prompt, what was cached)."""
+    with path.open("w") as f:
+        for run in runs:
+            for i, r in enumerate(run.results):
+                rec = {"front": run.front, "policy": run.policy, "rate": None if np.isnan(run.rate) else run.rate,
+                       "ok": r.ok, "ttft_ms": 1e3 * r.ttft, "e2e_ms": 1e3 * r.e2e, "prompt_tokens": r.prompt_tokens,
+                       "cached_tokens": r.cached_tokens, **(run.meta[i] if i < len(run.meta) else {})}
+                f.write(json.dumps(rec) + "\n")
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint of the replicas (default: embedded namazu-tiny)")
@@ -421,12 +449,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--system-len", type=int, default=1536)
     p.add_argument("--turn-input-len", type=int, default=32)
     p.add_argument("--turn-output-len", type=int, default=16)
+    p.add_argument("--cold", action="store_true",
+                   help="start each point with its system prompts cached nowhere (default: one request per system "
+                        "prompt, not counted, computes each once first, as in a service that has been running)")
     p.add_argument("--burst", type=int, default=30, help="unrelated requests sent at once after each sweep")
     p.add_argument("--replica-args", default="", help="extra flags for each replica")
     p.add_argument("--router-args", default="", help="extra flags for the router, e.g. '--prefix-weight 2'")
     p.add_argument("--ray", action="store_true", help="also run round_robin and kv through --replicas 3:3")
     p.add_argument("--ray-rates", default=None, help="conversation rates through Ray Serve (default: --rates)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dump", default=None, metavar="FILE",
+                   help="write every request as a JSON line (front, policy, rate, TTFT, tokens, its turn) to FILE")
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     p.add_argument("--plot", default=str(HERE / "router.png"))
     p.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
@@ -468,23 +501,28 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     lines = verdict(rows)
     print("\n".join(lines))
+    if args.dump:
+        write_dump(runs, Path(args.dump))
     plot(runs, rows, Path(args.plot))
     if args.write:
-        shown, skip = [], False     # --log-dir names a folder of this machine: not part of the record
+        shown, skip = [], False     # --log-dir and --dump name paths of this machine: not part of the record
         for a in (argv if argv is not None else sys.argv[1:]):
-            if skip or a.startswith("--log-dir="):
+            if skip or a.startswith(("--log-dir=", "--dump=")):
                 skip = False
                 continue
-            skip = a == "--log-dir"
+            skip = a in ("--log-dir", "--dump")
             if not skip:
                 shown.append(a)
         command = "python bench/router.py " + shlex.join(shown)
         extra = f" `{args.replica_args}`" if args.replica_args else ""
+        start = ("system prompts cached nowhere at its start" if args.cold
+                 else "after one uncounted request per system prompt")
         setup = (f"Model `{tok_dir.name}`, 3 replicas{extra}, each `OMP_NUM_THREADS=1`; "
                  f"{os.cpu_count()} CPU cores ({platform.machine()}) shared with the router, the client and other "
                  f"jobs. Conversations: {args.users} users over {args.systems} system prompts of {args.system_len} "
                  f"tokens, {args.turns} turns of {args.turn_input_len} in / {args.turn_output_len} out tokens "
-                 f"({args.users * args.turns} requests per point); burst: {args.burst} unrelated chat requests at "
+                 f"({args.users * args.turns} requests per point, {start}); "
+                 f"burst: {args.burst} unrelated chat requests at "
                  f"once. Wall time {time.time() - t_start:.0f} s. 1/5/15-minute load average "
                  f"{'/'.join(f'{x:.1f}' for x in load_before)} at the start, "
                  f"{'/'.join(f'{x:.1f}' for x in load_after)} at the end.")
