@@ -287,8 +287,8 @@ class LLMEngine:
             self.scheduler.submitted(item, plan.speculate)
         self._num_steps += 1
         self._draft_rows += sum(item.num_drafts for item in plan.scheduled)
-        # A step's new tokens past one per sequence are prefill: a decode computes one (its drafts are
-        # verify rows, priced into the decode step).
+        # A sequence computing more than one new token is prefilling (a prompt chunk, or a recompute after
+        # preemption); a decode computes one, and its drafts are verify rows, priced into the decode step.
         prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
         return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num,
                          self.drafter is not None and plan.speculate, time.perf_counter(), prefill)

@@ -307,23 +307,19 @@ class DFlashDrafter(nn.Module):
                 s = pairs[:, j - 1].gather(1, pick.view(-1, 1, 1).expand(-1, 1, pairs.shape[-1])).squeeze(1)
             p1 = s.softmax(-1)
             best = s.argmax(-1)
-            if temperature is not None:
-                t = temperature.float().clamp_min(1e-6).unsqueeze(-1) * scale[j]
-                q = (s / t).softmax(-1)
-                # Inverse CDF: the first candidate whose cumulative mass exceeds u. Dividing by the total
-                # makes the last entry exactly 1 > u, so the pick always has q > 0.
-                cdf = q.double().cumsum(-1)
-                below = (cdf / cdf[:, -1:] <= uniforms[:, j:j + 1]).sum(-1)
-                sampled = temperature > 0
-                pick = torch.where(sampled, below, best)
-                qs.append(torch.zeros(q.shape[0], self.cfg.vocab_size, device=q.device).scatter_(1, cand[:, j], q))
-                conf = torch.where(sampled, q.max(-1).values, p1.max(-1).values)
-            else:
-                pick = best
-                conf = p1.max(-1).values
+            t = temperature.float().clamp_min(1e-6).unsqueeze(-1) * scale[j]
+            q = (s / t).softmax(-1)
+            # Inverse CDF: the first candidate whose cumulative mass exceeds u. Dividing by the total
+            # makes the last entry exactly 1 > u, so the pick always has q > 0.
+            cdf = q.double().cumsum(-1)
+            below = (cdf / cdf[:, -1:] <= uniforms[:, j:j + 1]).sum(-1)
+            sampled = temperature > 0
+            pick = torch.where(sampled, below, best)
+            qs.append(torch.zeros(q.shape[0], self.cfg.vocab_size, device=q.device).scatter_(1, cand[:, j], q))
+            conf = torch.where(sampled, q.max(-1).values, p1.max(-1).values)
             ids.append(cand[:, j].gather(1, pick.unsqueeze(-1)).squeeze(-1))
             confs.append(conf)
-        return Walk(torch.stack(ids, 1), torch.stack(qs, 1) if qs else None, torch.stack(confs, 1))
+        return Walk(torch.stack(ids, 1), torch.stack(qs, 1), torch.stack(confs, 1))
 
     @staticmethod
     def _greedy_walk(cand: torch.Tensor, first: torch.Tensor, pairs: torch.Tensor) -> Walk:
