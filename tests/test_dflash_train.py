@@ -125,3 +125,61 @@ def test_draft_vocabulary_loss_is_the_softmax_restricted_to_it():
         want = (torch.where(valid, ce, 0.0) * w).sum() / w.sum()
     assert n == int(valid.sum()) > 0
     torch.testing.assert_close(block, want, atol=1e-4, rtol=1e-4)
+
+
+def test_selector_soft_loss_is_the_cross_entropy_against_the_target_over_the_candidates():
+    """selector_soft_weight 1: the selector's loss at each position is the cross-entropy of its softmax over
+    the K candidates against the target's next-token distribution (its kept top entries, renormalised)
+    restricted to those candidates and renormalised: checked position by position against a plain loop over
+    the target's full distribution, every anchor of one sequence. Weight 0 keeps the captured token's
+    K-way cross-entropy."""
+    import torch
+    import torch.nn.functional as F
+    from dflash_fixtures import random_drafter
+
+    from namazu.config import ModelConfig
+    from namazu.spec.train import Example, batch_loss, context_kv, draft_hidden
+
+    t = ModelConfig.from_pretrained(tiny_checkpoint())
+    drafter = DFlashDrafter.load(random_drafter(tiny_checkpoint()), t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    top = 24
+    target = Target(tiny_checkpoint(), drafter.cfg.target_layers, soft_top=top)
+    ids = np.random.default_rng(3).integers(0, 200, 30).tolist()
+    ex, out = Example(ids, 8), target.outputs(ids)
+    kk, b = drafter.cfg.selector_k, drafter.cfg.block_size
+    with torch.no_grad():
+        _, hard, _ = batch_loss(drafter, target, [ex], [out], 1000, np.random.default_rng(1))
+        _, soft, n = batch_loss(drafter, target, [ex], [out], 1000, np.random.default_rng(1), selector_soft_weight=1.0)
+        final, _ = target.model(torch.tensor([ids]), capture_layers=drafter.cfg.target_layers)
+        p_full = target.model.compute_logits(final[0]).softmax(-1)                 # [T, V]
+        a = torch.arange(7, 29)
+        h = draft_hidden(drafter, target.embed, torch.tensor(ids), context_kv(drafter, out.hidden), a)
+        logits = h @ target.lm_head.T
+        want_soft, want_hard, wsum = 0.0, 0.0, 0.0
+        for m, anchor in enumerate(a.tolist()):
+            for j in range(1, b):
+                at = anchor + j
+                if at >= len(ids):
+                    continue
+                gold = ids[at]
+                cand = logits[m, j - 1].topk(kk).indices.tolist()
+                if gold not in cand:
+                    cand[-1] = gold
+                lp = logits[m, j - 1].log_softmax(-1)
+                prev = ids[at - 1]
+                s = drafter.selector.scores(torch.tensor(prev), torch.tensor(cand), lp[cand], h[m, j - 1])
+                # The target's kept top entries after position at - 1, renormalised, then over the candidates.
+                pt, it = p_full[at - 1].topk(top)
+                pt = pt / pt.sum()
+                kept = dict(zip(it.tolist(), pt.tolist()))
+                pc = torch.tensor([kept.get(c, 0.0) for c in cand])
+                wk = float(np.exp(-(j - 1) / drafter.cfg.loss_gamma))
+                ce_hard = float(F.cross_entropy(s.unsqueeze(0), torch.tensor([cand.index(gold)])))
+                ce = float(-(pc / pc.sum() * s.log_softmax(-1)).sum()) if pc.sum() > 0 else ce_hard
+                want_soft += wk * ce
+                want_hard += wk * ce_hard
+                wsum += wk
+    assert n > 0
+    assert abs(float(soft) - want_soft / wsum) < 1e-3 * max(1.0, want_soft / wsum), (float(soft), want_soft / wsum)
+    assert abs(float(hard) - want_hard / wsum) < 1e-3 * max(1.0, want_hard / wsum)
+    assert abs(float(soft) - float(hard)) > 1e-2       # the two terms differ on this sequence

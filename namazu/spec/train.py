@@ -165,7 +165,8 @@ def draft_hidden(drafter: DFlashDrafter, embed: torch.Tensor, ids: torch.Tensor,
 
 def batch_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], outs: list[TargetOutputs],
                anchors: int, rng: np.random.Generator, soft_weight: float = 0.0,
-               vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+               vocab: torch.Tensor | None = None, selector_soft_weight: float = 0.0
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(block loss, selector loss, number of trained positions) of random anchors of several sequences,
     packed end to end into one forward (each block sees its own sequence's context only). With
     soft_weight > 0 the block loss mixes the captured token's cross-entropy with the cross-entropy against
@@ -173,7 +174,11 @@ def batch_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], 
     accepted with probability sum min(p, q), so the drafter's whole distribution matters, not only its top.
     vocab (sorted token ids): the draft vocabulary it will serve with; the softmax runs over those rows of
     the lm_head only (the distribution the serving walk draws from), and a position whose token lies
-    outside it is not trained (it can never be drafted)."""
+    outside it is not trained (it can never be drafted). selector_soft_weight > 0 does the same for the
+    selector: its softmax over the K candidates is also trained against the target's distribution restricted
+    to them (renormalised), because at T > 0 that softmax, tempered, is the q the lossless rule sees, and
+    sum min(p_T, q) is largest when q has p_T's shape over the candidates, not only its argmax. A captured
+    token sampled at T > 0 is one noisy draw of that shape; the target's own distribution is all of it."""
     cfg = drafter.cfg
     b = cfg.block_size
     k = torch.arange(1, b)
@@ -195,7 +200,7 @@ def batch_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], 
         pos.append(torch.arange(t))
         seq.append(torch.full((t,), i))
         hid.append(out.hidden)
-        if soft_weight > 0 and out.soft_p is not None:
+        if (soft_weight > 0 or selector_soft_weight > 0) and out.soft_p is not None:
             soft_ids.append(out.soft_ids)
             soft_p.append(out.soft_p)
         off += t
@@ -239,13 +244,21 @@ def batch_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], 
     cols.append(cand)
     g = logits.log_softmax(-1).gather(-1, torch.cat(cols, -1))
     ce = -g[..., 0]
-    if use_soft:
+    if use_soft and soft_weight > 0:
         ce = (1 - soft_weight) * ce - soft_weight * (sp * g[..., 1:1 + sid.shape[-1]]).sum(-1)
     block = (ce * w).sum() / w.sum().clamp_min(1e-6)
     prev = torch.cat([ids[anc].unsqueeze(1), labels[:, :-1]], dim=1)
     cand_ids = cand if vocab is None else vocab[cand]
     scores = drafter.selector.scores(prev, cand_ids, g[..., -cfg.selector_k:], h)
     sce = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view_as(labels)
+    if use_soft and selector_soft_weight > 0:
+        # p's mass on each candidate (0 where it is not among the kept top entries), renormalised over
+        # the candidates; positions where no candidate is among them keep the captured token's term only.
+        pc = ((cand.unsqueeze(-1) == sid.unsqueeze(-2)) * sp.unsqueeze(-2)).sum(-1)       # [M, B-1, K]
+        mass = pc.sum(-1, keepdim=True)
+        soft_sce = -(pc / mass.clamp_min(1e-9) * scores.log_softmax(-1)).sum(-1)
+        sce = torch.where(mass.squeeze(-1) > 0, (1 - selector_soft_weight) * sce + selector_soft_weight * soft_sce,
+                          sce)
     sel = (sce * w).sum() / w.sum().clamp_min(1e-6)
     return block, sel, int(valid.sum())
 
@@ -362,7 +375,8 @@ def train(args: argparse.Namespace) -> dict:
                        block_size=args.block_size, num_layers=args.num_layers, num_heads=args.num_heads,
                        head_dim=args.head_dim, intermediate_size=args.intermediate_size,
                        selector_k=args.selector_k, selector_rank=args.selector_rank, trained_on=args.text_mode)
-    target = Target(target_path, layers, args.hidden_cache, soft_top=args.soft_top if args.soft_weight > 0 else 0)
+    target = Target(target_path, layers, args.hidden_cache,
+                    soft_top=args.soft_top if args.soft_weight > 0 or args.selector_soft_weight > 0 else 0)
     drafter = DFlashDrafter(cfg)
     n_params, budget = num_parameters(drafter), non_embedding_parameters(target.model)
     log.info("drafter: %d parameters = %.1f%% of the target's %d non-embedding parameters", n_params,
@@ -437,7 +451,7 @@ def train(args: argparse.Namespace) -> dict:
             batch_out.append(target.outputs(examples[i].ids, key=f"{args.text_mode}-{i}"))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             block, sel, n_tok = batch_loss(drafter, target, batch_ex, batch_out, args.anchors, rng, args.soft_weight,
-                                           vocab)
+                                           vocab, args.selector_soft_weight)
             loss = block + cfg.selector_alpha * sel
         if n_tok:
             loss.backward()
@@ -486,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--soft-weight", type=float, default=0.0,
                     help="share of the block loss taken against the target's own next-token distribution")
     ap.add_argument("--soft-top", type=int, default=32, help="entries kept of that distribution")
+    ap.add_argument("--selector-soft-weight", type=float, default=0.0,
+                    help="share of the selector's loss taken against the target's distribution over its candidates "
+                    "(its --soft-top entries)")
     ap.add_argument("--reload-data", action="store_true",
                     help="read --data again at every epoch (a capture that is still growing)")
     ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: never)")
