@@ -99,7 +99,7 @@ def test_explicit_settings_override_the_defaults():
     c = choose(num_speculative_tokens=2)                    # N given, no drafter named: the shipped one
     assert isinstance(c.drafter, DFlashProposer) and c.drafter.path == shipped()
     assert c.num_speculative_tokens == 2 and c.disable_batch_size == AUTO_DISABLE_BATCH_SIZE
-    assert choose(speculative_disable_batch_size=8).disable_batch_size == 8
+    assert choose(speculative_disable_batch_size=16).disable_batch_size == 16 != AUTO_DISABLE_BATCH_SIZE
     assert choose(speculative_disable_batch_size=0).disable_batch_size == 0
     named = choose(speculative_model=shipped())             # a named drafter: never disabled unless asked
     assert named.num_speculative_tokens == DFlashConfig.load(shipped()).num_draft_tokens
