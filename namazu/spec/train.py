@@ -10,7 +10,8 @@ Per sequence: the frozen target's hidden states of the drafter's `target_layers`
 fp32 as served; `--hidden-cache DIR` keeps them on disk for later epochs), many random anchors, all of
 them trained in one pass: each block sees the context strictly before its anchor and itself
 bidirectionally; block position k predicts token anchor + k with cross-entropy weighted exp(-(k-1)/gamma),
-plus the selector's K-way cross-entropy (gold inserted if missing) weighted by alpha. AdamW, warm-up,
+plus the selector's K-way cross-entropy (gold inserted if missing; with --selector-soft-weight
+partly against the target's distribution over the candidates) weighted by alpha. AdamW, warm-up,
 cosine decay, grad clip 1.0, bf16 autocast on CPU. Stops at --steps or --time-budget minutes. At the end:
 held-out acceptance length (greedy drafts against the captured outputs, as the engine's verify step at
 T=0 would count them), written to train_log.json beside the checkpoint.
