@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from namazu.spec.capture import read_records
 from namazu.spec.dflash import DFlashDrafter, num_parameters
@@ -251,13 +250,14 @@ def batch_loss(drafter: DFlashDrafter, target: Target, examples: list[Example], 
     prev = torch.cat([ids[anc].unsqueeze(1), labels[:, :-1]], dim=1)
     cand_ids = cand if vocab is None else vocab[cand]
     scores = drafter.selector.scores(prev, cand_ids, g[..., -cfg.selector_k:], h)
-    sce = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view_as(labels)
+    log_q = scores.log_softmax(-1)                                       # one log-softmax for both terms
+    sce = -log_q.gather(-1, gold.unsqueeze(-1)).squeeze(-1)
     if use_soft and selector_soft_weight > 0:
         # p's mass on each candidate (0 where it is not among the kept top entries), renormalised over
         # the candidates; positions where no candidate is among them keep the captured token's term only.
         pc = ((cand.unsqueeze(-1) == sid.unsqueeze(-2)) * sp.unsqueeze(-2)).sum(-1)       # [M, B-1, K]
         mass = pc.sum(-1, keepdim=True)
-        soft_sce = -(pc / mass.clamp_min(1e-9) * scores.log_softmax(-1)).sum(-1)
+        soft_sce = -(pc / mass.clamp_min(1e-9) * log_q).sum(-1)
         sce = torch.where(mass.squeeze(-1) > 0, (1 - selector_soft_weight) * sce + selector_soft_weight * soft_sce,
                           sce)
     sel = (sce * w).sum() / w.sum().clamp_min(1e-6)
