@@ -183,3 +183,33 @@ def test_selector_soft_loss_is_the_cross_entropy_against_the_target_over_the_can
     assert abs(float(soft) - want_soft / wsum) < 1e-3 * max(1.0, want_soft / wsum), (float(soft), want_soft / wsum)
     assert abs(float(hard) - want_hard / wsum) < 1e-3 * max(1.0, want_hard / wsum)
     assert abs(float(soft) - float(hard)) > 1e-2       # the two terms differ on this sequence
+
+
+def test_memory_cache_packs_target_outputs_into_shared_slabs():
+    """`--hidden-cache memory` keeps each sequence's target outputs inside a few large slabs (HostArena:
+    thousands of small long-lived tensors fragmented glibc's heap to 9x their size), with the same values
+    as computing them again."""
+    import torch
+
+    from namazu.spec.train import HostArena
+
+    target = Target(tiny_checkpoint(), [0, 1], "memory", soft_top=8)
+    target.arena = HostArena(slab_bytes=64 << 10)       # small slabs: these tensors fill several
+    fresh = Target(tiny_checkpoint(), [0, 1], soft_top=8)
+    seqs = [prompts(1, 12 + 5 * i, 12 + 5 * i, seed=i)[0] for i in range(6)]
+    kept = [target.outputs(ids, key=str(i)) for i, ids in enumerate(seqs)]
+    storages = set()
+    for i, (ids, out) in enumerate(zip(seqs, kept)):
+        again = fresh.outputs(ids)
+        assert target.outputs(ids, key=str(i)) is out                  # served from the cache
+        for a, b in zip(out.hidden + [out.soft_ids, out.soft_p], again.hidden + [again.soft_ids, again.soft_p]):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+            assert a.untyped_storage().nbytes() >= 64 << 10           # a view into a slab, not its own tensor
+            storages.add(a.untyped_storage().data_ptr())
+    assert 1 < len(storages) < 6 * 4                                   # several tensors a slab, several slabs
+    # A tensor larger than a slab gets a slab of its own size; alignment keeps every dtype viewable.
+    arena = HostArena(slab_bytes=1024)
+    odd, wide, big = torch.ones(3, dtype=torch.float16), torch.rand(5, dtype=torch.float64), torch.arange(1000)
+    assert torch.equal(arena.keep(odd), odd) and torch.equal(arena.keep(wide), wide)    # 6 bytes, then 8-byte items
+    kept_big = arena.keep(big)
+    assert torch.equal(kept_big, big) and kept_big.untyped_storage().nbytes() == big.numel() * 8
