@@ -31,26 +31,26 @@ from namazu.spec.proposer import Proposer
 SHIPPED_DRAFTER_DIR = "drafter"
 
 # The batch size up to which the shipped drafter paid (CPU, eager, fp32, namazu-tiny, idle machine, answers
-# that end at EOS, bench/RESULTS.md round 7: `python bench/drafter_step.py --requests CAPTURE --batch 1 2 4 8
-# --rounds 2 --groups 24 --output-len 128 --min-confidence 0 0.05`): 1.48x / 1.46x / 1.38x / 1.22x of plain
-# decoding at batch 1 / 2 / 4 / 8 with blocks ending at 0.05, so it still paid at 8. At 16 it paid 1.11x and so
-# did this threshold (drafting only while at most 8 run): no gain measured from raising it. (Round 5's
-# drafter, acceptance 2.95, had broken even at 8: 1.06x.) Fixed 48-token answers run
-# past EOS into text no drafter was trained on, where round 4 found batches 2-4 did not pay (0.92-0.93x).
-# `python bench/drafter_step.py` prints off / on / auto side by side and the largest batch at which drafting
-# paid.
+# that end at EOS, bench/RESULTS.md round 8: `python bench/drafter_step.py --requests CAPTURE --batch 1 2 4 8
+# --rounds 2 --groups 24 --output-len 128 --min-confidence 0 0.01`): 1.63x / 1.60x / 1.61x / 1.26x of plain
+# decoding at batch 1 / 2 / 4 / 8 with blocks ending at 0.01, so it still pays at 8. Round 7's drafter paid 1.11x
+# at 16 and so did this threshold (drafting only while at most 8 run), and 0.96x at 32 (0.81x at 64): drafting
+# stops paying between 16 and 32, and raising the threshold past 8 gained nothing measurable. Fixed 48-token
+# answers run past EOS into text no drafter was trained on, where round 4 found batches 2-4 did not pay
+# (0.92-0.93x). `python bench/drafter_step.py` prints off / on / auto side by side and the largest batch at
+# which drafting paid.
 AUTO_DISABLE_BATCH_SIZE = 8
 
 # The running-confidence threshold at which the shipped drafter's blocks end (`dflash.draft_counts`). It
-# belongs to the drafter: round 7's selector is trained against the target's distribution over 16
-# candidates, so its softmax is flatter than round 5's and its confidences lower. Idle machine, batch 1, 200
-# held-out captured prompts, 128 tokens (`python bench/drafter_step.py --requests CAPTURE --batch 1 --rounds 2
-# --groups 100 --output-len 128 --min-confidence 0 0.05 0.1 0.2`, and auto at round 5's 0.35): decode
-# 1.62x / 1.61x / 1.56x / 1.44x / 1.28x of speculation off at 0 / 0.05 / 0.1 / 0.2 / 0.35, with 6.87 /
-# 5.07 / 4.27 / 3.37 / 2.67 verify rows per verify step at acceptance length 3.54 / 3.34 / 3.11 / 2.74 / 2.35;
-# across batch 1-8 0.05 was within 1% of full blocks or up to 2% faster (1.48x against 1.45x at batch 1,
-# 1.22x against 1.21x at 8) with a quarter fewer verify rows. `bench/draft_confidence.py` calibrates it.
-AUTO_MIN_CONFIDENCE = 0.05
+# belongs to the drafter: round 8's selector spreads its softmax over 32 candidates, trained against the
+# target's distribution over them, so its confidences are lower than round 7's (16 candidates, 0.05) and
+# 0.05 cut its blocks to 3.2 drafts at T=0. Idle machine, batch 1, 200 held-out captured prompts, 128 tokens
+# (`python bench/drafter_step.py --drafters K32=DIR --requests CAPTURE --batch 1 --rounds 2 --groups 100
+# --output-len 128 --min-confidence 0 0.01 0.02`): decode 2.07x / 2.05x / 2.00x of speculation off at
+# 0 / 0.01 / 0.02 with 6.88 / 5.89 / 5.39 verify rows per verify step at acceptance length 3.79 / 3.72 /
+# 3.62; across batch 1-8 0.01 was as fast as full blocks or up to 2.5% faster (1.63x against 1.59x at batch 1,
+# 1.26x against 1.24x at 8) with 15% fewer verify rows. `bench/draft_confidence.py` calibrates it.
+AUTO_MIN_CONFIDENCE = 0.01
 
 
 @dataclass(frozen=True)
