@@ -16,9 +16,9 @@ re-weighted selector term in q.
 
 Both estimates average over every anchor of an output; a decode visits only the anchors where its verify
 steps end, and those lie more often where drafts fail (a step that accepts little moves on little). The
-"visited anchors" line replays that: per output, a chain of verify steps from its first anchor, each
-accepting draft j with the overlap alpha_j of its anchor along the capture, moving on by what it accepted
-plus one; tokens over steps is what the engine would measure if its path followed the capture (the
+column "the anchors a decode visits" replays that: per output, a chain of verify steps from its first
+anchor, each accepting draft j with the overlap alpha_j of its anchor along the capture, moving on by what
+it accepted plus one; tokens over steps is what the engine would measure if its path followed the capture (the
 engine's own measure, `bench/spec_acceptance.py`, is tokens over verify steps too).
 """
 from __future__ import annotations
