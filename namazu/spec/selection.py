@@ -33,9 +33,10 @@ SHIPPED_DRAFTER_DIR = "drafter"
 # The batch size up to which the shipped drafter paid (CPU, eager, fp32, namazu-tiny, idle machine, answers
 # that end at EOS, bench/RESULTS.md round 8: `python bench/drafter_step.py --requests CAPTURE --batch 1 2 4 8
 # --rounds 2 --groups 24 --output-len 128 --min-confidence 0 0.01`): 1.63x / 1.60x / 1.61x / 1.26x of plain
-# decoding at batch 1 / 2 / 4 / 8 with blocks ending at 0.01, so it still pays at 8. Round 7's drafter paid 1.11x
-# at 16 and so did this threshold (drafting only while at most 8 run), and 0.96x at 32 (0.81x at 64): drafting
-# stops paying between 16 and 32, and raising the threshold past 8 gained nothing measurable. Fixed 48-token
+# decoding at batch 1 / 2 / 4 / 8 with blocks ending at 0.01, so it still pays at 8; 1.12x at 16 and 0.86x at 32
+# (`--batch 16 32 --groups 4 --min-confidence 0.01`; round 7's drafter: 1.11x, 0.96x, and 0.81x at 64), while
+# this threshold (drafting only while at most 8 run) read 1.15x and 1.00x: drafting stops paying between 16
+# and 32, and raising the threshold past 8 gained nothing measurable. Fixed 48-token
 # answers run past EOS into text no drafter was trained on, where round 4 found batches 2-4 did not pay
 # (0.92-0.93x). `python bench/drafter_step.py` prints off / on / auto side by side and the largest batch at
 # which drafting paid.
