@@ -133,7 +133,7 @@ class Target:
         # "memory": computed once per sequence and kept for later epochs (fp32, as served); a directory:
         # the same on disk.
         self.memory: dict[str, TargetOutputs] | None = {} if cache_dir == "memory" else None
-        self.arena = HostArena()
+        self.arena = HostArena() if self.memory is not None else None
         self.cache_dir = Path(cache_dir) if cache_dir and cache_dir != "memory" else None
         if self.cache_dir:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
