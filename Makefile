@@ -88,13 +88,13 @@ DRAFTER_DATA = $(foreach s,$(DRAFTER_SEEDS),$(DRAFTER_BUILD)/capture-train-$(s))
 drafter-model: $(STAMP)
 	rm -rf $(DRAFTER_BUILD)/capture-*
 	set -e; pids=""; for s in $(DRAFTER_SEEDS); do \
-	  OMP_NUM_THREADS=1 $(PY) -m namazu.spec.traffic --out $(DRAFTER_BUILD)/train_requests_$$s.jsonl -n 1500 --seed $$s \
+	  OMP_NUM_THREADS=1 $(PY) -m namazu.spec.training.traffic --out $(DRAFTER_BUILD)/train_requests_$$s.jsonl -n 1500 --seed $$s \
 	    --capture-dir $(DRAFTER_BUILD)/capture-train-$$s & pids="$$pids $$!"; done; \
-	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.traffic --out $(DRAFTER_BUILD)/heldout_requests.jsonl -n 250 --split valid --seed 1 \
+	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.training.traffic --out $(DRAFTER_BUILD)/heldout_requests.jsonl -n 250 --split valid --seed 1 \
 	  --capture-dir $(DRAFTER_BUILD)/capture-heldout; \
 	for p in $$pids; do wait $$p; done
-	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.train --data $(DRAFTER_DATA) --heldout $(DRAFTER_BUILD)/capture-heldout --out $(TINY_DIR)/drafter $(DRAFTER_TRAIN)
-	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.calibrate --drafter $(TINY_DIR)/drafter --data $(DRAFTER_DATA) $(DRAFTER_CALIBRATE)
+	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.training.train --data $(DRAFTER_DATA) --heldout $(DRAFTER_BUILD)/capture-heldout --out $(TINY_DIR)/drafter $(DRAFTER_TRAIN)
+	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.training.calibrate --drafter $(TINY_DIR)/drafter --data $(DRAFTER_DATA) $(DRAFTER_CALIBRATE)
 
 # MoE kernel microbenchmark: every backend, BF16 and NVFP4, vs a roofline measured in the same run
 # (ARGS="--write" updates bench/RESULTS.md; on a GPU machine it runs the Kimi-K2 and namazu-tiny shapes).

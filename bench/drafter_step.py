@@ -24,7 +24,7 @@ auto side by side with their ratios, and the largest batch at which drafting pai
 (--ignore-eos: always --output-len; past EOS the target writes text no drafter was trained on, which
 understates acceptance), --groups generate calls per round on other prompts; prompts are held-out
 captured prompts (--requests) or, by default, 64 held-out chat requests of the drafter's traffic mix
-(`namazu.spec.traffic`, valid split) through the default model's chat template.
+(`namazu.spec.training.traffic`, valid split) through the default model's chat template.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from namazu import LLM, SamplingParams
     from namazu.assets import default_model_path
-    from namazu.engine import mean_acceptance_length
+    from namazu.engine.llm_engine import mean_acceptance_length
     from namazu.spec.selection import SHIPPED_DRAFTER_DIR
 
     if args.requests:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         # Held-out chat requests like the drafter's traffic (random token ids would understate its
         # acceptance, and so the break-even), through the default model's chat template.
         from namazu.assets import resolve_model_path
-        from namazu.spec.traffic import build_requests
+        from namazu.spec.training.traffic import build_requests
         from namazu.tokenizer import Tokenizer
 
         tok = Tokenizer.from_pretrained(resolve_model_path(None))

@@ -84,7 +84,7 @@ env_check() {
   $PY -c 'import sys, torch; assert torch.cuda.is_available(), f"torch {torch.__version__} sees no GPU"; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())' || return 1
   $PY -c 'import triton; print("triton", triton.__version__)' || return 1
   $PY -c 'import cuda.bindings; print("cuda-python (cuda.bindings)", cuda.bindings.__version__)' \
-    || echo "cuda-python missing: the cubin path (tests/test_cubin_gpu.py) will fail"
+    || echo "cuda-python missing: the cubin path (tests/kernels/test_cubin_gpu.py) will fail"
   CUDA_HOME=$(find_cuda_home) || { echo "no CUDA toolkit found (nvcc on PATH: $(command -v nvcc))"; return 1; }
   echo "CUDA_HOME=$CUDA_HOME"; "$CUDA_HOME/bin/nvcc" --version | tail -1
 }
@@ -125,17 +125,17 @@ EOF_PY
 
 gpu_tests() {
   local rc=0 crc
-  run_tests tests/test_kernels_cuda_build.py tests/test_cubin_loader.py tests/test_cubin_gpu.py \
-    tests/test_kernels_gpu.py tests/test_kernels_dispatch.py || rc=1
+  run_tests tests/kernels/test_kernels_cuda_build.py tests/kernels/test_cubin_loader.py tests/kernels/test_cubin_gpu.py \
+    tests/kernels/test_kernels_gpu.py tests/kernels/test_kernels_dispatch.py || rc=1
   # The C++ CPU kernel built with this machine's compiler, in its own process: a crash there must not
   # hide the GPU tests' report. On a crash, the native backtrace (cuda-gdb also debugs host code).
-  run_tests tests/test_kernels_cpu.py; crc=$?
+  run_tests tests/kernels/test_kernels_cpu.py; crc=$?
   if [ $crc -ne 0 ]; then
     rc=1
     if [ $crc -gt 128 ] && command -v cuda-gdb >/dev/null; then
       echo "--- native backtrace of the crash (cuda-gdb)"
       timeout 90 cuda-gdb -q -batch -ex run -ex "bt 25" --args $PY -m pytest -q -p no:cacheprovider -x \
-        tests/test_kernels_cpu.py 2>&1 | grep -vE "^\[(New|Thread|Detaching)" | tail -45
+        tests/kernels/test_kernels_cpu.py 2>&1 | grep -vE "^\[(New|Thread|Detaching)" | tail -45
     fi
   fi
   return $rc
@@ -144,8 +144,8 @@ gpu_tests() {
 engine_tests() {
   # The CPU suite's engine tests, now on the GPU: graph mode captures CUDA graphs here instead of
   # compiling, and the no-host-sync guard checks the code that would stall the device queue.
-  $PY -m pytest -q -p no:cacheprovider -rs tests/test_graph_mode.py tests/test_engine_nosync.py \
-    tests/test_engine_spec.py tests/test_dflash.py
+  $PY -m pytest -q -p no:cacheprovider -rs tests/worker/test_graph_mode.py tests/worker/test_host_sync_guard.py \
+    tests/spec/test_engine_spec.py tests/spec/test_dflash.py
 }
 
 spec_bench() {

@@ -4,7 +4,7 @@
         [--drafter namazu/assets/namazu-tiny/drafter] [--temperatures 0.7 1.0] [--candidates 8 16 32] [--limit 250]
 
 Offline, on held-out captured requests (the target run over each prompt + captured output, the drafter
-over a block at every output anchor, both along the captured continuation: `namazu.spec.calibrate`'s
+over a block at every output anchor, both along the captured continuation: `namazu.spec.training.calibrate`'s
 estimate, and the engine's, both defined in that module's docstring). Per temperature it prints, per
 draft position j:
 E[sum_x min(p_T(x), q(x))] with today's q (scale 1) and with the drafter config's `q_temperature_scale`;
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def lengths(pos, t: float, scales, k_cand: int) -> str:
     """'along the capture | engine estimate' expected acceptance lengths of q at these scales."""
-    from namazu.spec import calibrate as cal
+    from namazu.spec.training import calibrate as cal
 
     sc = np.asarray(scales, dtype=float)
     along = cal.expected_length(cal.overlap(pos, t, sc, k_cand), pos.valid)
@@ -78,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from namazu.assets import resolve_model_path
     from namazu.config import ModelConfig
-    from namazu.spec import calibrate as cal
     from namazu.spec.capture import read_records
     from namazu.spec.dflash import DFlashDrafter
-    from namazu.spec.train import Target
+    from namazu.spec.training import calibrate as cal
+    from namazu.spec.training.train import Target
 
     torch.set_num_threads(1)
     target_path = str(resolve_model_path(args.model))

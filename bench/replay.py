@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from namazu.spec.capture import read_records
-from namazu.spec.traffic import ReplayResult, ServerProcess, _post_stream
+from namazu.spec.training.traffic import ReplayResult, ServerProcess, _post_stream
 
 REPLAY_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                "repetition_penalty", "stop", "ignore_eos", "min_tokens")
@@ -126,7 +126,7 @@ def regenerate(sources: list[str], limit: int, temperature: float, top_p: float)
     with it."""
     from namazu import LLM, SamplingParams
     from namazu.spec.capture import read_records
-    from namazu.spec.train import Example
+    from namazu.spec.training.train import Example
 
     recs = list(read_records(sources))[:limit]
     params = [SamplingParams(temperature=temperature, top_p=top_p if temperature > 0 else 1.0, seed=i,
@@ -150,7 +150,7 @@ def simulate(sources: list[str], drafters: list[str], k: int, limit: int, exampl
     from namazu.assets import resolve_model_path
     from namazu.spec.dflash import DFlashDrafter
     from namazu.spec.drafters import NgramProposer
-    from namazu.spec.train import Target, acceptance_length, load_examples
+    from namazu.spec.training.train import Target, acceptance_length, load_examples
 
     examples = examples if examples is not None else load_examples(sources, 4096)[:limit]
     target_path = str(resolve_model_path(None))

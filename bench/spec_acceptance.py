@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=200)
     ap.add_argument("--captured-temperature", type=float, default=None, metavar="T",
                     help="only the requests captured at temperature T (the ones whose captured answers are "
-                         "samples of what --temperature T replays: `namazu.spec.calibrate`'s estimate uses those)")
+                         "samples of what --temperature T replays: `namazu.spec.training.calibrate`'s estimate "
+                         "uses those)")
     ap.add_argument("--k", type=int, default=6, help="draft tokens per step")
     ap.add_argument("--greedy-drafts", action="store_true", help="DFlash drafts its top tokens at T > 0")
     ap.add_argument("--min-confidence", type=float, nargs="+", default=[0.0], metavar="X",

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def top_probs(logits: torch.Tensor, sampling: dict, temperature: float) -> torch.Tensor:
     """[T, V] raw logits -> [T] probability of the top token under the request's sampling distribution."""
-    from namazu.spec.calibrate import target_probs
+    from namazu.spec.training.calibrate import target_probs
 
     return target_probs(logits, sampling, temperature).max(dim=-1).values
 

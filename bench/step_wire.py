@@ -1,5 +1,5 @@
 """The step hand-off on both sides of the process boundary: pickled StepBatch over the pipe (before issue 16
-item 5) vs the delta message (namazu/step_delta.py) through the shared-memory ring (namazu/step_channel.py),
+item 5) vs the delta message (namazu/step/delta.py) through the shared-memory ring (namazu/step/channel.py),
 per decode step, interleaved in one run.
 
     python bench/step_wire.py [--batch 1 32] [--context 64 2048] [--steps 200] [--rounds 3]
@@ -25,7 +25,7 @@ import time
 
 def _batches(batch: int, context: int, steps: int):
     from namazu import SamplingParams
-    from namazu.batch_builder import build_step_batch
+    from namazu.engine.batch_builder import build_step_batch
     from namazu.scheduler.scheduler import ScheduledSeq
     from namazu.scheduler.sequence import Sequence
 
@@ -47,7 +47,7 @@ def _batches(batch: int, context: int, steps: int):
 
 
 def _run(batches, kind: str) -> tuple[list[float], list[float], list[int]]:
-    from namazu.step_delta import StepDecoder, StepEncoder
+    from namazu.step.delta import StepDecoder, StepEncoder
 
     enc, dec = StepEncoder(), StepDecoder()
     send, recv, sizes = [], [], []
@@ -65,8 +65,8 @@ def _run(batches, kind: str) -> tuple[list[float], list[float], list[int]]:
 
 def _echo(conn, kind: str, ring_name: str | None) -> None:
     """The worker's side of the round trip: receive, decode, answer."""
-    from namazu.step_channel import StepReader, is_notice
-    from namazu.step_delta import StepDecoder
+    from namazu.step.channel import StepReader, is_notice
+    from namazu.step.delta import StepDecoder
 
     reader = StepReader(ring_name) if ring_name else None
     dec = StepDecoder()
@@ -86,8 +86,8 @@ def _echo(conn, kind: str, ring_name: str | None) -> None:
 def _round_trips(batches, kind: str) -> list[float]:
     import multiprocessing as mp
 
-    from namazu.step_channel import StepRing
-    from namazu.step_delta import StepEncoder
+    from namazu.step.channel import StepRing
+    from namazu.step.delta import StepEncoder
 
     ctx = mp.get_context("spawn")
     ring = StepRing(8 << 20) if kind == "delta" else None     # "delta-pipe": the same bytes over the pipe

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from namazu import LLM
-from namazu.worker import Worker
+from namazu.worker.rank import Worker
 
 
 def _replicated_bytes(model) -> int:

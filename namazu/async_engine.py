@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from namazu.config import ModelConfig
-from namazu.engine import EngineStats, LLMEngine
+from namazu.engine.llm_engine import EngineStats, LLMEngine
 from namazu.engine_config import EngineConfig
 from namazu.outputs import RequestOutput
 from namazu.sampling_params import SamplingParams
@@ -42,7 +42,7 @@ from namazu.spec.capture import CaptureWriter, record_from_output
 from namazu.spec.proposer import Proposer
 from namazu.structured.factory import needs_compiler
 from namazu.tokenizer import Tokenizer
-from namazu.worker import WorkerError
+from namazu.worker.executor import WorkerError
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from namazu.engine import LLMEngine
+from namazu.engine.llm_engine import LLMEngine
 from namazu.engine_config import EngineConfig
 from namazu.outputs import RequestOutput
 from namazu.sampling_params import SamplingParams

@@ -2,7 +2,7 @@
 
 GET /kv/events?after=N[&limit=M][&replica_id=ID]: the prefix cache's events with id > N (see
 `namazu.scheduler.kv_events`); a cursor that cannot be replayed gets a snapshot of every stored hash.
-GET /load: queue depth, active KV blocks and the measured step rates (`namazu.step_rates`), cheap enough
+GET /load: queue depth, active KV blocks and the measured step rates (`namazu.engine.step_rate_fit`), cheap enough
 to poll several times a second.
 """
 from __future__ import annotations

@@ -1,8 +1,9 @@
 import os
 import sys
 
-# Test helpers (oracle checkpoint builders) live beside the tests.
-sys.path.insert(0, os.path.dirname(__file__))
+# The shared test harnesses (checkpoint builders, oracles, server and router harnesses) live in one place,
+# importable by name from every test folder.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "harness"))
 
 # Without a GPU, Triton kernels can only run in its interpreter, and Triton fixes interpreter vs compiler
 # when it is first imported (its own library included): set it before any test module imports triton.

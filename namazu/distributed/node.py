@@ -41,14 +41,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from namazu.config import ModelConfig
     from namazu.spec.selection import choose_speculation
-    from namazu.worker import _worker_main
+    from namazu.worker.rank import worker_main
 
     # The same choice as the engine's on node 0, so every rank holds the same proposer.
     model_path = resolve_model_path(config.model)
     choice = choose_speculation(config, model_path, ModelConfig.from_pretrained(model_path))
     config, drafter = choice.resolve(config), choice.drafter
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker_main, name=f"namazu-worker-{rank}",
+    procs = [ctx.Process(target=worker_main, name=f"namazu-worker-{rank}",
                          args=(None, config, str(model_path), layout.rank_env(rank),
                                logging.INFO, drafter, None, None, os.getpid()))
              for rank in layout.local_ranks]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from namazu.config import ModelConfig
-from namazu.context import get_forward_context
+from namazu.layers.forward_context import get_forward_context
 from namazu.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from namazu.layers.norm import RMSNorm
 from namazu.layers.rotary import RotaryEmbedding, yarn_softmax_scale

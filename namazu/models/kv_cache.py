@@ -48,7 +48,7 @@ class ContiguousLatentCache:
 @torch.no_grad()
 def forward_with_cache(model, input_ids: torch.Tensor, cache: ContiguousLatentCache) -> torch.Tensor:
     """input_ids [B, T] continuing each row of `cache`; returns fp32 logits [B, T, V]."""
-    from namazu.context import forward_context
+    from namazu.layers.forward_context import forward_context
 
     b, t = input_ids.shape
     positions = torch.arange(cache.length, cache.length + t, device=input_ids.device).expand(b, t)

@@ -54,7 +54,7 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    detok: Any = None                # namazu.detokenizer.IncrementalDetokenizer, set by the engine
+    detok: Any = None                # namazu.engine.detokenizer.IncrementalDetokenizer, set by the engine
     grammar: Any = None              # namazu.structured.grammar.Grammar, or None (unconstrained)
     # Speculation: the worker holds drafts for this sequence; the engine plans how many to verify.
     num_next_drafts: int = 0         # drafts the worker proposed after this sequence's last step

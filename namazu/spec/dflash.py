@@ -10,7 +10,7 @@ drafted position. DFlash2 adds a two-tap dynamic depthwise convolution on every 
 never cross the block boundary) and a selector that re-ranks the top-K candidates of adjacent positions
 with predecessor/successor codebooks.
 
-Training (`namazu.spec.train`) calls `forward_blocks` with the context of a whole sequence and many
+Training (`namazu.spec.training.train`) calls `forward_blocks` with the context of a whole sequence and many
 anchors; serving (`namazu.spec.dflash_proposer`) calls it with the context gathered from the paged cache.
 """
 from __future__ import annotations
@@ -299,7 +299,7 @@ class DFlashDrafter(nn.Module):
         s, pick = first.float(), anchor
         ids, qs, confs = [], [], []
         # Calibrated sampling temperature per position (config `q_temperature_scale`, fitted by
-        # `namazu.spec.calibrate`): the drafter's scores are not the target's logits, so s / T alone is not
+        # `namazu.spec.training.calibrate`): the drafter's scores are not the target's logits, so s / T alone is not
         # the q closest to the target's tempered distribution. Greedy rows never see it.
         scale = self.cfg.q_temperature_scale or [1.0] * k
         for j in range(k):

@@ -48,7 +48,7 @@ class DFlashConfig:
     draft_vocab_size: int = 0
     # Sampling calibration: where a request samples at temperature T, draft j is drawn from
     # softmax(s_j / (T * q_temperature_scale[j])) over the selector's candidates (the q the lossless rule
-    # sees). Fitted on captured traffic by `namazu.spec.calibrate`; empty = scale 1 at every position.
+    # sees). Fitted on captured traffic by `namazu.spec.training.calibrate`; empty = scale 1 at every position.
     q_temperature_scale: list[float] = field(default_factory=list)
     trained_on: str = field(default="")   # provenance note (data kind), informational
 

@@ -8,7 +8,7 @@ token outside the shortlist can only be missed, never drafted wrongly (verificat
     python -m namazu.spec.draft_vocab --drafter DIR --data CAPTURE... --size N [--out DIR]
 
 sets (or, with --size 0, removes) the shortlist of an existing drafter checkpoint from the same counts
-`namazu.spec.train --draft-vocab N` uses.
+`namazu.spec.training.train --draft-vocab N` uses.
 """
 from __future__ import annotations
 

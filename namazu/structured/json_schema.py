@@ -4,7 +4,7 @@ xgrammar compiles many keywords into the grammar and silently ignores others. A 
 not enforced would let an output claim to follow a schema it breaks, so a schema that uses one is
 refused with a 400 naming the keyword and where it is. The supported set was established by
 sampling random grammar-valid outputs for each keyword and validating them with `jsonschema`
-(format checking on); see tests/test_structured_xgrammar.py, which keeps that check.
+(format checking on); see tests/structured/test_structured_xgrammar.py, which keeps that check.
 """
 from __future__ import annotations
 

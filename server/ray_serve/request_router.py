@@ -6,7 +6,7 @@ replica publishes, through `record_routing_stats`, a snapshot of its KV events l
 event id, every stored block hash) with its queue depth and active KV blocks. The snapshot feeds the
 same `EventIndex` the HTTP router uses, the router's own routing history covers what the snapshot
 cannot show yet, and the cost is `server.router.policy`'s, so both paths route alike. The wait is priced at
-the rates each replica measures of its own steps (`namazu.step_rates`), since first tokens are not seen here.
+the rates each replica measures of its own steps (`namazu.engine.step_rate_fit`), since first tokens are not seen here.
 """
 from __future__ import annotations
 

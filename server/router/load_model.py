@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from namazu.step_rates import DecayedLinearFit
+from namazu.engine.step_rate_fit import DecayedLinearFit
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def _measured(report: Mapping[str, object], key: str) -> float:
 
 
 def reported_rates(report: Mapping[str, object], prior: Rates = PRIOR) -> Rates:
-    """A replica's own measurement of its rates (`namazu.step_rates`, in `GET /load` and Ray Serve's routing
+    """A replica's own measurement of its rates (`namazu.engine.step_rate_fit`, in `GET /load` and Ray Serve's routing
     stats), each rate the prior's until the replica has measured it. The fixed part of a first token is a
     step's own (the prefill step's cost without its blocks)."""
     step, block = _measured(report, "ms_per_decode_step"), _measured(report, "ms_per_prefill_block")

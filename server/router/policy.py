@@ -141,7 +141,7 @@ class KVAwarePolicy:
         price only this request's own wait; the extra prefill also delays every request that queues behind
         it there, in a stationary queue about as many as queue ahead of it now. Without this, past
         saturation a hot prefix spread to every replica as soon as its home queued a little, and the fleet
-        recomputed it everywhere and served fewer requests (tests/test_router_capacity.py). An idle
+        recomputed it everywhere and served fewer requests (tests/server/router/test_router_capacity.py). An idle
         replica has nobody behind: spilling there is free, so the queue at a prefix's home stays bounded."""
         extra = max(0, prompt_blocks - view.cached_blocks) - least_uncached
         return self.q * self.w * extra * view.queued

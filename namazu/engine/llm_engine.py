@@ -1,0 +1,449 @@
+"""LLMEngine: add_request / step / abort_request, the step loop.
+
+A step: the scheduler plans (how many tokens each sequence computes, how many of the worker's drafts
+it verifies), `batch_builder` lays the plan out, `structured/bitmask.py` fills the grammar rows, the
+batch goes to the workers, and the results are folded back (`output_processor.py`): tokens appended,
+stops checked token by token (a verify step may bring several), grammars advanced by exactly the
+committed tokens, KV blocks committed to the prefix cache or rolled back. Drafting happens inside the
+worker's step (`spec/proposer.py`); the engine only learns how many drafts each sequence has.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from namazu.assets import resolve_model_path
+from namazu.config import ModelConfig
+from namazu.engine.batch_builder import build_step_batch
+from namazu.engine.detokenizer import IncrementalDetokenizer
+from namazu.engine.output_processor import OutputProcessor, RequestState
+from namazu.engine.request_validation import RequestValidator
+from namazu.engine.step_rate_fit import StepRates
+from namazu.engine_config import EngineConfig
+from namazu.outputs import RequestOutput
+from namazu.sampling_params import SamplingParams
+from namazu.scheduler.block_manager import BlockManager
+from namazu.scheduler.kv_events import KVEventLog
+from namazu.scheduler.scheduler import ScheduledSeq, Scheduler
+from namazu.scheduler.sequence import Sequence, SequenceStatus
+from namazu.spec.proposer import Proposer
+from namazu.spec.selection import choose_speculation
+from namazu.step.batch import StepResult
+from namazu.structured.bitmask import fill_step_bitmask
+from namazu.structured.factory import StructuredOutputs, grammar_for, needs_compiler
+from namazu.tokenizer import Tokenizer
+from namazu.worker.executor import make_executor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    """A step submitted to the workers, waiting for its results."""
+
+    scheduled: list[ScheduledSeq]
+    samplers: list[ScheduledSeq]
+    prompt_lp_items: list[tuple[ScheduledSeq, int]]
+    num_prompt_logprobs: int
+    drafts_next: bool = False          # the worker was asked to draft after this step
+    launched_at: float = 0.0           # perf_counter seconds at submission
+    prompt_tokens: int = 0             # prefill tokens it computes (chunks of prompts, recomputes)
+
+
+def mean_acceptance_length(histogram: list[int]) -> float:
+    """Tokens per verify step (drafts accepted + 1) from verify steps per acceptance length; 0 if none."""
+    steps = sum(histogram)
+    return sum((i + 1) * n for i, n in enumerate(histogram)) / steps if steps else 0.0
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float          # fraction of KV blocks referenced by live sequences
+    prefix_cache_hit_rate: float   # prompt tokens served from the prefix cache / prompt tokens admitted
+    num_kv_blocks: int
+    num_preemptions: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_draft_tokens: int                # drafts verified
+    num_accepted_draft_tokens: int
+    grammar_cache_hits: int = 0          # compiled-grammar cache (JSON schema, regex, EBNF, tools)
+    grammar_cache_misses: int = 0
+    grammar_mask_rows: int = 0           # bitmask rows filled by grammars
+    grammar_mask_seconds: float = 0.0    # host time spent filling them
+    # Speculation: verify steps per acceptance length (index i: i + 1 tokens emitted, drafts accepted + the
+    # bonus), and the worker's wall time in the drafter.
+    acceptance_length_histogram: list[int] = field(default_factory=list)
+    drafter_seconds: float = 0.0
+    # Steps planned without drafting because more sequences ran than --speculative-disable-batch-size.
+    num_spec_disabled_steps: int = 0
+    # Draft rows the steps scored: the drafts verified, plus rows planned (async) for drafts the worker
+    # did not have.
+    num_draft_rows: int = 0
+    # Draft blocks the drafter made (one per sequence per drafting step) and their drafts in all: a block
+    # ends early where the drafter is unsure (--speculative-min-confidence).
+    num_draft_blocks: int = 0
+    num_drafts_proposed: int = 0
+    # This replica's measured cost of a step of decodes and of one more prompt block in a step
+    # (`namazu.engine.step_rate_fit`; 0.0 until measured), for the KV-aware router's wait estimate.
+    ms_per_decode_step: float = 0.0
+    ms_per_prefill_block: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return mean_acceptance_length(self.acceptance_length_histogram)
+
+    @property
+    def mean_draft_block_length(self) -> float:
+        """Drafts proposed per drafted sequence (k when no block ends early)."""
+        return self.num_drafts_proposed / self.num_draft_blocks if self.num_draft_blocks else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, drafter: Proposer | None = None):
+        self.config = config = config or EngineConfig()
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
+        choice = choose_speculation(config, self.model_path, self.model_config, drafter)
+        logger.info("%s", choice.describe())
+        # The workers read the concrete draft count; the batch-size decision is the scheduler's alone.
+        self.config = config = choice.resolve(config)
+        self.drafter = choice.drafter
+        self.num_speculative_tokens = choice.num_speculative_tokens
+        self.executor = make_executor(config, self.model_path, self.drafter)
+        try:
+            self._plan_capacity()
+        except BaseException:
+            self.close()
+            raise
+        self.kv_events = KVEventLog()   # the prefix cache's stored/removed blocks, for the KV-aware router
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching, events=self.kv_events)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.enable_chunked_prefill, config.scheduling_policy,
+                                   spec_disable_batch_size=choice.disable_batch_size)
+        self.vocab_size = self.model_config.vocab_size
+        self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
+        self._stop_set = frozenset(self.stop_ids)
+        self.requests: dict[str, RequestState] = {}
+        self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len, config.max_logprobs)
+        self.outputs = OutputProcessor(self.stop_ids, self.max_model_len)
+        self._structured: StructuredOutputs | None = None
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: _Launched | None = None
+        self._finished_seq_ids: list[int] = []     # the workers forget these with the next batch
+        self._seq_ids = itertools.count()
+        self._rng = np.random.default_rng(config.seed)
+        self._num_steps = self._prompt_tokens = self._drafted = self._accepted = self._mask_rows = 0
+        self._draft_rows = self._draft_blocks = self._drafts_proposed = 0
+        self._mask_seconds = 0.0
+        self._accept_hist = [0] * (self.num_speculative_tokens + 1)
+        self._drafter_seconds = 0.0
+        self.step_rates = StepRates(config.block_size)     # reported to the KV-aware router
+        self._collected_at = 0.0
+        info = self.worker_info
+        logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s%s",
+                    self.model_path, self.num_kv_blocks, config.block_size, self.max_model_len, info.device,
+                    info.dtype, f", {self.num_speculative_tokens} draft tokens" if self.drafter else "")
+
+    def _plan_capacity(self) -> None:
+        """max_model_len from the flag or the model, checked against what the KV cache holds: a lone
+        sequence at max_model_len (plus a verify step's drafts) must fit the pool, or preemption could
+        loop forever. Every rank planned its KV blocks; all allocate the smallest count."""
+        config, infos = self.config, self.executor.infos()
+        self.worker_info = infos[0]
+        self.num_kv_blocks = min(i.num_kv_blocks for i in infos)
+        bs, spec = config.block_size, self.num_speculative_tokens
+        capacity = self.num_kv_blocks * bs
+        max_pos = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or min(max_pos, capacity - spec)
+        if self.max_model_len > max_pos:
+            raise ValueError(f"--max-model-len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{max_pos}")
+        if self.max_model_len < 2 or self.max_model_len + spec > capacity:
+            raise ValueError(
+                f"the KV cache holds {self.num_kv_blocks} blocks x {bs} = {capacity} tokens, fewer than one "
+                f"sequence of --max-model-len={self.max_model_len}" + (f" + {spec} draft tokens" if spec else "")
+                + "; raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len")
+        self.executor.allocate_kv_cache(self.num_kv_blocks)
+
+    # -- requests -------------------------------------------------------------------------------------
+    def validate_request(self, request_id: str, prompt: str | None, params: SamplingParams,
+                         prompt_token_ids: list[int] | None) -> list[int]:
+        """Checks a request without changing any state; returns its prompt token ids."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        return self.validator(prompt, params, prompt_token_ids)
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """xgrammar-backed structured output, created on the first request that needs it."""
+        if self._structured is None:
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.stop_ids,
+                                                 max_rollback=self.num_speculative_tokens + 4)
+        return self._structured
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Checks and compiles a request's grammar (cached by its text); ValueError says what is wrong.
+        Thread-safe: the async front runs it on a worker thread so the step loop never waits for it."""
+        if needs_compiler(params):
+            self.structured.compile(params)
+
+    def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, priority: int = 0, stream: bool = True) -> None:
+        """Queues a request. With stream=False, `step()` returns its output only once it finished
+        (offline generation skips building a snapshot per step)."""
+        params = params or SamplingParams()
+        ids = self.validate_request(request_id, prompt, params, prompt_token_ids)
+        self.compile_grammar(params)      # a cache hit when the async front compiled it already
+        seqs = []
+        for i in range(params.n):
+            seed = int(self._rng.integers(0, 2**62)) if params.seed is None else (params.seed + 1_000_003 * i) % 2**63
+            seq = Sequence(next(self._seq_ids), request_id, i, list(ids), params, seed, priority=priority)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                               params.stop_strings, params.include_stop_str_in_output)
+            seq.grammar = grammar_for(params, self.stop_ids, self.vocab_size,
+                                      self.structured if needs_compiler(params) else None)
+            if params.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]
+            seqs.append(seq)
+        self.requests[request_id] = RequestState(request_id, prompt, ids, params, seqs, stream)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self._prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
+        """Stops requests wherever they are (waiting, mid-prefill, decoding); frees all their blocks.
+        Returns their final outputs (finish_reason "abort"); unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        outs = []
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self._finish(seq, "abort")
+            outs.append(self.outputs.make_output(req))
+            logger.info("request %s aborted", rid)
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self._in_flight is not None
+
+    # -- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the outputs of every request that got new tokens or finished.
+
+        With async scheduling the step launched here is collected by the next call: this call plans
+        and launches step N+1, then collects step N, so planning overlaps the forward."""
+        launched = self._launch()
+        if self.async_scheduling:
+            previous, self._in_flight = self._in_flight, launched
+            return self._collect(previous) if previous is not None else []
+        return self._collect(launched) if launched is not None else []
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """How many of the worker's drafts a sequence in decode may verify next."""
+        cap = self.num_speculative_tokens
+        if seq.params.num_speculative_tokens is not None:
+            cap = min(cap, seq.params.num_speculative_tokens)
+        if cap <= 0:
+            return 0
+        if seq.num_pending:
+            # Planned before its drafts are known (async): the worker verifies what it has, which is
+            # nothing when the step in flight was told not to draft.
+            return cap if seq.drafts_requested else 0
+        return min(cap, seq.num_next_drafts)
+
+    def _launch(self) -> _Launched | None:
+        if not self.scheduler.has_unfinished:
+            return None
+        plan = self.scheduler.schedule(self._num_drafts if self.num_speculative_tokens else None)
+        if plan.is_empty:
+            return None
+        batch, samplers, prompt_lp_items = build_step_batch(plan.scheduled, self.vocab_size, self._finished_seq_ids)
+        self._finished_seq_ids = []
+        t0 = time.perf_counter()
+        batch.sampling.bitmask = fill_step_bitmask(samplers, self.vocab_size)
+        if batch.sampling.bitmask is not None:
+            self._mask_rows += len(batch.sampling.bitmask)
+            self._mask_seconds += time.perf_counter() - t0
+        if self.drafter is not None and self.drafter.on_device and plan.speculate:
+            batch.spec.max_drafts_next = self.num_speculative_tokens
+        self.executor.submit(batch)
+        for item in plan.scheduled:
+            self.scheduler.submitted(item, plan.speculate)
+        self._num_steps += 1
+        self._draft_rows += sum(item.num_drafts for item in plan.scheduled)
+        # A sequence computing more than one new token is prefilling (a prompt chunk, or a recompute after
+        # preemption); a decode computes one, and its drafts are verify rows, priced into the decode step.
+        prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
+        return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num,
+                         self.drafter is not None and plan.speculate, time.perf_counter(), prefill)
+
+    def _collect(self, launched: _Launched) -> list[RequestOutput]:
+        result = self.executor.collect()
+        done = time.perf_counter()
+        # The step ran from its launch, or from the previous step's results if it was queued behind it.
+        self.step_rates.observe(launched.prompt_tokens, 1000.0 * (done - max(launched.launched_at, self._collected_at)))
+        self._collected_at = done
+        self._drafter_seconds += result.drafter_seconds
+        touched: dict[str, RequestState] = {}
+        if launched.prompt_lp_items:
+            self._take_prompt_logprobs(result, launched.num_prompt_logprobs, launched.prompt_lp_items)
+        row_of = {id(item): s for s, item in enumerate(launched.samplers)}
+        now = time.monotonic()
+        for item in launched.scheduled:
+            seq = item.seq
+            if seq.is_finished:
+                continue        # aborted, or stopped by a token the host learned after this step launched
+            running = seq.status is SequenceStatus.RUNNING   # not preempted meanwhile
+            if not item.samples:
+                if running:
+                    self.scheduler.commit(seq, seq.num_computed_tokens)
+                continue
+            s = row_of[id(item)]
+            reason = self._fold(seq, item, s, result, running, launched.drafts_next)
+            if running:
+                # KV is valid for every token but the newest. Register it before a finished sequence
+                # releases its blocks, so the next request with this prefix hits the cache.
+                self.scheduler.commit(seq, seq.num_computed_tokens)
+            if reason is not None:
+                self._finish(seq, reason)
+            req = self.requests[seq.request_id]
+            req.first_token_time = req.first_token_time or now
+            touched[seq.request_id] = req
+        outputs = []
+        for rid, req in touched.items():
+            if req.stream or req.finished:
+                outputs.append(self.outputs.make_output(req))
+            if req.finished:
+                del self.requests[rid]
+        return outputs
+
+    def _fold(self, seq: Sequence, item: ScheduledSeq, s: int, result: StepResult, running: bool,
+              drafted: bool = False) -> str | None:
+        """One sampling sequence's results: the assumed outcome of `submitted` is corrected by the
+        drafts that were rejected, the emitted tokens are appended (up to the first stop) and its
+        grammar accepts exactly those; returns the finish reason, if any."""
+        accepted, k = int(result.accepted[s]), item.num_drafts
+        self._drafted += int(result.num_drafts[s])
+        self._accepted += accepted
+        if result.num_drafts[s]:
+            self._accept_hist[accepted] += 1
+        seq.num_pending -= k + 1
+        if running:
+            seq.num_computed_tokens -= k - accepted
+        if seq.num_pending == 0:
+            seq.inflight_drafts = 0
+        n = accepted + 1
+        lp = result.logprobs[s, :n].tolist() if result.logprobs is not None else None
+        top = ((result.top_ids[s, :n].tolist(), result.top_logprobs[s, :n].tolist())
+               if result.top_ids is not None else (None, None))
+        before = len(seq.token_ids)
+        reason = self.outputs.append(seq, result.tokens[s, :n].tolist(), lp, *top)
+        if seq.grammar is not None:
+            if not seq.grammar.accept_tokens(seq.token_ids[before:]):
+                logger.error("request %s: the grammar rejected committed tokens %s; ending the sequence",
+                             seq.request_id, seq.token_ids[before:])
+                return "abort"
+            if reason is None and seq.grammar.is_terminated():
+                reason = "stop"
+        if result.next_num_drafts is not None:
+            seq.num_next_drafts = int(result.next_num_drafts[s])
+            if drafted:     # a step told not to draft reports zeros, not a block
+                self._draft_blocks += 1
+                self._drafts_proposed += seq.num_next_drafts
+            if seq.grammar is not None and result.next_draft_ids is not None:
+                ids = list(result.next_draft_ids[s][:seq.num_next_drafts])
+                # A stop token ends the grammar: no row after it has a mask, so drafts end before it (the
+                # row at its position may still sample it).
+                stop = next((j for j, t in enumerate(ids) if t in self._stop_set), len(ids))
+                seq.num_next_drafts = seq.grammar.validate_tokens(ids[:stop]) if reason is None else 0
+                seq.next_draft_ids = ids[:seq.num_next_drafts]
+        return reason
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.detok.finish()
+        self._finished_seq_ids.append(seq.seq_id)
+
+    def _take_prompt_logprobs(self, result: StepResult, num: int, items: list) -> None:
+        for i, (item, pos) in enumerate(items):
+            top = ((result.prompt_top_ids[i].tolist(), result.prompt_top_logprobs[i].tolist()) if num > 0
+                   else (None, None))
+            self.outputs.add_prompt_logprob(item.seq, pos, float(result.prompt_logprobs[i]), *top)
+
+    # -- state ----------------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager
+        cache = self._structured.backend if self._structured is not None else None
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage, prefix_cache_hit_rate=bm.prefix_hit_rate, num_kv_blocks=bm.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self._num_steps,
+            num_prompt_tokens=self._prompt_tokens, num_generated_tokens=self.outputs.num_generated_tokens,
+            num_draft_tokens=self._drafted, num_accepted_draft_tokens=self._accepted,
+            grammar_cache_hits=cache.hits if cache else 0, grammar_cache_misses=cache.misses if cache else 0,
+            grammar_mask_rows=self._mask_rows, grammar_mask_seconds=self._mask_seconds,
+            acceptance_length_histogram=list(self._accept_hist), drafter_seconds=self._drafter_seconds,
+            num_spec_disabled_steps=self.scheduler.num_spec_disabled_steps, num_draft_rows=self._draft_rows,
+            num_draft_blocks=self._draft_blocks, num_drafts_proposed=self._drafts_proposed,
+            ms_per_decode_step=self.step_rates.ms_per_decode_step,
+            ms_per_prefill_block=self.step_rates.ms_per_prefill_block)
+
+    def reset_prefix_cache(self) -> int:
+        return self.block_manager.reset_prefix_cache()
+
+    def check_health(self) -> None:
+        """Raises WorkerError when a worker rank is dead or hung."""
+        self.executor.check_health()
+
+    def close(self) -> None:
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.close()
+
+    # -- failure handling (used by the async front's supervision) -------------------------------------
+    def fail_running_requests(self) -> list[str]:
+        """After `step()` raised: aborts the requests that had sequences in the failed step (running,
+        or in a launched step) and frees their blocks; waiting requests stay queued. With async
+        scheduling, a step launched but not collected is collected first (and discarded) so the next
+        step's results line up. Returns the aborted request ids."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            try:
+                self.executor.collect()
+            except Exception:       # noqa: BLE001 -- the step is discarded either way
+                logger.warning("discarding the in-flight step after a failure", exc_info=True)
+        ids = {seq.request_id for seq in self.scheduler.running}
+        if launched is not None:
+            ids |= {item.seq.request_id for item in launched.scheduled}
+        ids &= set(self.requests)
+        self.abort_request(sorted(ids))
+        return sorted(ids)
+
+    def worker_failure(self) -> str | None:
+        """Why the model-runner workers cannot serve (a dead process, with its exit code), or None."""
+        return self.executor.failure()
+
+    def kill_workers(self) -> None:
+        """Ends the worker processes at once (a hung step); the step waiting on them then fails."""
+        self.executor.kill()
+
+    def workers_respond(self, timeout: float) -> bool:
+        """Whether the workers answer a no-op within `timeout` seconds (between steps only): a worker
+        that is alive but hung does not."""
+        return self.executor.ping(timeout)

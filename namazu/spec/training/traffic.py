@@ -1,0 +1,188 @@
+"""Chat traffic for the drafter: a prompt set like users send, and its replay through a running server.
+
+`build_requests` draws chat requests from the namazu-tiny chat generators (Japanese and English chat,
+tool calls, JSON / read-back answers), each with sampling settings drawn from a mix users send (greedy,
+T=0.7 with top-p, T=1). `replay` posts them to an OpenAI-compatible server, concurrently, and returns
+per-request timings; `ServerProcess` starts `python -m namazu.server` with given flags and waits until
+it listens. `make drafter-model` serves namazu-tiny with `--capture-dir`, replays a prompt set, and
+trains on the captured ids; `bench.replay` replays held-out captured requests through two setups.
+
+`python -m namazu.spec.training.traffic --out FILE -n N [--split train|valid]` writes a request file (JSONL).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# (weight, sampling settings): what the replayed users send.
+SAMPLING_MIX: tuple[tuple[float, dict[str, Any]], ...] = (
+    (0.4, {"temperature": 0.0}),
+    (0.4, {"temperature": 0.7, "top_p": 0.9}),
+    (0.2, {"temperature": 1.0}),
+)
+
+
+def build_requests(n: int, split: str = "train", seed: int = 0, max_tokens: int = 128,
+                   corpus_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    """n chat requests (messages, tools, sampling settings, kind) from the tiny chat generators; the
+    'valid' split draws from held-out corpus text."""
+    from namazu.tiny.corpus import default_corpus_dir
+    from namazu.tiny.data import ChatDataConfig, generate_chat_examples
+
+    rng = random.Random(seed)
+    cfg = ChatDataConfig(seed=10_000 + seed, num_qa=n, num_tool=n, num_copy=n // 2, english_share=0.3,
+                         synthetic_tool_share=0.5)
+    examples = generate_chat_examples(corpus_dir or default_corpus_dir(), cfg, split=split)
+    rng.shuffle(examples)
+    out = []
+    for ex in examples[:n]:
+        # The prompt is the conversation up to its last assistant turn; the server answers it.
+        msgs = list(ex.messages)
+        while msgs and msgs[-1]["role"] == "assistant":
+            msgs.pop()
+        if not msgs:
+            continue
+        weights = [w for w, _ in SAMPLING_MIX]
+        sampling = dict(rng.choices([s for _, s in SAMPLING_MIX], weights)[0])
+        sampling.update(max_tokens=max_tokens, seed=rng.randrange(2**31))
+        out.append({"kind": ex.kind, "messages": msgs, "tools": ex.tools, "sampling": sampling})
+    return out
+
+
+def read_requests(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class ReplayResult:
+    ok: bool
+    ttft: float            # seconds to the first streamed token
+    e2e: float             # seconds to the last byte
+    completion_tokens: int
+    error: str = ""
+
+
+def _post_stream(url: str, body: dict[str, Any], timeout: float) -> ReplayResult:
+    t0 = time.perf_counter()
+    ttft = None
+    tokens = 0
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"].get("completion_tokens", tokens)
+                if ttft is None and chunk.get("choices"):
+                    ttft = time.perf_counter() - t0
+    except Exception as e:       # a failed request is reported, not fatal to the replay
+        return ReplayResult(False, 0.0, time.perf_counter() - t0, 0, str(e))
+    e2e = time.perf_counter() - t0
+    return ReplayResult(True, ttft if ttft is not None else e2e, e2e, tokens)
+
+
+def replay(base_url: str, requests: list[dict[str, Any]], concurrency: int = 8, timeout: float = 600.0
+           ) -> list[ReplayResult]:
+    """Posts every request (streaming, with usage) to /v1/chat/completions; results in request order."""
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+
+    def one(r: dict[str, Any]) -> ReplayResult:
+        body = {"messages": r["messages"], "stream": True, "stream_options": {"include_usage": True},
+                **r["sampling"]}
+        if r.get("tools"):
+            body["tools"] = r["tools"]
+        return _post_stream(url, body, timeout)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, requests))
+
+
+class ServerProcess:
+    """`python -m namazu.server --port 0 ARGS` in a subprocess; the URL once it listens."""
+
+    def __init__(self, args: list[str], log_path: str | Path, env: dict[str, str] | None = None,
+                 start_timeout: float = 300.0):
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "namazu.server", "--port", "0", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        deadline = time.time() + start_timeout
+        while time.time() < deadline:
+            m = re.search(r"serving .* on (http://\S+)", Path(log_path).read_text())
+            if m:
+                self.url = m.group(1)
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}): see {log_path}")
+            time.sleep(0.5)
+        self.close()
+        raise TimeoutError(f"the server did not start within {start_timeout:.0f} s: see {log_path}")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            return r.read().decode()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="request file to write (JSONL)")
+    ap.add_argument("-n", type=int, default=1000, help="number of requests")
+    ap.add_argument("--split", default="train", choices=("train", "valid"),
+                    help="corpus split the chat text comes from (valid: held-out)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--capture-dir", default=None,
+                    help="also serve namazu with --capture-dir DIR and replay the requests through it")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--server-args", default="", help="extra server flags (one string)")
+    args = ap.parse_args(argv)
+    reqs = build_requests(args.n, args.split, args.seed, args.max_tokens)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in reqs))
+    print(f"{len(reqs)} requests -> {args.out}")
+    if args.capture_dir:
+        t0 = time.time()
+        log = Path(args.capture_dir).with_suffix(".server.log")
+        Path(args.capture_dir).mkdir(parents=True, exist_ok=True)
+        with ServerProcess(["--capture-dir", args.capture_dir, *args.server_args.split()], log) as server:
+            results = replay(server.url, reqs, args.concurrency)
+        failed = sum(not r.ok for r in results)
+        print(f"replayed {len(results)} requests ({failed} failed, "
+              f"{sum(r.completion_tokens for r in results)} tokens) in {time.time() - t0:.0f} s -> {args.capture_dir}")
+        if failed:
+            print("first failure:", next(r.error for r in results if not r.ok), file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Async scheduling (step N+1 planned and launched before step N's tokens reach the host): outputs are
+identical to synchronous scheduling, through preemption, chunked prefill, penalties (the pending token
+is counted on the device), stops discovered a step late, aborts in flight, and in a worker process."""
+import pytest
+from engine_helpers import assert_greedy_equal, dense_greedy, prompts, tiny_checkpoint
+
+from namazu import LLM, SamplingParams
+from namazu.assets.random_model import EOS, SPECIAL_TOKENS
+from namazu.engine.llm_engine import LLMEngine
+from namazu.engine_config import EngineConfig
+
+ASCII = list(range(65, 91))     # byte-level ids 65..90 are the bytes b..{
+EOS_ID = 256 + SPECIAL_TOKENS.index(EOS)
+
+
+def mixed_params(i: int) -> SamplingParams:
+    return [
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.9, seed=i, top_k=30, max_tokens=12, presence_penalty=0.8,
+                       frequency_penalty=0.5, repetition_penalty=1.4, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=i, max_tokens=14, allowed_token_ids=ASCII, stop=["e", "k", "t", "xy"],
+                       min_tokens=2),
+        SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=9, prompt_logprobs=1),
+        SamplingParams(temperature=1.0, seed=i, max_tokens=20, allowed_token_ids=[EOS_ID, 70, 71, 72]),  # EOS
+    ][i % 5]
+
+
+def run(async_scheduling: bool, batch, params, **kw):
+    with LLM(tiny_checkpoint(), executor=kw.pop("executor", "inline"), async_scheduling=async_scheduling,
+             **kw) as llm:
+        outs = llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+        stats = llm.engine.get_stats()
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    tokens = [[(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in r.outputs] for r in outs]
+    logprobs = [[o.logprobs for o in r.outputs] + [r.prompt_logprobs] for r in outs]
+    return (tokens, logprobs), stats
+
+
+def assert_logprobs_close(a, b, tol=1e-4):
+    """Logprobs agree to float noise (preemption changes batch composition, so low bits may move)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        assert all(abs(a[k] - b[k]) < tol for k in a)
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_logprobs_close(x, y, tol)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(),
+    dict(max_num_batched_tokens=16, max_num_seqs=8),                  # chunked prefill mixed with decodes
+    dict(num_kv_blocks=24, block_size=4, max_model_len=80),            # constant preemption
+], ids=["plain", "chunked", "preemption"])
+def test_async_equals_sync(engine_args):
+    batch = prompts(10, lo=3, hi=40, seed=13)
+    params = [mixed_params(i) for i in range(10)]
+    (sync, sync_lp), s_stats = run(False, batch, params, **engine_args)
+    (async_, async_lp), a_stats = run(True, batch, params, **engine_args)
+    assert async_ == sync
+    assert_logprobs_close(async_lp, sync_lp)
+    reasons = {(o[2], type(o[3]).__name__) for r in sync for o in r}
+    assert {("stop", "str"), ("stop", "NoneType"), ("length", "NoneType")} <= reasons   # stop string, EOS
+    if "num_kv_blocks" in engine_args:
+        assert a_stats.num_preemptions > 0
+
+
+def test_async_greedy_matches_dense_oracle_in_a_worker_process():
+    batch = prompts(6, lo=3, hi=30, seed=17)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(tiny_checkpoint(), async_scheduling=True) as llm:
+        outs = llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+    for p, o in zip(batch, outs):
+        ref, gaps = dense_greedy(tiny_checkpoint(), p, 10)
+        assert_greedy_equal(o.outputs[0].token_ids, ref, gaps)
+
+
+def test_abort_while_a_step_is_in_flight_frees_everything():
+    engine = LLMEngine(EngineConfig(model=tiny_checkpoint(), executor="inline", async_scheduling=True,
+                                    block_size=4))
+    for i, p in enumerate(prompts(3, 10, 10, seed=4)):
+        engine.add_request(f"r{i}", None, SamplingParams(max_tokens=50, ignore_eos=True), prompt_token_ids=p)
+    for _ in range(3):
+        engine.step()
+    assert engine._in_flight is not None
+    engine.abort_request(["r0", "r2"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_async_steps_do_not_sync():
+    batch = prompts(6, lo=3, hi=30, seed=19)
+    params = [mixed_params(i) for i in range(6)]
+    with LLM(tiny_checkpoint(), executor="inline", async_scheduling=True, debug_no_host_sync=True,
+             max_num_batched_tokens=16, max_num_seqs=8) as llm:
+        outs = llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+    assert all(o.finished for o in outs)
+
+
+def test_ngram_speculation_with_async_scheduling_is_exact():
+    """The plan of step N+1 assumes step N's drafts were all accepted; the worker corrects positions and
+    counters by the rejected ones. Token-identical to no speculation on 24 greedy prompts, drafts
+    proposed and accepted, and no host sync over those steps."""
+    # Prompts that repeat themselves give prompt lookup matches that are sometimes right, sometimes not.
+    batch = [p * 3 for p in prompts(24, lo=4, hi=12, seed=23)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    (base, base_lp), _ = run(False, batch, params)
+    (got, got_lp), stats = run(True, batch, params, speculative_method="ngram", num_speculative_tokens=3,
+                               ngram_max=3, debug_no_host_sync=True)
+    assert got == base
+    assert_logprobs_close(got_lp, base_lp)
+    assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    assert stats.num_steps < 24 * 16
+
+
+@pytest.mark.parametrize("mode", ["right", "wrong", "random", "random_q"])
+def test_scripted_drafts_with_async_scheduling_are_exact(mode):
+    """Seeded sampling, penalties (the history includes tokens of the verify in flight), logprobs,
+    stop strings, min_tokens, preemption: outputs equal synchronous scheduling without speculation."""
+    from namazu.spec.drafters import ScriptedDrafter
+
+    batch = prompts(10, lo=3, hi=40, seed=13)
+    params = [mixed_params(i) for i in range(10)]
+    engine_args = dict(num_kv_blocks=40, block_size=4, max_model_len=80)
+    (base, base_lp), _ = run(False, batch, params, **engine_args)
+    reference = {tuple(p): r[0][0] for p, r in zip(batch, base)}
+    drafter = ScriptedDrafter(mode, 264, reference, seed=5)
+    (got, got_lp), stats = run(True, batch, params, drafter=drafter, num_speculative_tokens=3, **engine_args)
+    if mode == "random_q":
+        # Drafts with a distribution q take the p/q rule: exact in distribution, identical only at T = 0.
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+        assert greedy and [got[i] for i in greedy] == [base[i] for i in greedy]
+        assert all(o[2] in ("stop", "length") for r in got for o in r)
+    else:
+        assert got == base
+        assert_logprobs_close(got_lp, base_lp)
+    assert stats.num_draft_tokens > 0
+    if mode == "right":
+        assert stats.num_accepted_draft_tokens > 0
