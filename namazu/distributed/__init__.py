@@ -8,6 +8,5 @@
   bytes the engine pickled once.
 - `decisions.py`: rank 0's sampled tokens, acceptance counts and device drafts, broadcast to every rank.
 - `health.py`: heartbeats and the watchdog that ends a worker whose engine is gone.
-- `sharding.py`: whether a model divides over the ranks (checked before any rank starts).
 - `node.py`: `python -m namazu.distributed.node`, the ranks of a further node of a multi-node launch.
 """

@@ -1,7 +1,7 @@
 """The step's data-dependent kernels as torch custom ops with shape functions, so torch.compile traces
 the whole decode / verify forward as one graph instead of breaking (or failing) at them.
 
-- `namazu::paged_mla`: absorbed MLA attention through the block table (layers/paged_mla.py). Its walk
+- `namazu::paged_mla`: absorbed MLA attention through the block table (kernels/paged_mla.py). Its walk
   over block tiles is Python control flow over the table's width; as an op it is one node whose output
   shape is known from the inputs alone. (Graph mode traces the one-tile form instead where the ladder's
   widest table is small: step_graphs.TRACED_ATTENTION_BYTES.)
@@ -24,7 +24,7 @@ import torch
 
 from namazu.kernels.moe_types import sort_by_expert
 from namazu.kernels.moe_workspace import MoEWorkspace, moe_grouped_mm_into
-from namazu.layers.paged_mla import paged_latent_attention, write_latents
+from namazu.kernels.paged_mla import paged_latent_attention, write_latents
 
 
 @torch.library.custom_op("namazu::paged_mla", mutates_args=())

@@ -1,6 +1,8 @@
 """DeepSeek-V3 MoE block: router (gate), routed experts behind the RoutedExperts interface, shared experts."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,9 +13,33 @@ from namazu.kernels.moe_types import MoERuntime
 from namazu.layers.experts import RoutedExperts, TorchExperts
 from namazu.layers.linear import ColumnParallelLinear, RowParallelLinear
 from namazu.layers.weight_loading import TPShard
-from namazu.quant.experts import nvfp4_experts_for_layer
 
-EXPERTS_FORMATS = ("bf16", "nvfp4")
+# A routed-experts format: builds one MoE layer's experts from (cfg, layer_idx, dtype, device, runtime, tp).
+ExpertsFactory = Callable[[ModelConfig, int, "torch.dtype | None", "torch.device | str | None",
+                           "MoERuntime | None", TPShard], RoutedExperts]
+
+
+def _bf16_experts(cfg: ModelConfig, layer_idx: int, dtype: torch.dtype | None, device: torch.device | str | None,
+                  runtime: MoERuntime | None, tp: TPShard) -> RoutedExperts:
+    return TorchExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device,
+                        runtime=runtime, tp=tp)
+
+
+# The layer knows only its own high-precision format; a quantized format registers itself here from the package
+# that owns it (NVFP4: `namazu/quant/experts.py`), so the model never imports quantization code.
+_EXPERTS_FORMATS: dict[str, ExpertsFactory] = {"bf16": _bf16_experts}
+
+
+def register_experts_format(name: str, factory: ExpertsFactory) -> None:
+    """Makes checkpoints whose routed experts are in format `name` loadable (`make_experts(name, ...)`)."""
+    known = _EXPERTS_FORMATS.get(name)
+    if known is not None and known is not factory:
+        raise ValueError(f"routed-experts format {name!r} is already registered by {known.__module__}")
+    _EXPERTS_FORMATS[name] = factory
+
+
+def experts_formats() -> list[str]:
+    return sorted(_EXPERTS_FORMATS)
 
 
 def make_experts(fmt: str, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype | None = None,
@@ -21,12 +47,11 @@ def make_experts(fmt: str, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype 
                  tp: TPShard = TPShard()) -> RoutedExperts:
     """The routed experts of one MoE layer in checkpoint format `fmt`, running on `runtime`; under tensor
     parallelism every rank holds all experts, each sharded along its intermediate dimension."""
-    if fmt == "bf16":
-        return TorchExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device,
-                            runtime=runtime, tp=tp)
-    if fmt == "nvfp4":
-        return nvfp4_experts_for_layer(cfg, layer_idx, dtype, device, runtime, tp)
-    raise ValueError(f"unknown routed-experts format {fmt!r}; known: {list(EXPERTS_FORMATS)}")
+    factory = _EXPERTS_FORMATS.get(fmt)
+    if factory is None:
+        raise ValueError(f"unknown routed-experts format {fmt!r}; registered: {experts_formats()} (a quantized "
+                         "format registers itself when its package is imported: NVFP4 with namazu.quant.experts)")
+    return factory(cfg, layer_idx, dtype, device, runtime, tp)
 
 
 class MLP(nn.Module):

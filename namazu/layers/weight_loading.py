@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from namazu.config import ModelConfig
+
 # safetensors dtype names -> torch (every dtype a safetensors file can hold that torch knows)
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -42,6 +44,24 @@ class TPShard:
         if n % self.size:
             raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {self.size}")
         return n // self.size
+
+
+def check_shardable(cfg: ModelConfig, size: int) -> None:
+    """Raises ValueError naming each dimension of `cfg` that `size` ranks cannot split as `TPShard.split`
+    does (whole heads, equal slices; the vocabulary need not divide: it is padded). The engine calls it
+    before any rank starts, so the error is one message naming the field instead of every rank's loader
+    failing on its own."""
+    if size == 1:
+        return
+    dims = {"num_attention_heads": cfg.num_attention_heads}
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        dims["intermediate_size"] = cfg.intermediate_size
+    if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        dims["moe_intermediate_size"] = cfg.moe_intermediate_size
+    bad = [f"{name} ({n})" for name, n in dims.items() if n % size]
+    if bad:
+        raise ValueError(f"--tensor-parallel-size {size}: {', '.join(bad)} not divisible by {size}; each rank "
+                         "holds whole heads and an equal slice of each intermediate dimension")
 
 
 class LazyTensor:

@@ -32,6 +32,7 @@ import torch
 from namazu.kernels.moe_dispatch import torch_moe_nvfp4
 from namazu.kernels.moe_types import PROJS, MoERuntime, NVFP4MoEWeights, check_nvfp4_mode
 from namazu.layers.experts import RoutedExperts, TorchExperts
+from namazu.layers.moe import register_experts_format
 from namazu.layers.weight_loading import Loaded, TPShard, load_shard, materialize
 from namazu.quant.nvfp4 import BLOCK, global_scale_for, input_scale_for, quantize_weight
 
@@ -281,3 +282,6 @@ def nvfp4_experts_for_layer(cfg, layer_idx: int, dtype: torch.dtype | None = Non
     # The packed weights have no dtype to follow; activations bring theirs.
     return NvFP4Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, device=device,
                         runtime=runtime, tp=tp)
+
+
+register_experts_format("nvfp4", nvfp4_experts_for_layer)

@@ -6,35 +6,22 @@ Every block is in exactly one state:
 - in use     ref > 0 (shared by every sequence whose block table holds it).
 A full block whose KV is computed is registered under its chained hash
 `hash(parent block hash, token ids of this block)`, so a later sequence with the same prefix maps those
-blocks into its table instead of recomputing them. The hashes are stable across processes (blake2b), so
-the KV-aware router can key its view of each replica by the same values.
+blocks into its table instead of recomputing them. The hash is `block_hash.py`'s, stable across processes,
+so the KV-aware router can key its view of each replica by the same values.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
-import numpy as np
-
+from namazu.scheduler.block_hash import extend_block_hashes
 from namazu.scheduler.sequence import Sequence
 
 if TYPE_CHECKING:
     from namazu.scheduler.kv_events import KVEventLog
 
 logger = logging.getLogger(__name__)
-
-ROOT_HASH = 0
-
-
-def hash_block(parent: int, tokens: list[int]) -> int:
-    """Chained block hash: a 63-bit int from the parent's hash and this block's token ids."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(parent.to_bytes(8, "little"))
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
-    return int.from_bytes(h.digest(), "little") >> 1
-
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -74,11 +61,7 @@ class BlockManager:
 
     def update_block_hashes(self, seq: Sequence) -> None:
         """Extends seq.block_hashes over every full block of its tokens (tokens only ever append)."""
-        bs = self.block_size
-        while (len(seq.block_hashes) + 1) * bs <= len(seq.token_ids):
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size)
 
     # -- allocation -------------------------------------------------------------------------------------
     def _take(self, block: int) -> None:

@@ -8,7 +8,7 @@ from 1 again, an all-cleared event first). The log is bounded; a reader whose cu
 (or belongs to another life of the replica) gets a snapshot of every stored hash instead of a delta.
 
 `PromptHasher` computes a prompt's block hashes outside the engine (same tokenizer, same block size,
-the block manager's own `hash_block`), so the router can ask "how much of this prompt is cached there".
+`block_hash.py`, as the block manager does), so the router can ask "how much of this prompt is cached there".
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from namazu.scheduler.block_manager import ROOT_HASH, hash_block
+from namazu.scheduler.block_hash import extend_block_hashes
 
 STORED, REMOVED, ALL_CLEARED = "stored", "removed", "all_cleared"
 
@@ -102,14 +102,7 @@ class KVEventLog:
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chained hashes of every full block of `token_ids`, exactly as the block manager computes them."""
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size} must be positive")
-    hashes: list[int] = []
-    parent = ROOT_HASH
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, list(token_ids[i * block_size:(i + 1) * block_size]))
-        hashes.append(parent)
-    return hashes
+    return extend_block_hashes([], list(token_ids), block_size)
 
 
 class PromptHasher:

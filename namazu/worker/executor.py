@@ -33,8 +33,8 @@ from namazu.config import ModelConfig
 from namazu.distributed.env import NodeLayout
 from namazu.distributed.group import check_devices
 from namazu.distributed.health import HANG_SECONDS, stale_seconds
-from namazu.distributed.sharding import check_shardable
 from namazu.engine_config import EngineConfig
+from namazu.layers.weight_loading import check_shardable
 from namazu.spec.proposer import Proposer
 from namazu.step.batch import StepBatch, StepResult
 from namazu.step.channel import StepRing, ring_size

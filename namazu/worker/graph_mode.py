@@ -36,9 +36,9 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from namazu.kernels.moe_workspace import MoEWorkspace, gathers_in_graph, workspace_scope
+from namazu.kernels.paged_mla import paged_latent_attention
 from namazu.layers.experts import TorchExperts
 from namazu.layers.forward_context import forward_context
-from namazu.layers.paged_mla import paged_latent_attention
 from namazu.worker.host_sync_guard import HostSyncError, no_host_sync
 from namazu.worker.paged_kv_cache import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache
 

@@ -34,6 +34,7 @@ from namazu.layers.sampler import (
 )
 from namazu.layers.weight_loading import TPShard
 from namazu.models.loader import load_model
+from namazu.quant import experts as _nvfp4_experts  # noqa: F401  (registers the NVFP4 experts format)
 from namazu.spec.proposer import DraftBuffer, Proposer, ProposerInput
 from namazu.spec.verify import verify_deterministic, verify_stochastic
 from namazu.step.batch import StepBatch, StepResult, pack, result_layout, trim_drafts, unpack

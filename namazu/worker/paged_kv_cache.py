@@ -13,7 +13,7 @@ import torch
 
 from namazu.config import ModelConfig
 from namazu.kernels import graph_ops  # noqa: F401  (registers torch.ops.namazu.paged_mla / write_latents)
-from namazu.layers.paged_mla import paged_latent_attention, write_latents
+from namazu.kernels.paged_mla import paged_latent_attention, write_latents
 
 
 def kv_entry_dim(cfg: ModelConfig) -> int:

@@ -3,7 +3,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from namazu.sampling_params import SamplingParams
-from namazu.scheduler.block_manager import BlockManager, hash_block
+from namazu.scheduler.block_hash import hash_block
+from namazu.scheduler.block_manager import BlockManager
 from namazu.scheduler.scheduler import Scheduler
 from namazu.scheduler.sequence import Sequence
 

@@ -163,7 +163,7 @@ def test_custom_ops_pass_opcheck():
 def test_whole_table_attention_matches_the_tiled_kernel():
     """What graph mode traces (tile_tokens=None: one softmax over the whole padded table, no control flow
     over its width) equals the tiled online-softmax kernel eager steps run, padding and all."""
-    from namazu.layers.paged_mla import paged_latent_attention
+    from namazu.kernels.paged_mla import paged_latent_attention
 
     g = torch.Generator().manual_seed(4)
     r, dr, h, bs = 8, 4, 2, 4

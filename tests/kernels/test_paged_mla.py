@@ -2,8 +2,8 @@
 import pytest
 import torch
 
+from namazu.kernels.paged_mla import paged_latent_attention, write_latents
 from namazu.layers.mla import latent_attention_ref
-from namazu.layers.paged_mla import paged_latent_attention, write_latents
 
 
 @pytest.mark.parametrize("tile_tokens", [8, 256])

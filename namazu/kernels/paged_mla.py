@@ -6,7 +6,7 @@ sequence as [B, Tq] (padded), and the op walks each sequence's block table a til
 with an online softmax, so it never gathers a sequence's whole cache: memory per iteration is
 B x tile x (r + dr). Visibility is causal by position (key position <= query position); block-table
 padding and positions past a sequence's end are never visible because they lie beyond its queries.
-Matches `namazu.layers.mla.latent_attention_ref` (tests/layers/test_paged_mla.py).
+Matches `namazu.layers.mla.latent_attention_ref` (tests/kernels/test_paged_mla.py).
 """
 from __future__ import annotations
 
