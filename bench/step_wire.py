@@ -1,4 +1,4 @@
-"""The step hand-off on both sides of the process boundary: pickled StepBatch over the pipe (before issue 16
+"""The step hand-off on both sides of the process boundary: a pickled StepBatch over the pipe (before issue 16
 item 5) vs the delta message (namazu/step/delta.py) through the shared-memory ring (namazu/step/channel.py),
 per decode step, interleaved in one run.
 
@@ -13,6 +13,8 @@ Reported: median microseconds per step on each side and bytes per step (the firs
 new, is excluded), and the round trip through a real process boundary: a spawned process that receives
 each step (pipe / ring notice), decodes it and answers a few bytes, as a worker does (no model: the
 hand-off alone). The machine may be shared: the load average is printed; compare within one run.
+Since issue 28 a StepBatch pickles the default way (its one-blob `__reduce__` went with the pickle path no
+step used), so `pickle` here is slower than the path issue 16 replaced: compare delta runs with each other.
 """
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.requests import Request
 
 from namazu.sampling_params import SamplingParams
-from server.errors import ENGINE_ERRORS, APIError, as_api_error, invalid
+from server.errors import APIError, invalid
 from server.metrics import RequestTracker, ServerMetrics
 
 if TYPE_CHECKING:
@@ -188,26 +187,6 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 class ClientGone(Exception):
     """The client disconnected before its (non-streamed) answer was ready; nobody gets a response."""
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def sse_error(err: APIError) -> bytes:
-    """Errors after the stream started go in-band (the status line is already sent)."""
-    return sse(err.body())
-
-
-def stream_error(rid: str, e: BaseException) -> APIError:
-    """The in-band error event for a stream that failed after its status line was sent."""
-    err = as_api_error(e)
-    if not isinstance(e, (APIError, *ENGINE_ERRORS)):
-        logger.error("request %s failed mid-stream", rid, exc_info=e)
-    return err
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

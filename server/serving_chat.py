@@ -23,16 +23,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from namazu.structured.tool_calls import tool_call_constraint
 from server.common import (
-    SSE_DONE,
     GenerationJob,
     ServerState,
     TokenText,
     new_id,
     off_loop,
     resolve_max_tokens,
-    sse,
-    sse_error,
-    stream_error,
     top_n,
     until_disconnect,
     usage,
@@ -40,6 +36,7 @@ from server.common import (
 from server.errors import invalid
 from server.metrics import RequestTracker
 from server.protocol import ChatRequest, make_sampling_params, parse_chat
+from server.sse import SSE_DONE, sse, sse_error, stream_error
 from server.tool_parser import ToolCallParser
 
 logger = logging.getLogger(__name__)

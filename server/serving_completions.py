@@ -15,7 +15,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from server.common import (
-    SSE_DONE,
     GenerationJob,
     OffsetCounter,
     ServerState,
@@ -23,9 +22,6 @@ from server.common import (
     new_id,
     off_loop,
     resolve_max_tokens,
-    sse,
-    sse_error,
-    stream_error,
     top_n,
     until_disconnect,
     usage,
@@ -33,6 +29,7 @@ from server.common import (
 from server.errors import APIError
 from server.metrics import RequestTracker
 from server.protocol import CompletionRequest, make_sampling_params, parse_completion
+from server.sse import SSE_DONE, sse, sse_error, stream_error
 
 logger = logging.getLogger(__name__)
 

@@ -52,6 +52,13 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    """What every proposer has. `on_device` says which of the two kinds it is (checked once, when the
+    worker attaches it: `check_proposer`):
+    - a host proposer (`on_device = False`, n-gram lookup) drafts from `ProposerInput.histories` after the
+      step's one host read and returns lists of ids (and optionally per-draft distributions);
+    - a device proposer (`on_device = True`, a DFlash drafter) drafts inside the step from the hidden states
+      of `hidden_layers` and returns device tensors that never leave the device."""
+
     on_device: bool
     hidden_layers: tuple[int, ...]
 
@@ -61,17 +68,53 @@ class Proposer(Protocol):
 
 
 class ContextProposer(Proposer, Protocol):
-    """Optional hooks of a device proposer with its own per-position context (a DFlash drafter), called
-    by the model runner when present:
+    """A device proposer with its own per-position context in the paged cache (a DFlash drafter). The
+    worker calls:
     - `kv_bytes_per_block(block_size, dtype)`: its cache bytes per KV block (planned with the target's);
     - `attach(target_model, num_blocks, block_size)`: once, in the worker, after the KV cache is allocated;
-    - `extend_context(inp)`: every forward, sampling or not, before `propose` (S may be 0)."""
+    - `extend_context(inp)`: every forward, sampling or not, before `propose` (S may be 0).
+    `draft_seconds` is its running wall time in those calls (the step result reports each step's share)."""
+
+    draft_seconds: float
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int: ...
 
     def attach(self, target: torch.nn.Module, num_blocks: int, block_size: int) -> None: ...
 
     def extend_context(self, inp: ProposerInput) -> None: ...
+
+
+_CONTEXT_HOOKS = ("kv_bytes_per_block", "attach", "extend_context")
+
+
+@dataclass(frozen=True)
+class ProposerKind:
+    on_device: bool
+    has_context: bool           # a ContextProposer (device only)
+    hidden_layers: tuple[int, ...]
+
+
+def check_proposer(proposer: Proposer) -> ProposerKind:
+    """The kind of `proposer`, checked once: a TypeError names what is missing or inconsistent."""
+    name = type(proposer).__name__
+    if not callable(getattr(proposer, "propose", None)):
+        raise TypeError(f"proposer {name} has no propose(inp, k)")
+    on_device = getattr(proposer, "on_device", None)
+    if not isinstance(on_device, bool):
+        raise TypeError(f"proposer {name}: on_device must be True (drafts from hidden states, inside the step) "
+                        "or False (drafts from token histories, after the host read)")
+    layers = tuple(getattr(proposer, "hidden_layers", ()))
+    hooks = [h for h in _CONTEXT_HOOKS if callable(getattr(proposer, h, None))]
+    if hooks and len(hooks) != len(_CONTEXT_HOOKS):
+        raise TypeError(f"proposer {name} has {hooks} but not {sorted(set(_CONTEXT_HOOKS) - set(hooks))}: a "
+                        "proposer with its own context implements all of ContextProposer")
+    if hooks and not on_device:
+        raise TypeError(f"proposer {name}: only a device proposer keeps a context in the paged cache")
+    if hooks and not isinstance(getattr(proposer, "draft_seconds", None), float):
+        raise TypeError(f"proposer {name}: a ContextProposer keeps draft_seconds (float)")
+    if layers and not on_device:
+        raise TypeError(f"proposer {name}: hidden_layers {layers} are only handed to a device proposer")
+    return ProposerKind(on_device, bool(hooks), layers)
 
 
 class DraftBuffer:
@@ -143,6 +186,32 @@ class DraftBuffer:
             self.has_probs[slot] = stochastic
             if ids is not None:
                 self.host_ids[slot] = [int(t) for t in ids[s, :counts[s]]]
+
+    def count(self, slot: int) -> int:
+        """Drafts held for `slot` (0: none)."""
+        return self.counts.get(slot, 0)
+
+    def host_drafts(self, slot: int) -> list[int]:
+        """The held drafts' ids as the host knows them: a host proposal's, or a device proposal's for the
+        sequences whose ids were returned (grammar sequences, penalty histories); else empty."""
+        return self.host_ids.get(slot, [])
+
+    def gather(self, src: torch.Tensor) -> torch.Tensor:
+        """Held draft ids by flat index `slot * width + j` (the verify inputs)."""
+        return self.ids.view(-1)[src]
+
+    def distributions(self, slots: np.ndarray, slot_index: torch.Tensor, draft_ids: torch.Tensor
+                      ) -> torch.Tensor | None:
+        """q [S, K, V] of the sequences in `slots` when any of their drafts came with a distribution; a
+        sequence whose drafts did not gets the one-hot of its ids (a deterministic draft). None: all
+        deterministic."""
+        flags = [self.has_probs.get(int(slot), False) for slot in slots]
+        if not any(flags) or draft_ids.shape[1] == 0 or self.probs is None:
+            return None
+        q = self.probs[slot_index, :draft_ids.shape[1]]
+        onehot = torch.nn.functional.one_hot(draft_ids, self.vocab_size).float()
+        has = torch.as_tensor(flags, device=q.device).view(-1, 1, 1)
+        return torch.where(has, q, onehot)
 
     def forget(self, slot: int) -> None:
         self.counts.pop(slot, None)

@@ -13,10 +13,10 @@ say that they need the history, not the history itself.
 `RESULT_FIELDS` is the one declaration of the result: the runner packs the device tensors in that
 order into one int64 and one float32 tensor (one device -> host copy), `unpack` reads them back.
 
-A step does not travel as a StepBatch: `step_delta.py` sends what changed since the last step and the
-worker rebuilds the batch. A StepResult (and a StepBatch, should one be pickled) pickles as one byte blob
-holding every array plus a small tuple of the other values (`__reduce__`): pickling two dozen small numpy
-arrays one by one cost about 250 us per step in pickle and unpickle.
+A step does not travel as a StepBatch: `namazu/step/delta.py` sends what changed since the last step and
+the worker rebuilds the batch. A StepResult pickles (worker -> engine pipe) as one byte blob holding every
+array plus a small tuple of the other values (`__reduce__`): pickling two dozen small numpy arrays one by
+one cost about 250 us per step in pickle and unpickle.
 """
 from __future__ import annotations
 
@@ -116,15 +116,11 @@ class StepBatch:
     def num_tokens(self) -> int:
         return len(self.attn.input_ids)
 
-    def __reduce__(self):
-        return _decode_batch, _encode_batch(self)
-
     @property
     def num_sampling(self) -> int:
         return len(self.spec.row_layout)
 
 
-_PARTS = (AttentionInputs, SeqInputs, SamplingInputs, SpecInputs, PromptLogprobInputs)
 _ALIGN = 8   # every array starts 8-byte aligned in the blob (unaligned views are slow to compute on)
 _dtype = functools.cache(np.dtype)
 
@@ -238,15 +234,6 @@ def _decode(classes: tuple[type, ...], values: tuple, arrays: tuple, blob: bytes
         parts.append(cls(*values[start:start + n]))
         start += n
     return parts
-
-
-def _encode_batch(b: StepBatch) -> tuple:
-    parts = tuple(getattr(b, name) for name in _names(StepBatch)[:len(_PARTS)])
-    return (*_encode(parts), b.finished_seq_ids)
-
-
-def _decode_batch(values: tuple, arrays: tuple, blob: bytes, finished_seq_ids: list[int]) -> StepBatch:
-    return StepBatch(*_decode(_PARTS, values, arrays, blob), finished_seq_ids=finished_seq_ids)
 
 
 def _decode_result(values: tuple, arrays: tuple, blob: bytes) -> StepResult:

@@ -66,7 +66,7 @@ def width_for(blocks: int, max_width: int) -> int:
     return min(w, max_width)
 
 
-class _Entry:
+class GraphEntry:
     """Persistent buffers of one (Bp, Tq) ladder entry and its compiled or captured forward."""
 
     def __init__(self, bp: int, tq: int, max_width: int, cache: PagedLatentCache, device: torch.device,
@@ -145,7 +145,7 @@ class StepGraphs:
         self.use_cuda_graphs = device.type == "cuda"
         # The compiled (CPU) forward's MoE runs in a workspace per entry; a CUDA graph captures the
         # eager forward, whose allocations the graph's private memory pool makes static.
-        self.entries = {(bp, tq): _Entry(bp, tq, self.max_width, cache, device,
+        self.entries = {(bp, tq): GraphEntry(bp, tq, self.max_width, cache, device,
                                          None if self.use_cuda_graphs else _moe_workspace(model, bp * tq))
                         for tq in self.tqs for bp in self.batches}
         self.graph_bytes = 0
@@ -161,7 +161,7 @@ class StepGraphs:
         # penalty or grammar mask (sampler.leaves_logits_raw).
         return (logits, hidden, logits.argmax(dim=-1), *(captured[i] for i in self.capture_layers))
 
-    def entry_for(self, num_seqs: int, tq: int) -> _Entry | None:
+    def entry_for(self, num_seqs: int, tq: int) -> GraphEntry | None:
         tq = 1 if tq == 1 else 1 + self.k
         for bp in self.batches:
             if bp >= num_seqs:
@@ -205,7 +205,7 @@ class StepGraphs:
             w *= 2
         return out + [self.max_width]
 
-    def _compile(self, e: _Entry) -> None:
+    def _compile(self, e: GraphEntry) -> None:
         compiled: list[tuple[Callable, list]] = []
 
         def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -232,7 +232,7 @@ class StepGraphs:
             logger.warning("graph mode: entry (%d, %d) is called through torch.compile's frame (its compiled "
                            "graph did not reproduce the traced call)", e.bp, e.tq)
 
-    def _entry_forward(self, e: _Entry) -> Callable:
+    def _entry_forward(self, e: GraphEntry) -> Callable:
         """`_forward` under a code object of the entry's own. torch.compile caches compiled code per code
         object: with one shared by every entry, each call walked the whole ladder's cache entries (about
         55 us a step at batch 1, even with guard evaluation skipped); one each, a call finds its own."""
@@ -241,11 +241,11 @@ class StepGraphs:
         code = fwd.__code__.replace(co_name=name, co_qualname=f"StepGraphs.{name}")
         return types.MethodType(types.FunctionType(code, fwd.__globals__, name), self)
 
-    def _traces_attention(self, e: _Entry) -> bool:
+    def _traces_attention(self, e: GraphEntry) -> bool:
         kv = self.cache.kv
         return e.bp * self.max_width * kv.shape[2] * kv.shape[3] * 4 <= TRACED_ATTENTION_BYTES
 
-    def _run_compiled(self, e: _Entry, width: int, check_guards: bool = True, table: torch.Tensor | None = None):
+    def _run_compiled(self, e: GraphEntry, width: int, check_guards: bool = True, table: torch.Tensor | None = None):
         if e.direct is not None:
             with _disable_current_modes():   # (as below)
                 return e.direct(e.block_tables[:, :width], width)
@@ -263,7 +263,7 @@ class StepGraphs:
         with _disable_current_modes(), forward_context(ctx), workspace_scope(e.moe_workspace), stance:
             return e.compiled(e.input_ids, e.positions)
 
-    def _capture(self, e: _Entry, width: int) -> None:
+    def _capture(self, e: GraphEntry, width: int) -> None:
         # Warm-up on a side stream first (lazy initialisations must not happen inside the capture).
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -285,7 +285,7 @@ class StepGraphs:
         e.graphs[width] = (graph, outputs)
 
     # -- a step ---------------------------------------------------------------------------------------
-    def load(self, e: _Entry, pad_index: np.ndarray, input_ids: np.ndarray, positions: np.ndarray,
+    def load(self, e: GraphEntry, pad_index: np.ndarray, input_ids: np.ndarray, positions: np.ndarray,
              slot_mapping: np.ndarray, block_tables: np.ndarray) -> int:
         """Writes a step into the entry's buffers; returns the block-table width to launch with.
         `pad_index[f]` is the padded row of flat token f; the other arrays are the batch's (flat
@@ -315,7 +315,7 @@ class StepGraphs:
         _write(e.block_tables[:, :width], table[:, :width])
         return width
 
-    def launch(self, e: _Entry, width: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    def launch(self, e: GraphEntry, width: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """Runs the entry's forward over its buffers: (logits [Bp * Tq, V] fp32, final hidden, captured);
         each padded row's argmax is `e.greedy` until the next launch."""
         if self.use_cuda_graphs:

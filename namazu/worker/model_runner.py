@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from namazu.distributed.decisions import share_decision, share_device_proposal
 from namazu.engine_config import EngineConfig
 from namazu.kernels.backends import resolve_moe_runtime
 from namazu.layers.cpu_layout import use_k_major_linears
@@ -35,11 +34,11 @@ from namazu.layers.sampler import (
 from namazu.layers.weight_loading import TPShard
 from namazu.models.loader import load_model
 from namazu.quant import experts as _nvfp4_experts  # noqa: F401  (registers the NVFP4 experts format)
-from namazu.spec.proposer import DraftBuffer, Proposer, ProposerInput
-from namazu.spec.verify import verify_deterministic, verify_stochastic
-from namazu.step.batch import StepBatch, StepResult, pack, result_layout, trim_drafts, unpack
+from namazu.spec.proposer import Proposer
+from namazu.spec.speculator import DraftSite, Speculator
+from namazu.step.batch import StepBatch, StepResult, pack, result_layout, unpack
 from namazu.worker.cpu_threads import apply_threads
-from namazu.worker.graph_mode import StepGraphs
+from namazu.worker.graph_mode import GraphEntry, StepGraphs
 from namazu.worker.host_sync_guard import no_host_sync
 from namazu.worker.paged_kv_cache import (
     PagedAttentionContext,
@@ -74,6 +73,39 @@ class StepTiming:
     device_s: float | None = None
 
 
+@dataclass
+class StepInputs:
+    """A step's device inputs: the flat ones of an eager forward (or of a device proposer), the graph entry
+    and its padded row of each flat token in graph mode, and what sampling and verification index by."""
+
+    logit_rows: torch.Tensor                     # [R] the step's own sampled rows (flat, unpadded)
+    row_layout: torch.Tensor                     # [S, K+1] sampled row of each sequence's positions
+    slot_index: torch.Tensor | None = None       # [S] draft-buffer slots (speculation on)
+    meta: PagedAttentionMetadata | None = None
+    input_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    num_drafts: torch.Tensor | None = None       # [S] drafts verified per sequence
+    draft_flat: torch.Tensor | None = None       # [D] flat positions whose input is a held draft
+    draft_src: torch.Tensor | None = None        # [D] which held draft
+    plp_rows: torch.Tensor | None = None         # prompt logprobs: rows and their target ids
+    plp_targets: torch.Tensor | None = None
+    entry: GraphEntry | None = None              # graph mode
+    pad: torch.Tensor | None = None              # [N] padded row of each flat token
+    width: int | None = None
+
+
+@dataclass
+class Forward:
+    """What the target's forward produced, rows as sampling indexes them (padded in graph mode)."""
+
+    hidden: torch.Tensor                         # [N, H] final-normed (the step's own rows)
+    captured: dict[int, torch.Tensor]            # layer -> [N, H] for a device proposer
+    input_ids: torch.Tensor                      # the forward's inputs, drafts in place
+    logit_rows: torch.Tensor                     # [R] rows of the sampled positions
+    all_logits: torch.Tensor | None = None       # graph mode: every row's logits
+    greedy: torch.Tensor | None = None           # graph mode: every row's argmax
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str | Path, rank: int = 0, world_size: int = 1,
                  proposer: Proposer | None = None):
@@ -103,9 +135,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = 0
         self.cache: PagedLatentCache | None = None
-        self.proposer = proposer
-        self.num_speculative_tokens = config.num_speculative_tokens if proposer is not None else 0
-        self.drafts = DraftBuffer(self.num_speculative_tokens, self.model_config.vocab_size, self.device)
+        self.spec = Speculator(proposer, config.num_speculative_tokens, self.model_config.vocab_size, self.device,
+                               self.share_decisions, world_size)
         self.seqs = WorkerSeqTable()
         self._empty_i = torch.zeros(0, dtype=torch.long, device=self.device)
         self._empty_f = torch.zeros(0, device=self.device)
@@ -113,7 +144,10 @@ class ModelRunner:
         self.profile: list[StepTiming] | None = None
         self.graphs: StepGraphs | None = None
         self.graph_mode = not config.enforce_eager if config.enforce_eager is not None else self.device.type == "cuda"
-        self._device_stochastic = False     # the device proposer's last drafts came with q
+
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.spec.proposer
 
     def plan_kv_blocks(self) -> int:
         """How many KV blocks this rank could hold; the engine allocates the minimum over ranks."""
@@ -124,8 +158,7 @@ class ModelRunner:
         self.cache = PagedLatentCache(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
         logger.info("rank %d: KV cache %d blocks x %d tokens (%.1f MiB) on %s", self.rank, num_blocks,
                     self.block_size, self.cache.nbytes / 2**20, self.device)
-        if hasattr(self.proposer, "attach"):
-            self.proposer.attach(self.model, num_blocks, self.block_size)
+        self.spec.attach(self.model, num_blocks, self.block_size)
         if self.graph_mode:
             self._build_graphs()
         else:
@@ -134,12 +167,12 @@ class ModelRunner:
 
     def _build_graphs(self) -> None:
         cfg = self.model_config
-        longest = cfg.max_position_embeddings + self.num_speculative_tokens
-        want_hidden = self.proposer.hidden_layers if self.proposer is not None and self.proposer.on_device else ()
+        longest = cfg.max_position_embeddings + self.spec.k
+        want_hidden = self.spec.hidden_layers
         # NAMAZU_GRAPH_BACKEND: torch.compile backend on CPU (tests use "eager": the same fullgraph trace over
         # the same buffers, without inductor's minutes of code generation).
         self.graphs = StepGraphs(self.model, self.cache, self.device, self.config.max_num_seqs,
-                                 self.num_speculative_tokens, min(self.num_blocks, -(-longest // self.block_size)),
+                                 self.spec.k, min(self.num_blocks, -(-longest // self.block_size)),
                                  want_hidden, backend=os.environ.get("NAMAZU_GRAPH_BACKEND", "inductor"))
         seconds = self.graphs.warm_up(progress=self.rank == 0)
         what = "CUDA graphs captured" if self.graphs.use_cuda_graphs else f"forwards compiled ({self.graphs.backend})"
@@ -171,8 +204,7 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
-        if hasattr(self.proposer, "kv_bytes_per_block"):     # a drafter's context cache shares the blocks
-            per_block += self.proposer.kv_bytes_per_block(self.block_size, self.dtype)
+        per_block += self.spec.kv_bytes_per_block(self.block_size, self.dtype)
         if self.device.type == "cuda":
             # An engine this process closed earlier leaves its blocks in torch's caching allocator, which
             # the driver counts as used: hand them back first, or a second engine finds no room.
@@ -214,7 +246,7 @@ class ModelRunner:
         for s, i in enumerate(b.spec.batch_index):
             hist, plen = prep.histories[s], int(b.seqs.prompt_lens[i])
             done = hist[plen:int(prep.verify_from[s]) + 1]
-            drafts = self.drafts.host_ids.get(int(prep.slots[s]), [])
+            drafts = self.spec.drafts.host_drafts(int(prep.slots[s]))
             penalized = sp.presence_penalty[rows[s, 0]] != 0 or sp.frequency_penalty[rows[s, 0]] != 0 \
                 or sp.repetition_penalty[rows[s, 0]] != 1
             if not penalized:
@@ -247,131 +279,29 @@ class ModelRunner:
             any_top_k_top_p=sp.any_top_k_top_p, any_min_p=sp.any_min_p, all_greedy=sp.all_greedy,
             num_logprobs=-1)
 
-    def _draft_probs(self, prep: PreparedStep, draft_ids: torch.Tensor) -> torch.Tensor | None:
-        """q [S, K, V] when any sequence's drafts came with a distribution (one-hot for the others)."""
-        flags = [self.drafts.has_probs.get(int(slot), False) for slot in prep.slots]
-        if not any(flags) or draft_ids.shape[1] == 0 or self.drafts.probs is None:
-            return None
-        k = draft_ids.shape[1]
-        q = self.drafts.probs[self._tensor(prep.slots), :k]
-        onehot = torch.nn.functional.one_hot(draft_ids, self.model_config.vocab_size).float()
-        has = self._tensor(np.asarray(flags)).view(-1, 1, 1)
-        return torch.where(has, q, onehot)
-
+    # -- the step: forward -> sample / verify -> propose ----------------------------------------------
     @torch.inference_mode()
     def execute(self, b: StepBatch) -> StepResult:
         t_arrive = time.perf_counter()
-        freed = [self.seqs.seqs[sid].slot for sid in b.finished_seq_ids if sid in self.seqs.seqs]
-        for slot in freed:
-            self.drafts.forget(slot)
+        self.spec.forget_finished(self.seqs, b.finished_seq_ids)
         planned = b.seqs.num_drafts
-        b = self._verify_held_drafts_only(b)
-        prep = self.seqs.prepare(b, self.block_size, self.drafts.width, self.drafts.counts)
-        self.drafts.ensure(self.seqs.num_slots)
-        T, a = self._tensor, b.attn
-        device_proposer = self.proposer is not None and self.proposer.on_device
-        layout = self._graph_layout(b, prep)
-        # Each input costs a host-to-device copy (on CPU, a tensor wrapper: still a few microseconds): a graph
-        # step reads its inputs from the entry's buffers, so the flat ones are built only for an eager
-        # forward or a device proposer; speculation-only inputs only when the step verifies.
-        meta = input_ids = positions = None
-        if layout is None or device_proposer:
-            meta = PagedAttentionMetadata(slot_mapping=T(prep.slot_mapping), block_tables=T(a.block_tables),
-                                          q_index=T(a.q_index), q_pos=T(a.q_pos), out_index=T(a.out_index))
-            input_ids, positions = T(a.input_ids), T(a.positions)
-        logit_rows = real_rows = T(a.logit_rows)    # real_rows: the step's own rows, also in graph mode
-        row_layout = T(b.spec.row_layout)
-        plp_rows = plp_targets = None
-        if b.prompt_lp.num >= 0 and len(b.prompt_lp.rows):
-            plp_rows, plp_targets = T(b.prompt_lp.rows), T(b.prompt_lp.targets)
-        has_drafts = len(prep.draft_flat) > 0
-        num_drafts = T(prep.num_drafts) if b.spec.max_drafts else None
-        draft_flat, draft_src = (T(prep.draft_flat), T(prep.draft_src)) if has_drafts else (None, None)
-        want_hidden = self.proposer.hidden_layers if device_proposer else ()
-        if layout is not None:
-            entry, pad_index = layout
-            width = self.graphs.load(entry, pad_index, a.input_ids, a.positions, prep.slot_mapping, a.block_tables)
-            pad = T(pad_index)
+        b = self.spec.verify_held_drafts_only(b, self.seqs)
+        prep = self.seqs.prepare(b, self.block_size, self.spec.drafts.width, self.spec.drafts.count)
+        self.spec.drafts.ensure(self.seqs.num_slots)
+        inp = self._inputs(b, prep)
         t0 = time.perf_counter()
         events = None
         if self.profile is not None and self.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        drafter_t0 = getattr(self.proposer, "draft_seconds", 0.0)
-        values: dict[str, torch.Tensor] = {}
+        drafter_t0 = self.spec.draft_seconds
         with no_host_sync(self.config.debug_no_host_sync):
             st = self._sampling_tensors(b, prep)
-            k = b.spec.max_drafts
-            drafts_in = self.drafts.ids.view(-1)[draft_src] if has_drafts else None
-            if layout is not None:
-                # Graph mode: the entry's buffers hold the step (padded rows); drafts go in place.
-                if drafts_in is not None:
-                    entry.input_ids.index_put_((pad[draft_flat],), drafts_in)
-                all_logits, hidden, captured = self.graphs.launch(entry, width)
-                if want_hidden:     # a device proposer reads the step's own rows, as positions and slots are
-                    hidden, captured = hidden[pad], {i: h[pad] for i, h in captured.items()}
-                input_ids, logit_rows = entry.input_ids, pad[logit_rows]
-            else:
-                if drafts_in is not None:
-                    # Verify inputs: the drafts proposed last step, read from the device buffer.
-                    input_ids = input_ids.index_put((draft_flat,), drafts_in)
-                with forward_context(PagedAttentionContext(self.cache, meta)):
-                    hidden, captured = self.model(input_ids, positions, capture_layers=want_hidden)
-            tokens = accepted = None
-            where = None
-            if device_proposer:
-                where = dict(positions=positions, slot_mapping=meta.slot_mapping, block_tables=meta.block_tables,
-                             batch_index=T(b.spec.batch_index))
-            if hasattr(self.proposer, "extend_context"):
-                self.proposer.extend_context(self._proposer_input(b, hidden, captured, None, None, None, where))
-            if len(a.logit_rows):
-                # Graph mode computed every row's argmax in the compiled forward: the greedy rows' samples.
-                greedy = entry.greedy[logit_rows] if layout is not None and leaves_logits_raw(st) else None
-                logits = None if greedy is not None and k == 0 and b.sampling.num_logprobs < 0 else \
-                    all_logits[logit_rows] if layout is not None else \
-                    self.model.compute_logits(hidden[logit_rows])                 # [R, V] fp32
-                processed = logits if greedy is not None else process_logits(logits, st)
-                target = (greedy if greedy is not None else sample_from_processed(processed, st))[row_layout]
-                if k == 0:
-                    tokens, accepted = target, torch.zeros_like(target[:, 0])
-                    num_drafts = accepted
-                else:
-                    # Draft j of a sequence is the input right after its first sampled row, plus j.
-                    at = logit_rows[row_layout[:, :1]] + 1 + torch.arange(k, device=self.device)
-                    draft_ids = input_ids[at.clamp(max=input_ids.shape[0] - 1)]
-                    q = self._draft_probs(prep, draft_ids)
-                    if q is None:
-                        tokens, accepted = verify_deterministic(target, draft_ids, num_drafts)
-                    else:
-                        first = row_layout[:, 0]
-                        tokens, accepted = verify_stochastic(
-                            processed[row_layout], target, draft_ids, q, num_drafts,
-                            st.temperature[first] == 0, st.seeds[first], st.counters[row_layout])
-                if self.share_decisions:
-                    tokens, accepted = share_decision(tokens, accepted, self.world_size)
-                values.update(tokens=tokens, accepted=accepted, num_drafts=num_drafts)
-                if device_proposer and b.spec.max_drafts_next:     # the engine's decision: draft now
-                    where.update(all_greedy=bool(b.sampling.all_greedy))
-                    if not b.sampling.all_greedy:      # what a proposer that draws reads
-                        first = row_layout[:, 0]
-                        where.update(temperature=st.temperature[first], seeds=st.seeds[first],
-                                     counters=st.counters[row_layout])
-                    values.update(self._propose_on_device(b, prep, hidden, captured, real_rows[row_layout],
-                                                          tokens, accepted, where))
-                if b.sampling.num_logprobs >= 0:
-                    lp, top_ids, top_lp = gather_logprobs(logits[row_layout].flatten(0, 1), tokens.reshape(-1),
-                                                          b.sampling.num_logprobs)
-                    s_k1 = tuple(row_layout.shape)
-                    values["logprobs"] = lp.view(s_k1)
-                    if top_ids is not None:
-                        values["top_ids"] = top_ids.view(*s_k1, -1)
-                        values["top_logprobs"] = top_lp.view(*s_k1, -1)
-            if b.prompt_lp.num >= 0 and len(b.prompt_lp.rows):
-                plogits = self.model.compute_logits(hidden[plp_rows])
-                lp, top_ids, top_lp = gather_logprobs(plogits, plp_targets, b.prompt_lp.num)
-                values["prompt_logprobs"] = lp
-                if top_ids is not None:
-                    values.update(prompt_top_ids=top_ids, prompt_top_logprobs=top_lp)
+            fwd = self._forward(inp)
+            site = self._draft_site(b, inp) if self.spec.on_device else None
+            self.spec.extend_context(b, fwd.hidden, fwd.captured, site)
+            values = self._sample_and_verify(b, prep, inp, fwd, st, site) if len(b.attn.logit_rows) else {}
+            values.update(self._prompt_logprobs(b, inp, fwd))
             layout_out = result_layout(b)
             flat_i, flat_f = pack(layout_out, values, torch.cat, self._empty_i, self._empty_f)
             flat_f = flat_f.float()
@@ -382,84 +312,114 @@ class ModelRunner:
         t_computed = time.perf_counter()
         if result.tokens is not None:
             self.seqs.record(b, prep, result.tokens, result.accepted, planned)
-            self._propose(b, prep, result, hidden, captured, row_layout, tokens, accepted)
+            self.spec.after_read(b, prep, result, self.seqs)
         t_end = time.perf_counter()
         if self.profile is not None:
-            self.profile.append(StepTiming(t_arrive, t0, t_computed, t_end, b.num_tokens, layout is not None,
+            self.profile.append(StepTiming(t_arrive, t0, t_computed, t_end, b.num_tokens, inp.entry is not None,
                                            events[0].elapsed_time(events[1]) / 1e3 if events else None))
-        result.drafter_seconds = getattr(self.proposer, "draft_seconds", 0.0) - drafter_t0
-        logger.debug("step: %d tokens, %d sampled rows, %.1f ms", b.num_tokens, len(a.logit_rows),
+        result.drafter_seconds = self.spec.draft_seconds - drafter_t0
+        logger.debug("step: %d tokens, %d sampled rows, %.1f ms", b.num_tokens, len(b.attn.logit_rows),
                      1e3 * (t_end - t0))
         return result
 
-    def _verify_held_drafts_only(self, b: StepBatch) -> StepBatch:
-        """The batch without the verify rows of drafts the proposer did not make: async scheduling plans a
-        verify of all k before the step that drafts them has returned, and a block may end early
-        (`--speculative-min-confidence`) or not be drafted at all. Those rows could never be accepted;
-        scoring them would cost as much as real drafts. Every rank must trim alike (their collectives need
-        the same shapes): the counts are rank 0's wherever decisions are shared, so without sharing (a
-        test's switch) the planned batch runs as it is."""
-        if not b.spec.max_drafts or (self.world_size > 1 and not self.share_decisions):
-            return b
-        sq = b.seqs
-        held = np.asarray([self.drafts.counts.get(self.seqs.seqs[sid].slot, 0) if sid in self.seqs.seqs else 0
-                           for sid in sq.seq_ids.tolist()], dtype=np.int64)
-        keep = np.minimum(sq.num_drafts, held)
-        return b if np.array_equal(keep, sq.num_drafts) else trim_drafts(b, keep)
+    def _inputs(self, b: StepBatch, prep: PreparedStep) -> StepInputs:
+        T, a = self._tensor, b.attn
+        layout = self._graph_layout(b, prep)
+        inp = StepInputs(logit_rows=T(a.logit_rows), row_layout=T(b.spec.row_layout),
+                         slot_index=T(prep.slots) if self.spec.k else None)
+        # Each input costs a host-to-device copy (on CPU, a tensor wrapper: still a few microseconds): a graph
+        # step reads its inputs from the entry's buffers, so the flat ones are built only for an eager
+        # forward or a device proposer; speculation-only inputs only when the step verifies.
+        if layout is None or self.spec.on_device:
+            inp.meta = PagedAttentionMetadata(slot_mapping=T(prep.slot_mapping), block_tables=T(a.block_tables),
+                                              q_index=T(a.q_index), q_pos=T(a.q_pos), out_index=T(a.out_index))
+            inp.input_ids, inp.positions = T(a.input_ids), T(a.positions)
+        if b.prompt_lp.num >= 0 and len(b.prompt_lp.rows):
+            inp.plp_rows, inp.plp_targets = T(b.prompt_lp.rows), T(b.prompt_lp.targets)
+        if b.spec.max_drafts:
+            inp.num_drafts = T(prep.num_drafts)
+        if len(prep.draft_flat):
+            inp.draft_flat, inp.draft_src = T(prep.draft_flat), T(prep.draft_src)
+        if layout is not None:
+            inp.entry, pad_index = layout
+            inp.width = self.graphs.load(inp.entry, pad_index, a.input_ids, a.positions, prep.slot_mapping,
+                                         a.block_tables)
+            inp.pad = T(pad_index)
+        return inp
 
-    def _proposer_input(self, b: StepBatch, hidden: torch.Tensor | None, captured: dict[int, torch.Tensor],
-                        rows: torch.Tensor | None, tokens: torch.Tensor | None, accepted: torch.Tensor | None,
-                        where: dict | None = None) -> ProposerInput:
-        """`where` given: a device proposer's call, inside the step, where the histories are not updated yet
-        and a device proposer works from tensors: none are collected."""
-        sq, idx = b.seqs, b.spec.batch_index
-        return ProposerInput(
-            seq_ids=[int(sq.seq_ids[i]) for i in idx], prompt_lens=[int(sq.prompt_lens[i]) for i in idx],
-            histories=[] if where is not None else [self.seqs.seqs[int(sq.seq_ids[i])].tokens for i in idx],
-            hidden=captured, final_hidden=hidden, rows=rows, tokens=tokens, accepted=accepted, **(where or {}))
+    def _forward(self, inp: StepInputs) -> Forward:
+        """The target's forward over the step's tokens, with the held drafts as the verify rows' inputs: a
+        graph entry's compiled / captured forward (padded rows) or the eager model."""
+        want_hidden = self.spec.hidden_layers
+        drafts_in = self.spec.verify_inputs(inp.draft_src)
+        if inp.entry is not None:
+            entry, pad = inp.entry, inp.pad
+            if drafts_in is not None:
+                entry.input_ids.index_put_((pad[inp.draft_flat],), drafts_in)
+            all_logits, hidden, captured = self.graphs.launch(entry, inp.width)
+            if want_hidden:     # a device proposer reads the step's own rows, as positions and slots are
+                hidden, captured = hidden[pad], {i: h[pad] for i, h in captured.items()}
+            return Forward(hidden, captured, entry.input_ids, pad[inp.logit_rows], all_logits, entry.greedy)
+        input_ids = inp.input_ids
+        if drafts_in is not None:
+            input_ids = input_ids.index_put((inp.draft_flat,), drafts_in)
+        with forward_context(PagedAttentionContext(self.cache, inp.meta)):
+            hidden, captured = self.model(input_ids, inp.positions, capture_layers=want_hidden)
+        return Forward(hidden, captured, input_ids, inp.logit_rows)
 
-    def _propose_on_device(self, b: StepBatch, prep: PreparedStep, hidden: torch.Tensor,
-                           captured: dict[int, torch.Tensor], rows: torch.Tensor, tokens: torch.Tensor,
-                           accepted: torch.Tensor, where: dict) -> dict[str, torch.Tensor]:
-        """A device proposer drafts from this forward's hidden states before the host read; its ids stay
-        in the draft buffer and only their counts (and grammar sequences' ids) join the result."""
-        inp = self._proposer_input(b, hidden, captured, rows, tokens, accepted, where)
-        proposal = self.proposer.propose(inp, self.num_speculative_tokens)
-        if self.share_decisions:
-            proposal = share_device_proposal(proposal, self.world_size)
-        self._device_stochastic = proposal.probs is not None
-        ids = proposal.ids
-        counts = proposal.counts if proposal.counts is not None else torch.full(
-            (ids.shape[0],), ids.shape[1], dtype=torch.long, device=self.device)
-        self.drafts.write_device(self._tensor(prep.slots), proposal)
-        width = b.spec.max_drafts_next
-        if ids.shape[1] != width:       # the result declares [S, max_drafts_next]
-            padded = torch.zeros(ids.shape[0], width, dtype=torch.long, device=self.device)
-            padded[:, :ids.shape[1]] = ids[:, :width]
-            ids = padded
-        return {"next_num_drafts": counts, "next_draft_ids": ids}
+    def _draft_site(self, b: StepBatch, inp: StepInputs) -> DraftSite:
+        return DraftSite(positions=inp.positions, slot_mapping=inp.meta.slot_mapping,
+                         block_tables=inp.meta.block_tables, batch_index=self._tensor(b.spec.batch_index))
 
-    def _propose(self, b: StepBatch, prep: PreparedStep, result: StepResult, hidden: torch.Tensor,
-                 captured: dict[int, torch.Tensor], row_layout: torch.Tensor, tokens: torch.Tensor,
-                 accepted: torch.Tensor) -> None:
-        """Drafts for the next step, into the draft buffer; the engine learns how many (and, for grammar
-        sequences, which)."""
-        if self.proposer is None:
-            return
-        if self.proposer.on_device:
-            if result.next_num_drafts is None:
-                # Told not to draft this step (too many sequences running): drafts held from an earlier
-                # step must not be verified after this one's tokens.
-                result.next_num_drafts = np.zeros(len(prep.slots), dtype=np.int64)
-                result.next_draft_ids = np.zeros((len(prep.slots), 0), dtype=np.int64)
-            self.drafts.note_device_counts(prep.slots, result.next_num_drafts, result.next_draft_ids,
-                                           stochastic=self._device_stochastic)
+    def _sample(self, b: StepBatch, fwd: Forward, st: SamplingTensors, row_layout: torch.Tensor
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """(logits [R, V] fp32 or None, processed logits, the target's sample at every row [S, K+1])."""
+        # Graph mode computed every row's argmax in the compiled forward. It is each greedy row's sample only
+        # where nothing changes the logits first (T = 0 and no penalty, bitmask, bias or allowed-token set).
+        greedy = fwd.greedy[fwd.logit_rows] if fwd.greedy is not None and leaves_logits_raw(st) else None
+        logits = None
+        if greedy is None or b.spec.max_drafts or b.sampling.num_logprobs >= 0:
+            logits = fwd.all_logits[fwd.logit_rows] if fwd.all_logits is not None else \
+                self.model.compute_logits(fwd.hidden[fwd.logit_rows])
+        processed = logits if greedy is not None else process_logits(logits, st)
+        target = (greedy if greedy is not None else sample_from_processed(processed, st))[row_layout]
+        return logits, processed, target
+
+    def _sample_and_verify(self, b: StepBatch, prep: PreparedStep, inp: StepInputs, fwd: Forward,
+                           st: SamplingTensors, site: DraftSite | None) -> dict[str, torch.Tensor]:
+        """Sample every row, decide how many drafts each sequence keeps, let a device proposer draft the
+        next block from the accepted position, and gather logprobs: the result's device values."""
+        k, row_layout = b.spec.max_drafts, inp.row_layout
+        logits, processed, target = self._sample(b, fwd, st, row_layout)
+        if k == 0:
+            num_drafts = torch.zeros_like(target[:, 0])
+            tokens, accepted = self.spec.shared(target, num_drafts)
         else:
-            proposal = self.proposer.propose(self._proposer_input(b, None, {}, None, None, None),
-                                             self.num_speculative_tokens)
-            result.next_num_drafts = self.drafts.write(prep.slots, proposal)
-        if b.spec.return_drafts.any():
-            result.next_draft_ids = [self.drafts.host_ids[int(slot)] if b.spec.return_drafts[s] else []
-                                     for s, slot in enumerate(prep.slots)]
-        else:
-            result.next_draft_ids = None
+            # Draft j of a sequence is the input right after its first sampled row, plus j.
+            at = fwd.logit_rows[row_layout[:, :1]] + 1 + torch.arange(k, device=self.device)
+            draft_ids = fwd.input_ids[at.clamp(max=fwd.input_ids.shape[0] - 1)]
+            num_drafts = inp.num_drafts
+            tokens, accepted = self.spec.accept(processed, target, draft_ids, num_drafts, st, row_layout, prep,
+                                                inp.slot_index)
+        values = {"tokens": tokens, "accepted": accepted, "num_drafts": num_drafts}
+        if site is not None and b.spec.max_drafts_next:     # the engine's decision: draft now
+            values.update(self.spec.propose_on_device(b, prep, fwd.hidden, fwd.captured, inp.logit_rows[row_layout],
+                                                      tokens, accepted, site, st, row_layout, inp.slot_index))
+        if b.sampling.num_logprobs >= 0:
+            lp, top_ids, top_lp = gather_logprobs(logits[row_layout].flatten(0, 1), tokens.reshape(-1),
+                                                  b.sampling.num_logprobs)
+            shape = tuple(row_layout.shape)
+            values["logprobs"] = lp.view(shape)
+            if top_ids is not None:
+                values.update(top_ids=top_ids.view(*shape, -1), top_logprobs=top_lp.view(*shape, -1))
+        return values
+
+    def _prompt_logprobs(self, b: StepBatch, inp: StepInputs, fwd: Forward) -> dict[str, torch.Tensor]:
+        if inp.plp_rows is None:
+            return {}
+        lp, top_ids, top_lp = gather_logprobs(self.model.compute_logits(fwd.hidden[inp.plp_rows]), inp.plp_targets,
+                                              b.prompt_lp.num)
+        values = {"prompt_logprobs": lp}
+        if top_ids is not None:
+            values.update(prompt_top_ids=top_ids, prompt_top_logprobs=top_lp)
+        return values

@@ -9,6 +9,7 @@ The worker runs steps in order, so by the time a batch arrives every earlier ste
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +45,15 @@ class WorkerSeqTable:
         self._free_slots: list[int] = []
         self.num_slots = 0
 
+    def slot_of(self, seq_id: int) -> int | None:
+        """The sequence's slot (its row in the draft buffer), None if this worker has not seen it."""
+        ws = self.seqs.get(seq_id)
+        return ws.slot if ws is not None else None
+
+    def tokens_of(self, seq_id: int) -> list[int]:
+        """The sequence's known tokens (prompt and committed outputs), as of the last recorded step."""
+        return self.seqs[seq_id].tokens
+
     def forget(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
             ws = self.seqs.pop(sid, None)
@@ -60,11 +70,11 @@ class WorkerSeqTable:
             ws = self.seqs[sid] = WorkerSeq(slot, prompt_len)
         return ws
 
-    def prepare(self, b: StepBatch, block_size: int, buffer_width: int, available: dict[int, int]
+    def prepare(self, b: StepBatch, block_size: int, buffer_width: int, available: Callable[[int], int]
                 ) -> PreparedStep:
         """Fills pending inputs (the last sampled token of a decode) with this worker's value, applies
         async corrections in place, records the step's known inputs, and returns what the runner needs.
-        `available[slot]` is how many drafts the buffer holds for a slot. Draft positions stay PENDING in
+        `available(slot)` is how many drafts the buffer holds for a slot. Draft positions stay PENDING in
         the batch: the runner reads them from the device draft buffer."""
         self.forget(b.finished_seq_ids)
         a, sq = b.attn, b.seqs
@@ -105,7 +115,7 @@ class WorkerSeqTable:
             del ws.tokens[start:]   # anything past the first position computed now is superseded
             ws.tokens.extend(known)
             if k:
-                have = available.get(ws.slot, 0)
+                have = available(ws.slot)
                 actual[i] = min(k, have)
                 for j in range(k):
                     draft_flat.append(flat0 + new + j)

@@ -59,7 +59,7 @@ def test_graph_mode_is_token_identical_to_eager(n, drafter_mode):
 
 def test_graph_steps_do_not_sync():
     """The no-host-sync guard over graph-mode decode and verify steps, with every sampling feature."""
-    from test_engine_nosync import features
+    from test_host_sync_guard import features
 
     batch = prompts(3, lo=5, hi=20, seed=7)
     with LLM(tiny_checkpoint(), executor="inline", enforce_eager=False, debug_no_host_sync=True, max_num_seqs=4,
