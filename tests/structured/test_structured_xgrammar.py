@@ -12,6 +12,7 @@ from namazu import LLM, SamplingParams
 from namazu.assets import default_model_path
 from namazu.config import ModelConfig
 from namazu.eval.json_schemas import json_schemas
+from namazu.structured.factory import StructuredOutputs
 from namazu.structured.json_schema import check_json_schema, relax_json_schema
 from namazu.structured.xgrammar_backend import GrammarSpec, XGrammarBackend, json_schema_spec
 from namazu.tokenizer import Tokenizer
@@ -104,6 +105,29 @@ def test_unenforceable_keywords_are_refused_by_name(schema, word):
         check_json_schema(schema)
     relaxed = relax_json_schema(schema)       # best effort when not strict: the constraint is dropped
     check_json_schema(relaxed)
+
+
+ITEM_SCHEMAS = [
+    ({"type": "array", "items": {"type": "array", "uniqueItems": True}}, "'uniqueItems' at #/items/uniqueItems"),
+    ({"type": "object", "properties": {"xs": {"type": "array", "items": {"not": {"const": 3}}}}},
+     "'not' at #/properties/xs/items/not"),
+    ({"type": "array", "items": {"type": "object", "properties": {"ip": {"type": "string", "format": "ipv4"}}}},
+     "format 'ipv4' at #/items/properties/ip/format"),
+]
+
+
+@pytest.mark.parametrize("schema, word", ITEM_SCHEMAS, ids=["uniqueItems", "not", "format"])
+def test_a_strict_schemas_unenforceable_keyword_under_items_is_refused_by_name(backend, schema, word):
+    # An array's element schema is a sub-schema like a property's: a constraint namazu cannot enforce
+    # there must be refused too, or a strict answer would claim a schema its elements break.
+    b, tok, stops = backend
+    structured = StructuredOutputs(tok, b.vocab_size, stops, max_rollback=4)
+    with pytest.raises(ValueError, match=re.escape(word)):
+        structured.spec(SamplingParams(json_schema=schema, json_schema_strict=True))
+    # Not strict: best effort, the keyword is dropped and the rest of the schema still compiles.
+    spec = structured.spec(SamplingParams(json_schema=schema, json_schema_strict=False))
+    b.compile(spec)
+    assert word.split("'")[1] not in spec.text
 
 
 def test_bad_grammars_are_clear_errors(backend):
