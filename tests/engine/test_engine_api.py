@@ -194,6 +194,25 @@ def test_bad_input_gets_clear_errors(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_the_prompt_limits_are_exact_at_their_boundaries(llm):
+    # One token id past the vocabulary reaches the embedding and kills the worker (every request then
+    # 503s), and a prompt of max_model_len tokens leaves no room for its first output token: both must
+    # be refused here, and the last value inside each limit must still be served.
+    engine = llm.engine
+    vocab, limit = engine.vocab_size, engine.max_model_len
+    greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    with pytest.raises(ValueError, match=rf"\[{vocab}\] outside the vocabulary \[0, {vocab}\)"):
+        llm.generate(prompt_token_ids=[[1, vocab]], use_tqdm=False)
+    with pytest.raises(ValueError, match=f"the prompt has {limit} tokens"):
+        llm.generate(prompt_token_ids=[[7] * limit], use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    edge = llm.generate(prompt_token_ids=[[1, vocab - 1], [7] * (limit - 1)], sampling_params=greedy,
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in edge] == [1, 1]
+    assert len(edge[1].prompt_token_ids) + 1 == limit
+    engine.block_manager.check_invariants([])
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_async_engine_streams_and_cancels(async_scheduling):
     engine = AsyncEngine(EngineConfig(model=tiny_checkpoint(), executor="inline", async_scheduling=async_scheduling))

@@ -3,6 +3,7 @@ checkpoint (compared with torch.equal to the checkpoint's own tensors, sliced he
 from DeepSeek-V3's layout, not read from the model), and reads only those slices from the file."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -215,3 +216,76 @@ def test_parallel_linears_slice_weight_and_bias(tmp_path, reads):
         row.weight.weight_loader(row.weight, LazyTensor(h, "w"))
     with pytest.raises(ValueError, match="out_features .7. is not divisible by the tensor-parallel size 3"):
         ColumnParallelLinear(4, 7, tp=TPShard(0, 3))
+
+
+class _ThreadGroup:
+    """torch.distributed's all_reduce / all_gather over ranks that are threads of this process: the
+    sharded layers' own forward (their slicing, padding and bias) runs unchanged, without the seconds a
+    process per rank costs. Sums in rank order, as a ring all-reduce of one tensor may not: compare the
+    reduced outputs with a tolerance."""
+
+    def __init__(self, size: int):
+        import threading
+
+        self.size, self.rank = size, threading.local()
+        self.barrier = threading.Barrier(size, timeout=30)
+        self.slots: list[torch.Tensor | None] = [None] * size
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[self.rank.value] = x.clone()
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()           # every rank has read the slots before any rank writes again
+        return out
+
+    def all_reduce(self, x: torch.Tensor, *args, **kwargs) -> None:
+        parts = self._exchange(x)
+        x.copy_(functools.reduce(torch.add, parts))
+
+    def all_gather(self, out: list[torch.Tensor], x: torch.Tensor, *args, **kwargs) -> None:
+        for o, p in zip(out, self._exchange(x)):
+            o.copy_(p)
+
+    def run(self, fn) -> list:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def rank(r: int):
+            self.rank.value = r
+            return fn(TPShard(r, self.size))
+
+        with ThreadPoolExecutor(self.size) as pool:
+            return list(pool.map(rank, range(self.size)))
+
+
+@pytest.mark.parametrize("vocab", [9, 10], ids=["last-rank-empty", "last-rank-short"])
+def test_sharded_layers_equal_the_whole_layers_when_the_vocabulary_does_not_divide(monkeypatch, vocab):
+    # The model tests use a vocabulary that divides by the ranks and no row-parallel bias. At 4 ranks a
+    # vocabulary of 9 or 10 is padded to 12 (3 rows a rank; at 9 the last rank holds none): the gathered
+    # logits must be the vocabulary's alone, and the row-parallel bias must be added once, after the sum.
+    import torch.distributed as dist
+
+    from namazu.layers.linear import RowParallelLinear
+    from namazu.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+
+    group = _ThreadGroup(4)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", group.all_reduce)
+    monkeypatch.setattr(dist, "all_gather", group.all_gather)
+    g = torch.Generator().manual_seed(vocab)
+    hidden, ids = torch.randn(3, 8, generator=g), torch.arange(vocab).flip(0)
+    w, row_w, row_b = torch.randn(vocab, 8, generator=g), torch.randn(5, 16, generator=g), torch.randn(5, generator=g)
+    row_x = torch.randn(3, 16, generator=g)
+
+    @torch.no_grad()
+    def rank(tp: TPShard):
+        head, embed = ParallelLMHead(8, vocab, tp=tp), VocabParallelEmbedding(vocab, 8, tp=tp)
+        row = RowParallelLinear(16, 5, bias=True, tp=tp)
+        for p, full in ((head.weight, w), (embed.weight, w), (row.weight, row_w), (row.bias, row_b)):
+            p.weight_loader(p, full)
+        return head.gather_logits(hidden), embed(ids), row(row_x.chunk(tp.size, dim=-1)[tp.rank])
+
+    for r, (logits, embedded, row_out) in enumerate(group.run(rank)):
+        assert logits.shape == (3, vocab), f"rank {r}: logits {tuple(logits.shape)} for a vocabulary of {vocab}"
+        torch.testing.assert_close(logits, hidden @ w.T)
+        assert torch.equal(embedded, w.flip(0)), f"rank {r}"
+        torch.testing.assert_close(row_out, torch.nn.functional.linear(row_x, row_w, row_b))

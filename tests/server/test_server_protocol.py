@@ -133,6 +133,19 @@ def test_sampling_params_mapping():
     assert (e.status, e.param) == (400, "stop_token_ids")
 
 
+@pytest.mark.parametrize("parse,base", [(parse_completion, {"prompt": "x"}),
+                                        (parse_chat, {"messages": [{"role": "user", "content": "x"}]})])
+def test_priority_is_an_int64_and_its_bounds_are_exact(parse, base):
+    # priority has no second check behind the protocol (the scheduler sorts on it as it is), so this
+    # range is the only thing keeping a value no int64 holds out of the engine.
+    for ok in (-(2**63), 2**63 - 1):
+        assert parse({**base, "priority": ok}, 20).sampling.priority == ok
+    for bad in (2**63, -(2**63) - 1):
+        e = _err(parse, {**base, "priority": bad}, 20)
+        assert (e.status, e.param) == (400, "priority"), e.message
+        assert "out of range" in e.message
+
+
 def test_context_limit_message_states_the_limit():
     assert resolve_max_tokens(10, None, 64) == 54
     assert resolve_max_tokens(10, 54, 64) == 54

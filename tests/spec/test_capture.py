@@ -21,8 +21,14 @@ def test_round_trip_and_rotation(tmp_path):
     for i in range(40):
         w.write(rec(i))
     w.close()
-    assert len(shard_paths(tmp_path)) > 1                      # rotated by size
-    assert all(p.stat().st_size <= 1024 for p in shard_paths(tmp_path))
+    shards = shard_paths(tmp_path)
+    assert len(shards) > 1                                     # rotated by size
+    assert all(p.stat().st_size <= 1024 for p in shards)
+    # ...and only by size: each shard was closed because the next record did not fit in it, the first
+    # shard after a rotation as much as the first one (a size not reset would give one record a file).
+    lines = [p.read_bytes().splitlines(keepends=True) for p in shards]
+    for this, nxt in zip(lines, lines[1:]):
+        assert sum(map(len, this)) + len(nxt[0]) > 1024, [len(x) for x in lines]
     stats = ReadStats()
     assert list(read_records(tmp_path, stats)) == [rec(i) for i in range(40)]
     assert stats.skipped == 0

@@ -234,11 +234,13 @@ class RecordingDrafter(DFlashProposer):
         t = ModelConfig.from_pretrained(default_model_path())
         super().__init__(shipped(), t.vocab_size, t.hidden_size, t.num_hidden_layers)
         self.blocks: dict[tuple[int, int], torch.Tensor] = {}
+        self.anchors: list[tuple[int, int, int]] = []     # (sequence, anchor token, its position) per block
 
     def draft_block(self, inp, k):
         anchor, anchor_pos, h, logits = super().draft_block(inp, k)
-        for sid, pos, row in zip(inp.seq_ids, anchor_pos.tolist(), logits):
+        for sid, a, pos, row in zip(inp.seq_ids, anchor.tolist(), anchor_pos.tolist(), logits):
             self.blocks[sid, pos] = row.clone()
+            self.anchors.append((sid, a, pos))
         return anchor, anchor_pos, h, logits
 
 
@@ -257,6 +259,32 @@ def test_drafts_after_resuming_see_the_context_of_undrafted_steps():
     assert len(resumed) >= 2
     for p in resumed:
         torch.testing.assert_close(switched[p], always[p], atol=1e-3, rtol=1e-3, msg=f"position {p}")
+
+
+def test_each_block_is_drafted_from_the_last_accepted_token():
+    # Drafting from the verify step's first row instead of its accepted one stays lossless (the next
+    # verify rejects the misplaced drafts) and the block is consistent with itself, so only a drafter
+    # whose drafts get accepted shows it: the shipped one. After each synchronous step, every block it
+    # drafted must start from its sequence's last committed token, at that token's position.
+    drafter = RecordingDrafter()
+    engine = engine_for(None, False, drafter=drafter, num_speculative_tokens=4, speculative_min_confidence=0)
+    for i in range(2):
+        engine.add_request(str(i), PROMPTS[i], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    seqs = {s.seq_id: s for s in engine.scheduler.waiting}
+    checked = 0
+    while engine.has_unfinished_requests():
+        drafter.anchors.clear()
+        engine.step()
+        for sid, anchor, pos in drafter.anchors:
+            committed = seqs[sid].token_ids
+            assert (anchor, pos) == (committed[-1], len(committed) - 1), \
+                f"sequence {sid}: block anchored at position {pos}, last committed token at {len(committed) - 1}"
+            checked += 1
+    stats = engine.get_stats()
+    engine.close()
+    assert checked >= 20
+    # Blocks after a verify that accepted drafts are the ones a wrong anchor would misplace: many here.
+    assert stats.num_accepted_draft_tokens >= 10 and sum(stats.acceptance_length_histogram[1:]) >= 5
 
 
 def test_tensor_parallelism_keeps_the_shipped_drafter_off_and_refuses_a_named_one():

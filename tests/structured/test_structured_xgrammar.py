@@ -12,7 +12,9 @@ from namazu import LLM, SamplingParams
 from namazu.assets import default_model_path
 from namazu.config import ModelConfig
 from namazu.eval.json_schemas import json_schemas
+from namazu.structured.factory import StructuredOutputs
 from namazu.structured.json_schema import check_json_schema, relax_json_schema
+from namazu.structured.tool_calls import ToolMarkers, tool_call_constraint
 from namazu.structured.xgrammar_backend import GrammarSpec, XGrammarBackend, json_schema_spec
 from namazu.tokenizer import Tokenizer
 
@@ -106,6 +108,29 @@ def test_unenforceable_keywords_are_refused_by_name(schema, word):
     check_json_schema(relaxed)
 
 
+ITEM_SCHEMAS = [
+    ({"type": "array", "items": {"type": "array", "uniqueItems": True}}, "'uniqueItems' at #/items/uniqueItems"),
+    ({"type": "object", "properties": {"xs": {"type": "array", "items": {"not": {"const": 3}}}}},
+     "'not' at #/properties/xs/items/not"),
+    ({"type": "array", "items": {"type": "object", "properties": {"ip": {"type": "string", "format": "ipv4"}}}},
+     "format 'ipv4' at #/items/properties/ip/format"),
+]
+
+
+@pytest.mark.parametrize("schema, word", ITEM_SCHEMAS, ids=["uniqueItems", "not", "format"])
+def test_a_strict_schemas_unenforceable_keyword_under_items_is_refused_by_name(backend, schema, word):
+    # An array's element schema is a sub-schema like a property's: a constraint namazu cannot enforce
+    # there must be refused too, or a strict answer would claim a schema its elements break.
+    b, tok, stops = backend
+    structured = StructuredOutputs(tok, b.vocab_size, stops, max_rollback=4)
+    with pytest.raises(ValueError, match=re.escape(word)):
+        structured.spec(SamplingParams(json_schema=schema, json_schema_strict=True))
+    # Not strict: best effort, the keyword is dropped and the rest of the schema still compiles.
+    spec = structured.spec(SamplingParams(json_schema=schema, json_schema_strict=False))
+    b.compile(spec)
+    assert word.split("'")[1] not in spec.text
+
+
 def test_bad_grammars_are_clear_errors(backend):
     b, _, _ = backend
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -176,3 +201,58 @@ def test_max_tokens_inside_json_is_length_not_stop(llm):
     out = llm.generate(["JSON: "], SamplingParams(temperature=0, max_tokens=8, json_schema=schema),
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 8
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"], "additionalProperties": False}}}]
+
+
+def _tool_grammar(backend, choice: str, parallel: bool):
+    b, tok, stops = backend
+    structured = StructuredOutputs(tok, b.vocab_size, stops, max_rollback=8)
+    params = SamplingParams(tool_calls=tool_call_constraint(WEATHER, choice, parallel_tool_calls=parallel))
+    return structured.grammar(params), ToolMarkers(tok)
+
+
+def _allows(g, vocab_size: int, token: int) -> bool:
+    import numpy as np
+
+    mask = np.full((1, -(-vocab_size // 32)), -1, dtype=np.int32)
+    g.fill_bitmask(mask, 0)
+    return bool(np.unpackbits(mask.view(np.uint8), bitorder="little")[token])
+
+
+def _one_call(tok, mk, index: int) -> list[int]:
+    header = tok.encode(f"functions.get_weather:{index}", add_special_tokens=False)
+    args = tok.encode(json.dumps({"city": "東京"}, ensure_ascii=False), add_special_tokens=False)
+    return [mk.call_begin] + header + [mk.arg_begin] + args + [mk.call_end]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_the_tool_grammar_allows_a_second_call_only_with_parallel_tool_calls(backend, parallel):
+    # namazu-tiny makes one call per answer, so only the grammar itself shows whether
+    # parallel_tool_calls=false is enforced: after one complete call the section may close, and may
+    # open a second call only when parallel calls are allowed (in the mask and in accept_tokens alike).
+    b, tok, _ = backend
+    g, mk = _tool_grammar(backend, "required", parallel)
+    assert g.accept_tokens([mk.section_begin] + _one_call(tok, mk, 0))
+    assert _allows(g, b.vocab_size, mk.section_end)
+    assert _allows(g, b.vocab_size, mk.call_begin) == parallel
+    assert g.validate_tokens(_one_call(tok, mk, 1)) == (len(_one_call(tok, mk, 1)) if parallel else 0)
+    assert g.accept_tokens([mk.section_end, b.stop_ids[0]]) and g.is_terminated()
+
+
+def test_under_tool_choice_auto_plain_text_may_end_and_a_call_may_follow_text(backend):
+    # "auto" lets the model answer in text and stop there: the end token must be allowed and accepted
+    # after plain text, as it is after a closed tool-call section.
+    b, tok, _ = backend
+    eos = b.stop_ids[0]
+    g, mk = _tool_grammar(backend, "auto", True)
+    assert g.accept_tokens(tok.encode("晴れです。", add_special_tokens=False))
+    assert _allows(g, b.vocab_size, eos) and not _allows(g, b.vocab_size, mk.call_begin)
+    assert g.accept_tokens([eos]) and g.is_terminated()
+    g, mk = _tool_grammar(backend, "auto", True)
+    assert g.accept_tokens(tok.encode("調べます", add_special_tokens=False) + [mk.section_begin]
+                           + _one_call(tok, mk, 0) + [mk.section_end, eos])
+    assert g.is_terminated()

@@ -57,6 +57,45 @@ def test_graph_mode_is_token_identical_to_eager(n, drafter_mode):
     assert {bp for bp, _, _ in launched} == {1: {1}, 3: {1, 2, 4}, 32: {16, 32}}[n]
 
 
+def _sampled_outputs(prompt: list[int], enforce_eager: bool) -> tuple[dict[str, list[int]], list[int]]:
+    """One request at a time (one graph entry, compiled once): greedy, seeded T = 1, greedy under strong
+    penalties, and greedy restricted to every token but the plain greedy ones."""
+    cases = {"plain": SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+             "sampled": SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True),
+             "penalised": SamplingParams(temperature=0, frequency_penalty=2.0, repetition_penalty=1.5,
+                                         max_tokens=10, ignore_eos=True)}
+    with LLM(tiny_checkpoint(), executor="inline", enforce_eager=enforce_eager, max_num_seqs=1,
+             num_speculative_tokens=0) as llm:
+        graphs = llm.engine.executor.worker.runner.graphs
+        launched = []
+        if graphs is not None:
+            real = graphs.launch
+            graphs.launch = lambda e, w: launched.append(e.tq) or real(e, w)
+
+        def run(params):
+            out = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+            return out[0].outputs[0].token_ids
+
+        got = {name: run(p) for name, p in cases.items()}
+        allowed = [t for t in range(256) if t not in got["plain"]]
+        got["allowed"] = run(SamplingParams(temperature=0, allowed_token_ids=allowed, max_tokens=10, ignore_eos=True))
+    assert bool(launched) != enforce_eager
+    return got, allowed
+
+
+def test_graph_mode_honours_sampling_penalties_and_allowed_tokens():
+    """The compiled forward's argmax serves a step only when every row is greedy and unconstrained. With
+    each request alone in its steps, sampling at T > 0, a penalty and an allowed-token set (a grammar
+    mask) are each the only thing keeping its steps off that argmax: graph mode must give eager's tokens
+    for each, and each must differ from the plain greedy continuation (else the case could not tell)."""
+    prompt = prompts(1, lo=12, hi=12, seed=21)[0]
+    eager, allowed = _sampled_outputs(prompt, enforce_eager=True)
+    graph, _ = _sampled_outputs(prompt, enforce_eager=False)
+    assert graph == eager
+    assert all(eager[name] != eager["plain"] for name in ("sampled", "penalised", "allowed")), eager
+    assert set(graph["allowed"]) <= set(allowed)
+
+
 def test_graph_steps_do_not_sync():
     """The no-host-sync guard over graph-mode decode and verify steps, with every sampling feature."""
     from test_host_sync_guard import features

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from namazu.scheduler.kv_events import KVEventLog
 from server.router.index import EventIndex, RoutingHistory
 from server.router.load_model import Pending, RateEstimator, Rates
 from server.router.policy import (
@@ -198,6 +199,28 @@ def test_event_index_applies_deltas_and_resets_on_a_new_replica_life():
     idx.apply({"replica_id": "r2", "last_id": 9, "snapshot": [5, 6], "events": [], "more": False}, now=3.0)
     assert idx.hashes == {5, 6} and idx.cursor == 9
     assert idx.fresh(1.0, now=3.5) and not idx.fresh(1.0, now=5.0)
+
+
+def test_a_snapshot_replaces_what_the_index_believed_so_evicted_blocks_are_forgotten():
+    # A router that fell behind the replica's bounded log gets a snapshot; blocks evicted meanwhile are
+    # in neither the snapshot nor any event it will see again, so the snapshot must replace the index
+    # (merged, they would count as cached forever and keep pulling their prefix to this replica).
+    log = KVEventLog(replica_id="r1", max_events=4)
+    idx = EventIndex()
+    log.stored([1, 2, 3])
+    idx.apply(log.since(idx.cursor, replica_id=idx.replica_id), now=0.0)
+    assert idx.matched([1, 2, 3]) == 3
+    log.removed([2, 3])                                     # evicted, then the log wraps past the cursor
+    for h in range(10, 16):
+        log.stored([h])
+    page = log.since(idx.cursor, replica_id=idx.replica_id)
+    assert "snapshot" in page
+    assert not idx.apply(page, now=1.0)
+    assert idx.hashes == log.stored_hashes() == {1, *range(10, 16)}
+    assert idx.matched([1, 2, 3]) == 1 and idx.num_resets == 1       # same life of the replica: no reset
+    log.stored([20])
+    idx.apply(log.since(idx.cursor, replica_id=idx.replica_id), now=2.0)   # deltas again from there
+    assert idx.hashes == log.stored_hashes()
 
 
 def test_recomputing_a_prefix_on_a_busy_replica_is_charged_for_the_queue_behind_it():
