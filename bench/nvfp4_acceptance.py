@@ -33,9 +33,9 @@ from namazu.eval.data import load_tokenizer, token_windows
 from namazu.eval.metrics import compare, score
 from namazu.models.loader import load_model
 from namazu.quant.calibrate import MissingScalesError, calibrate, finalize
-from namazu.quant.checkpoint import load_quantized, save_quantized
-from namazu.quant.policy import QuantPolicy
+from namazu.quant.modelopt_checkpoint import load_quantized, save_quantized
 from namazu.quant.quantize import experts_resident_bytes, quantize_model
+from namazu.quant.selective import QuantPolicy
 from namazu.tiny.corpus import default_corpus_dir, split_path
 
 

@@ -17,7 +17,7 @@ import threading
 import torch
 
 from namazu.kernels.backends import resolve_moe_runtime
-from namazu.quant.experts import NvFP4Experts
+from namazu.quant.nvfp4_experts import NvFP4Experts
 
 PAGE = 4096
 

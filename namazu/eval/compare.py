@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from namazu.quant.checkpoint import load_any
+    from namazu.quant.modelopt_checkpoint import load_any
 
     torch.manual_seed(0)
     tok = load_tokenizer(args.tokenizer or args.ref)

@@ -159,7 +159,7 @@ class MoERuntime:
 
     `backend` None means the plain-torch reference (`kernels.moe_dispatch`), on any device: what a module
     built on its own (tests, quantization tools) runs unless it is handed a resolved runtime.
-    `nvfp4_mode` is the mode NVFP4 modules start in (`quant.experts.set_mode` switches a built model).
+    `nvfp4_mode` is the mode NVFP4 modules start in (`quant.nvfp4_experts.set_mode` switches a built model).
     """
 
     backend: MoEBackend | None = None

@@ -26,7 +26,7 @@ def _bf16_experts(cfg: ModelConfig, layer_idx: int, dtype: torch.dtype | None, d
 
 
 # The layer knows only its own high-precision format; a quantized format registers itself here from the package
-# that owns it (NVFP4: `namazu/quant/experts.py`), so the model never imports quantization code.
+# that owns it (NVFP4: `namazu/quant/nvfp4_experts.py`), so the model never imports quantization code.
 _EXPERTS_FORMATS: dict[str, ExpertsFactory] = {"bf16": _bf16_experts}
 
 
@@ -50,7 +50,7 @@ def make_experts(fmt: str, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype 
     factory = _EXPERTS_FORMATS.get(fmt)
     if factory is None:
         raise ValueError(f"unknown routed-experts format {fmt!r}; registered: {experts_formats()} (a quantized "
-                         "format registers itself when its package is imported: NVFP4 with namazu.quant.experts)")
+                         "format registers itself when its package is imported: NVFP4 with namazu.quant.nvfp4_experts)")
     return factory(cfg, layer_idx, dtype, device, runtime, tp)
 
 

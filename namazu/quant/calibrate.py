@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from namazu.layers.experts import RoutedExperts
-from namazu.quant.policy import QuantPolicy, module_class
 from namazu.quant.quantize import ActivationStats
+from namazu.quant.selective import QuantPolicy, module_class
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from namazu.eval.data import load_tokenizer, token_windows
     from namazu.models.loader import load_model
-    from namazu.quant.checkpoint import save_quantized
+    from namazu.quant.modelopt_checkpoint import save_quantized
     from namazu.quant.quantize import quantize_model
 
     policy = QuantPolicy.parse(args.policy, args.exclude)

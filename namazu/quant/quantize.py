@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from namazu.layers.experts import RoutedExperts
-from namazu.quant.experts import NvFP4Experts
-from namazu.quant.linear import NvFP4Linear
 from namazu.quant.nvfp4 import dequantize_weight, fake_quantize_activation, input_scale_for, quantize_weight
-from namazu.quant.policy import QuantPolicy, module_class
+from namazu.quant.nvfp4_experts import NvFP4Experts
+from namazu.quant.nvfp4_linear import NvFP4Linear
+from namazu.quant.selective import QuantPolicy, module_class
 
 logger = logging.getLogger(__name__)
 

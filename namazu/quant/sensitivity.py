@@ -20,8 +20,8 @@ import torch
 from namazu.eval.data import load_tokenizer, parse_labelled, token_windows
 from namazu.eval.metrics import Comparison, compare, score
 from namazu.quant.calibrate import calibrate, finalize
-from namazu.quant.policy import MODULE_CLASSES, QuantPolicy, module_class
 from namazu.quant.quantize import quantize_model
+from namazu.quant.selective import MODULE_CLASSES, QuantPolicy, module_class
 
 logger = logging.getLogger(__name__)
 DEFAULT_CLASSES = ("routed_experts", "shared_experts", "attention", "router", "lm_head")

@@ -33,7 +33,7 @@ from namazu.layers.sampler import (
 )
 from namazu.layers.weight_loading import TPShard
 from namazu.models.loader import load_model
-from namazu.quant import experts as _nvfp4_experts  # noqa: F401  (registers the NVFP4 experts format)
+from namazu.quant import nvfp4_experts as _nvfp4_experts  # noqa: F401  (registers the NVFP4 experts format)
 from namazu.spec.proposer import Proposer
 from namazu.spec.speculator import DraftSite, Speculator
 from namazu.step.batch import StepBatch, StepResult, pack, result_layout, unpack

@@ -25,7 +25,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-import server.ray_serve.decisions as decisions
+import server.ray_serve.routing_state as decisions
 from namazu.scheduler.kv_events import PromptHasher
 from server.ray_serve.asgi_bridge import asgi_stream
 from server.router.load_model import decode_steps

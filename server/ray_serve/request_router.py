@@ -15,7 +15,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-import server.ray_serve.decisions as decisions
+import server.ray_serve.routing_state as decisions
 from server.router.index import EventIndex, RoutingHistory
 from server.router.load_model import DEFAULT_STEPS, Rates, first_token_ms, fleet_rates, split_open
 from server.router.policy import (

@@ -28,9 +28,9 @@ from starlette.routing import Route
 
 from namazu.scheduler.kv_events import PromptHasher
 from server.router.load_model import DEFAULT_STEPS, decode_steps
-from server.router.metrics import RouterMetrics
 from server.router.policy import Policy
 from server.router.pool import Replica, ReplicaPool
+from server.router.router_metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -179,9 +179,9 @@ def test_each_rank_needs_its_own_gpu(monkeypatch):
 @pytest.fixture(scope="module")
 def nvfp4_ckpt(tmp_path_factory):
     from namazu.quant.calibrate import calibrate, finalize
-    from namazu.quant.checkpoint import save_quantized
-    from namazu.quant.policy import QuantPolicy
+    from namazu.quant.modelopt_checkpoint import save_quantized
     from namazu.quant.quantize import quantize_model
+    from namazu.quant.selective import QuantPolicy
 
     root = tmp_path_factory.mktemp("tp_nvfp4")
     src, out = root / "bf16", root / "nvfp4"
@@ -195,7 +195,7 @@ def nvfp4_ckpt(tmp_path_factory):
 
 
 def test_nvfp4_greedy_tp4_equals_tp1_with_and_without_speculation(nvfp4_ckpt):
-    from namazu.quant.experts import NvFP4Experts
+    from namazu.quant.nvfp4_experts import NvFP4Experts
 
     with LLM(str(nvfp4_ckpt), executor="inline", dtype="float32", max_num_seqs=64, **SPEC) as tp1:
         assert any(isinstance(m, NvFP4Experts) for m in tp1.engine.executor.worker.runner.model.modules())

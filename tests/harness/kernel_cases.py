@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from namazu.kernels.moe_types import NVFP4MoEWeights
-from namazu.quant.experts import quantize_experts
+from namazu.quant.nvfp4_experts import quantize_experts
 
 TOL = 1e-2  # acceptance: relative error against the torch reference, in bf16
 

@@ -49,7 +49,7 @@ def test_w4a4_emulation_matches_reference():
 def test_w4a4_bf16_matches_the_nvfp4_experts_emulation():
     """In bf16 the kernel rounds between GEMMs exactly where the torch reference does, and NvFP4Experts
     handed the cpp backend serves through it."""
-    from namazu.quant.experts import NvFP4Experts
+    from namazu.quant.nvfp4_experts import NvFP4Experts
 
     c = make_case(12, 128, 64, 6, 2, seed=26, w4a4=True)
     m = NvFP4Experts(6, 128, 64, mode="w4a4", runtime=MoERuntime(build_backend("cpp", "cpu")))

@@ -8,8 +8,8 @@ from kernel_cases import make_case, rel_err
 
 from namazu.kernels import moe_dispatch as md
 from namazu.layers.experts import TorchExperts
-from namazu.quant.experts import NvFP4Experts
 from namazu.quant.nvfp4 import dequantize_weight, fake_quantize_activation
+from namazu.quant.nvfp4_experts import NvFP4Experts
 
 
 def test_permute_unpermute_round_trip():

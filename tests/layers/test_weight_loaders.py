@@ -16,8 +16,8 @@ from namazu.kernels.moe_types import MoERuntime
 from namazu.layers.weight_loading import LazyTensor, TPShard
 from namazu.models.checkpoint import CheckpointError
 from namazu.models.loader import load_model
-from namazu.quant.experts import NvFP4Experts
 from namazu.quant.nvfp4 import quantize_weight
+from namazu.quant.nvfp4_experts import NvFP4Experts
 
 TP = 2
 # Megatron-style sharding of DeepSeek-V3: output rows for the projections into heads / the intermediate /

@@ -8,7 +8,7 @@ from quant_fixtures import random_windows, tiny_model, write_model_dir
 
 from namazu.quant import calibrate as cal
 from namazu.quant.calibrate import MissingScalesError, ObserverExperts, calibrate, finalize
-from namazu.quant.policy import QuantPolicy
+from namazu.quant.selective import QuantPolicy
 
 POLICY = QuantPolicy.preset("experts")
 
@@ -89,7 +89,7 @@ def test_cli_converts_a_block_fp8_checkpoint(tmp_path):
     """DeepSeek-V3 ships block-FP8: the calibrator starts from it (dequantized at load) just as from BF16."""
     from safetensors.torch import load_file, save_file
 
-    from namazu.quant.checkpoint import load_quantized
+    from namazu.quant.modelopt_checkpoint import load_quantized
     from namazu.quant.nvfp4 import dequantize_weight
 
     src, fp8, out = tmp_path / "bf16", tmp_path / "fp8", tmp_path / "out"

@@ -11,11 +11,11 @@ from safetensors import safe_open
 from namazu.models.checkpoint import CheckpointError
 from namazu.models.loader import load_model
 from namazu.quant.calibrate import calibrate, finalize
-from namazu.quant.checkpoint import load_quantized, save_quantized
-from namazu.quant.experts import NvFP4Experts, set_mode
-from namazu.quant.linear import NvFP4Linear
-from namazu.quant.policy import QuantPolicy
+from namazu.quant.modelopt_checkpoint import load_quantized, save_quantized
+from namazu.quant.nvfp4_experts import NvFP4Experts, set_mode
+from namazu.quant.nvfp4_linear import NvFP4Linear
 from namazu.quant.quantize import experts_resident_bytes, quantize_model
+from namazu.quant.selective import QuantPolicy
 
 
 def _quantized(policy_name="experts", dtype=torch.bfloat16, **kw):

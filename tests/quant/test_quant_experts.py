@@ -7,8 +7,8 @@ from namazu.config import ModelConfig
 from namazu.kernels import backends
 from namazu.layers.experts import TorchExperts
 from namazu.layers.moe import make_experts
-from namazu.quant.experts import NvFP4Experts, set_mode
 from namazu.quant.nvfp4 import dequantize_weight, fake_quantize_activation
+from namazu.quant.nvfp4_experts import NvFP4Experts, set_mode
 
 E, H, I, K = 6, 64, 32, 2
 # The serving path: the backend auto-resolved for the CPU (the C++ kernel where built).

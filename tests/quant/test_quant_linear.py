@@ -2,8 +2,8 @@
 import torch
 from torch import nn
 
-from namazu.quant.linear import NvFP4Linear
 from namazu.quant.nvfp4 import dequantize_weight, fake_quantize_activation, quantize_weight
+from namazu.quant.nvfp4_linear import NvFP4Linear
 
 
 def _pair(bias=True):

@@ -1,7 +1,7 @@
 """Selective quantization policy: ModelOpt exclude_modules (fnmatch) meaning, default = routed experts only."""
 import pytest
 
-from namazu.quant.policy import QuantPolicy, module_class
+from namazu.quant.selective import QuantPolicy, module_class
 
 NAMES = {
     "model.layers.3.mlp.experts.17.gate_proj": "routed_experts",

@@ -4,10 +4,10 @@ from quant_fixtures import random_windows, write_model_dir
 
 from namazu import LLM, SamplingParams
 from namazu.quant.calibrate import calibrate, finalize
-from namazu.quant.checkpoint import save_quantized
-from namazu.quant.experts import NvFP4Experts
-from namazu.quant.policy import QuantPolicy
+from namazu.quant.modelopt_checkpoint import save_quantized
+from namazu.quant.nvfp4_experts import NvFP4Experts
 from namazu.quant.quantize import quantize_model
+from namazu.quant.selective import QuantPolicy
 
 
 def _calibrated_checkpoint(tmp_path):

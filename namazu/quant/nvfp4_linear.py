@@ -1,6 +1,6 @@
 """NvFP4Linear: one NVFP4 linear layer (attention, shared experts, dense MLPs, lm_head when a policy says so).
 
-Same numerics as the routed experts (namazu.quant.experts): W4A16 dequantizes in the activation dtype,
+Same numerics as the routed experts (namazu.quant.nvfp4_experts): W4A16 dequantizes in the activation dtype,
 W4A4 emulates Blackwell's block-scaled FP4 GEMM. Its state_dict uses ModelOpt's tensor names (`weight`
 uint8 [out, in/2], `weight_scale` e4m3 [out, in/16], `weight_scale_2` and `input_scale` fp32 scalars);
 the attribute `.weight` is the dequantized weight, for code that reads a linear's weight directly

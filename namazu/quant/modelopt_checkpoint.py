@@ -31,10 +31,10 @@ from namazu.kernels.moe_types import MoERuntime
 from namazu.models.checkpoint import checkpoint_files, iter_checkpoint, state_items, write_safetensors
 from namazu.models.deepseek_v3 import DeepseekV3ForCausalLM
 from namazu.models.loader import load_weights, resolve_dtype
-from namazu.quant.experts import NvFP4Experts, set_mode
-from namazu.quant.linear import NvFP4Linear
 from namazu.quant.nvfp4 import BLOCK, dequantize_weight
-from namazu.quant.policy import QuantPolicy, module_class
+from namazu.quant.nvfp4_experts import NvFP4Experts, set_mode
+from namazu.quant.nvfp4_linear import NvFP4Linear
+from namazu.quant.selective import QuantPolicy, module_class
 
 logger = logging.getLogger(__name__)
 
