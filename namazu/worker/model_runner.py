@@ -126,17 +126,16 @@ class ModelRunner:
                                 tp=TPShard(rank, world_size))
         if self.device.type == "cpu":
             use_k_major_linears(self.model)
-        # Under tensor parallelism the sampled tokens, the acceptance counts and a device proposer's
-        # drafts are rank 0's, broadcast: every rank commits the same tokens even if its logits differ
-        # in the last bit (tests switch this off to show what it prevents).
-        self.share_decisions = world_size > 1
         self.model_config = self.model.config
         self.dtype = self.model.dtype
         self.block_size = config.block_size
         self.num_blocks = 0
         self.cache: PagedLatentCache | None = None
+        # Under tensor parallelism the sampled tokens, the acceptance counts and a device proposer's drafts are
+        # rank 0's, broadcast (`Speculator.shared`): every rank commits the same tokens even if its logits
+        # differ in the last bit (tests switch `share_decisions` off to show what it prevents).
         self.spec = Speculator(proposer, config.num_speculative_tokens, self.model_config.vocab_size, self.device,
-                               self.share_decisions, world_size)
+                               world_size > 1, world_size)
         self.seqs = WorkerSeqTable()
         self._empty_i = torch.zeros(0, dtype=torch.long, device=self.device)
         self._empty_f = torch.zeros(0, device=self.device)
@@ -148,6 +147,14 @@ class ModelRunner:
     @property
     def proposer(self) -> Proposer | None:
         return self.spec.proposer
+
+    @property
+    def share_decisions(self) -> bool:
+        return self.spec.share_decisions
+
+    @share_decisions.setter
+    def share_decisions(self, on: bool) -> None:
+        self.spec.share_decisions = on
 
     def plan_kv_blocks(self) -> int:
         """How many KV blocks this rank could hold; the engine allocates the minimum over ranks."""
