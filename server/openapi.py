@@ -214,8 +214,10 @@ def _generation(summary: str, request: str, response: str) -> dict[str, Any]:
     }}
 
 
-def build_openapi(vocab_size: int, max_logprobs: int, auth: bool) -> dict[str, Any]:
-    """The document for a server with these limits; `auth`: whether routes need the bearer key."""
+def build_openapi(vocab_size: int, max_logprobs: int, auth: bool, strict: bool = True) -> dict[str, Any]:
+    """The document for a server with these limits; `auth`: whether routes need the bearer key; `strict`:
+    whether unknown request fields are refused (--strict-fields) or ignored, which the request bodies'
+    additionalProperties says."""
     json_ok = lambda schema, what: {"description": what, "content": {  # noqa: E731
         "application/json": {"schema": schema}}}
     health = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
@@ -252,6 +254,10 @@ def build_openapi(vocab_size: int, max_logprobs: int, auth: bool) -> dict[str, A
             "ChatCompletion": _CHAT,
         }},
     }
+    if not strict:
+        for schema in doc["components"]["schemas"].values():
+            if schema.get("additionalProperties") is False:
+                schema["additionalProperties"] = True
     if auth:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]
