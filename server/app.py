@@ -50,7 +50,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
                         max_logprobs=engine.config.max_logprobs, metrics=None,  # type: ignore[arg-type]
                         max_request_bytes=max_request_bytes, body_timeout=body_timeout,
                         strict_fields=strict_fields)
-    metrics = state.metrics = ServerMetrics(state.stats)
+    metrics = state.metrics = ServerMetrics(state.stats, model_name=state.served_model_name)
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
