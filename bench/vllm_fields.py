@@ -115,7 +115,7 @@ def run(url: str, headers: dict[str, str]) -> int:
             failures += verdict == "FAIL"
             shown = repr(value) if len(repr(value)) < 40 else repr(value)[:37] + "..."
             rows.append((ep, field, shown, r.status_code, verdict, detail))
-    print(f"| endpoint | field | value | status | verdict | error |\n|---|---|---|---|---|---|")
+    print("| endpoint | field | value | status | verdict | error |\n|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(str(x).replace("|", "\\|") for x in row) + " |")
     ok = sum(r[4] == "ok" for r in rows)

@@ -70,7 +70,8 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"typ
 
 def test_guided_fields_constrain_the_answer(client):
     for endpoint in (cmpl, chat):
-        text = lambda r: r.choices[0].text if endpoint is cmpl else r.choices[0].message.content  # noqa: E731
+        def text(r, endpoint=endpoint):
+            return r.choices[0].text if endpoint is cmpl else r.choices[0].message.content
         r = endpoint(client, guided_choice=["はい", "いいえ", "maybe so"], max_tokens=16)
         assert text(r) in ("はい", "いいえ", "maybe so") and r.choices[0].finish_reason == "stop"
         r = endpoint(client, guided_regex=r"[0-9]{3}-[a-z]{2}", max_tokens=16)
@@ -204,7 +205,8 @@ def test_continue_final_message_and_echo(srv, client):
     s = chat(client, msgs, add_generation_prompt=False, continue_final_message=True, echo=True, stream=True, **NO_EOS)
     assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == r.choices[0].message.content
     # The answer's role is not the last message's: nothing to echo.
-    assert chat(client, echo=True, **NO_EOS).choices[0].message.content == chat(client, **NO_EOS).choices[0].message.content
+    echoed, plain = chat(client, echo=True, **NO_EOS), chat(client, **NO_EOS)
+    assert echoed.choices[0].message.content == plain.choices[0].message.content
     e = bad(chat, client, msgs, continue_final_message=True)
     assert e.body["param"] == "continue_final_message"
 
@@ -259,7 +261,8 @@ def test_unknown_fields_are_ignored_and_named(srv):
     r = httpx.post(srv.url + "/v1/completions", headers=srv.headers(), timeout=30,
                    json={"prompt": "x", "max_tokens": 2, "frobnicate": 1, "zeta": []})
     assert r.status_code == 200 and r.headers["x-ignored-fields"] == "frobnicate,zeta"
-    r = httpx.post(srv.url + "/v1/completions", headers=srv.headers(), timeout=30, json={"prompt": "x", "max_tokens": 2})
+    r = httpx.post(srv.url + "/v1/completions", headers=srv.headers(), timeout=30,
+                   json={"prompt": "x", "max_tokens": 2})
     assert "x-ignored-fields" not in r.headers
 
 
