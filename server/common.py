@@ -58,7 +58,8 @@ class ServerState:
         except ValueError as e:
             raise invalid(str(e), param, code="too_many_sequences") from None
 
-    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, param: str,
+                 constraint_param: str | None = None) -> None:
         """The engine's own admission checks, run before any response byte is sent, and the request's
         grammar compiled (a bad schema, regex or grammar is a 400 naming the parameter). Blocking: the
         endpoints call it off the event loop."""
@@ -69,7 +70,7 @@ class ServerState:
         try:
             self.engine.compile_grammar(params)
         except ValueError as e:
-            raise invalid(str(e), _grammar_param(params)) from None
+            raise invalid(str(e), constraint_param or _grammar_param(params)) from None
 
     def stats(self) -> dict[str, Any]:
         """Engine statistics (every EngineStats field) plus the server's in-flight counts."""

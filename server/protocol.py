@@ -178,6 +178,7 @@ class SamplingFields:
     priority: int                    # lower runs first under --scheduling-policy priority
     kwargs: dict[str, Any]
     continuous_usage: bool = False   # stream_options.continuous_usage_stats: usage on every chunk
+    constraint_param: str | None = None   # the field that named the output constraint (errors name it)
     extras: Extras | None = None     # vLLM's prompt- and response-side fields
 
 
@@ -227,11 +228,14 @@ def _read_sampling(f: Fields, max_logprobs: int) -> SamplingFields:
 def apply_constraints(sampling: SamplingFields, constraints: list[tuple[str, dict[str, Any]]]) -> None:
     """At most one structured-output constraint per request (one grammar per sequence)."""
     if len(constraints) > 1:
-        a, b = constraints[0][0], constraints[1][0]
+        # The error names response_format when it is one of them (the OpenAI field), else the later one.
+        names = [c[0] for c in constraints]
+        a, b = (names[1], "response_format") if names[0] == "response_format" else (names[0], names[1])
         raise invalid(f"'{a}' and '{b}' both constrain the output; a request may use one (for tools with a "
                       "JSON answer, use tool_choice 'none' or drop the other)", b)
-    for _, kw in constraints:
+    for name, kw in constraints:
         sampling.kwargs.update(kw)
+        sampling.constraint_param = name
 
 
 def make_sampling_params(s: SamplingFields, max_tokens: int, logprobs: int | None,

@@ -111,7 +111,7 @@ def _prepare(state: ServerState, req: ChatRequest, param: str) -> tuple[list[int
     params = make_sampling_params(sampling, max_tokens, req.top_logprobs, extras.prompt_logprobs if extras else None,
                                   state.vocab_size)
     rid = new_id("chatcmpl")
-    state.validate(f"{rid}-0", prompt_ids, params, "messages")
+    state.validate(f"{rid}-0", prompt_ids, params, "messages", sampling.constraint_param)
     return prompt_ids, params, rid
 
 

@@ -120,7 +120,8 @@ def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[_Prompt],
     params = make_sampling_params(req.sampling, gen_tokens, req.logprobs, prompt_lp, state.vocab_size)
     rid = new_id("cmpl")
     for i, p in enumerate(prompts):
-        state.validate(f"{rid}-{i}", p.ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        state.validate(f"{rid}-{i}", p.ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]",
+                       req.sampling.constraint_param)
         if p.text is None:
             p.text = tok.decode(p.ids, skip_special_tokens=False)
     return prompts, params, rid

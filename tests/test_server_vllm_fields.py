@@ -102,9 +102,13 @@ def test_constraint_conflicts_and_bad_grammars_are_named(client):
     assert e.status_code == 400 and e.body["param"] in ("guided_regex", "guided_choice")
     assert "'guided_regex' and 'guided_choice'" in e.body["message"]
     e = bad(chat, client, guided_json=SCHEMA, response_format={"type": "json_object"})
-    assert e.status_code == 400 and e.body["param"] == "guided_json"
+    assert e.status_code == 400 and e.body["param"] == "response_format" and "guided_json" in e.body["message"]
     e = bad(cmpl, client, guided_choice=[])
     assert e.status_code == 422 and e.body["param"] == "guided_choice"
+    for field, value in (("guided_regex", "[unclosed"), ("guided_grammar", "root ::= ("),
+                         ("structured_outputs", {"regex": "(("})):
+        e = bad(cmpl, client, **{field: value})
+        assert e.status_code == 400 and e.body["param"].startswith(field), e.body
     e = bad(cmpl, client, guided_json="{not json")
     assert e.status_code == 400 and e.body["param"] == "guided_json"
     e = bad(cmpl, client, structured_outputs={"choice": ["a"], "whitespace_pattern": " "})
