@@ -197,7 +197,6 @@ def _read_sampling(f: Fields, max_logprobs: int) -> SamplingFields:
         include_usage = o.bool("include_usage")
         continuous = o.bool("continuous_usage_stats")
         o.finish()
-
     seed = f.int("seed", None, lo=0, hi=2**63 - 1)
     kwargs: dict[str, Any] = dict(
         temperature=f.number("temperature", 1.0, lo=0.0, hi=2.0),

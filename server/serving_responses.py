@@ -247,6 +247,8 @@ def to_chat_body(body: Any, store: ResponseStore) -> tuple[dict[str, Any], list[
                 "max_output_tokens": body.get("max_output_tokens"), "top_logprobs": body.get("top_logprobs")}
     if settings["store"] is not None and not isinstance(settings["store"], bool):
         raise wrong_type("store", "a boolean", settings["store"])
+    if settings["metadata"] is not None and not isinstance(settings["metadata"], dict):
+        raise wrong_type("metadata", "an object", settings["metadata"])
     for name in _ACCEPTED_NO_EFFECT:
         take(name)
     chat: dict[str, Any] = {"messages": messages}
