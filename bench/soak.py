@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -84,6 +85,8 @@ def _metrics(url: str) -> dict[str, float]:
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line and not line.startswith("#"):
             key, _, value = line.rpartition(" ")
+            # Every series carries model_name; the soak reads them by bare name.
+            key = re.sub(r'model_name="[^"]*",?', "", key).replace(",}", "}").replace("{}", "")
             out[key] = float(value)
     return out
 

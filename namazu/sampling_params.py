@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 # Integers the engine stores in int64 arrays (seeds, top_k, token ids, counts) must fit one.
 INT64_MAX = 2**63 - 1
 # top_k crosses a float64 row of sampling settings on its way to the sampler; below 2**31 it is exact.
@@ -13,6 +15,10 @@ TOP_K_MAX = 2**31 - 1
 # Per-request sequence and length ceilings no real request comes near; beyond them a number is hostile
 # (each sequence costs a scheduler entry and a detokenizer, each token a KV slot).
 MAX_N = 1024
+# OpenAI's range for a logit bias (-100 bans a token, 100 all but forces it) and a bound on its entries
+# (each biased row costs one device scatter entry per step; OpenAI itself caps the map at 300 keys).
+LOGIT_BIAS_MAX = 100.0
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass
@@ -29,6 +35,11 @@ class SamplingParams:
     sequence (`namazu.structured.grammar.Grammar`, e.g. an `AutomatonGrammar`) that every sampled token
     must satisfy. Both, and `min_tokens`, go through the grammar bitmask (`namazu/structured/`).
     `num_speculative_tokens=0` opts this request out of speculative decoding.
+    `logit_bias` ({token id: bias}, each in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]) is added to the raw logits on
+    the device, after the penalties and before the grammar mask and temperature (OpenAI's order); at most
+    MAX_LOGIT_BIAS entries. `bad_words_ids` are token sequences that must not be generated: the last token
+    of each is banned wherever the tokens before it were just generated (a grammar, like
+    `allowed_token_ids`).
     Structured output (at most one, compiled by xgrammar): `json_schema` (a dict or its JSON text;
     with `json_schema_strict=False` constraints namazu cannot enforce are dropped instead of refused),
     `json_object`, `regex`, `grammar` (EBNF), `tool_calls` ({"functions": [{"name", "parameters",
@@ -55,6 +66,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
+    bad_words_ids: list[list[int]] | None = None
     grammar_factory: Callable[[], Any] | None = None
     json_schema: dict[str, Any] | str | None = None
     json_schema_strict: bool = True
@@ -72,6 +85,15 @@ class SamplingParams:
         else:
             self._stop_list = list(self.stop or [])
         self.validate()
+
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """`logit_bias` as (token ids int64, biases float32), built once per request."""
+        cached = getattr(self, "_bias_arrays", None)
+        if cached is None:
+            lb = self.logit_bias or {}
+            cached = (np.fromiter(lb.keys(), np.int64, len(lb)), np.fromiter(lb.values(), np.float32, len(lb)))
+            object.__setattr__(self, "_bias_arrays", cached)
+        return cached
 
     @property
     def stop_strings(self) -> list[str]:
@@ -149,12 +171,28 @@ class SamplingParams:
             ids = getattr(self, name) or []
             if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
                 bad(name, "must be a list of integer token ids")
+        if self.logit_bias is not None:
+            lb = self.logit_bias
+            if not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries")
+            for t, v in lb.items():
+                if isinstance(t, bool) or not isinstance(t, int):
+                    bad("logit_bias", "keys must be integer token ids")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                        or abs(v) > LOGIT_BIAS_MAX:
+                    bad("logit_bias", f"values must be finite numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+        if self.bad_words_ids is not None:
+            if not isinstance(self.bad_words_ids, list) or any(
+                    not isinstance(w, list) or not w or any(isinstance(t, bool) or not isinstance(t, int) for t in w)
+                    for w in self.bad_words_ids):
+                bad("bad_words_ids", "must be a list of non-empty lists of integer token ids")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids given by the client must exist in the model's vocabulary. (top_k beyond the
         vocabulary is accepted: it keeps every token, as top_k = vocabulary size does.)"""
-        for name in ("stop_token_ids", "allowed_token_ids"):
-            ids = getattr(self, name) or []
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias", "bad_words_ids"):
+            v = getattr(self, name) or []
+            ids = list(v) if name != "bad_words_ids" else [t for w in v for t in w]
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"SamplingParams.{name}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model id clients send and /v1/models lists (default: the checkpoint's name)")
     g.add_argument("--max-request-bytes", default="8MiB", metavar="SIZE",
                    help="largest request body; larger ones get 413 (default: 8MiB)")
+    g.add_argument("--strict-fields", action="store_true",
+                   help="refuse (400) a request field the server does not know; by default it is ignored and "
+                        "logged, as vLLM does (fields it knows but cannot honour are refused either way)")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="log level of namazu and uvicorn (default: info)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
@@ -115,7 +118,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                         max_request_bytes=parse_bytes(args.max_request_bytes), body_timeout=args.body_timeout,
-                        write_timeout=args.write_timeout)
+                        write_timeout=args.write_timeout, strict_fields=args.strict_fields)
         uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="none",
                             http=header_timeout_protocol(args.header_timeout),
                             timeout_keep_alive=args.keep_alive_timeout,

@@ -28,7 +28,9 @@ from server.openapi import build_openapi
 from server.replica_routes import kv_events, load
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
+from server.serving_responses import create_response, get_response
 from server.timeouts import WriteTimeoutMiddleware
+from server.tokenizer_routes import detokenize, tokenize, tokenizer_info, version
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +41,16 @@ CLIENT_CLOSED = 499         # nginx's status for a request whose client went awa
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, body_timeout: float = 30.0,
-              write_timeout: float = 30.0) -> Starlette:
+              write_timeout: float = 30.0, strict_fields: bool = False) -> Starlette:
     """The app around a started engine. `api_key` None: no authentication (an empty key is refused:
     it would look like authentication while letting anyone in)."""
     if api_key is not None and not api_key.strip():
         raise ValueError("the API key is empty; give a non-empty --api-key (or none, for no authentication)")
     state = ServerState(engine=engine, served_model_name=served_model_name or engine.model_name,
                         max_logprobs=engine.config.max_logprobs, metrics=None,  # type: ignore[arg-type]
-                        max_request_bytes=max_request_bytes, body_timeout=body_timeout)
-    metrics = state.metrics = ServerMetrics(state.stats)
+                        max_request_bytes=max_request_bytes, body_timeout=body_timeout,
+                        strict_fields=strict_fields)
+    metrics = state.metrics = ServerMetrics(state.stats, model_name=state.served_model_name)
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
@@ -58,12 +61,19 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/completions", _generation(create_completion), methods=["POST"]),
         Route("/v1/chat/completions", _generation(create_chat_completion), methods=["POST"]),
+        Route("/v1/responses", _generation(create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+        Route("/tokenize", _generation(tokenize), methods=["POST"]),
+        Route("/detokenize", _generation(detokenize), methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
     ]
     handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_exception, Exception: _internal_error}
     handlers.update({cls: _engine_error for cls in ENGINE_ERRORS})
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.server = state
-    app.state.openapi = build_openapi(state.vocab_size, state.max_logprobs, auth=api_key is not None)
+    app.state.openapi = build_openapi(state.vocab_size, state.max_logprobs, auth=api_key is not None,
+                                      strict=strict_fields)
     app.add_middleware(_AuthMiddleware, api_key=api_key)
     app.add_middleware(_StatusCounter, metrics=metrics, paths={r.path for r in routes})
     app.add_middleware(WriteTimeoutMiddleware, timeout=write_timeout)
@@ -151,7 +161,8 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         return APIError(404, f"no route {request.method} {request.url.path}; see /v1/models, "
-                             "/v1/completions, /v1/chat/completions, /health, /metrics, /openapi.json",
+                             "/v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /health, /metrics, "
+                             "/openapi.json",
                         code="not_found").response()
     return http_error(exc.status_code, exc.detail).response()
 
@@ -206,7 +217,8 @@ class _StatusCounter:
             return
         path = scope["path"]
         route = path if path in self.paths else ("/v1/models/{model}" if path.startswith("/v1/models/")
-                                                 else "other")
+                                                 else "/v1/responses/{response_id}"
+                                                 if path.startswith("/v1/responses/") else "other")
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":

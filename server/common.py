@@ -36,6 +36,7 @@ class ServerState:
     metrics: ServerMetrics
     max_request_bytes: int
     body_timeout: float = 30.0
+    strict_fields: bool = False     # --strict-fields: an unrecognized request field is a 400, not ignored
     in_flight: int = 0              # engine requests started and not yet finished
     peak_in_flight: int = 0
 
@@ -56,7 +57,8 @@ class ServerState:
         except ValueError as e:
             raise invalid(str(e), param, code="too_many_sequences") from None
 
-    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, param: str,
+                 constraint_param: str | None = None) -> None:
         """The engine's own admission checks, run before any response byte is sent, and the request's
         grammar compiled (a bad schema, regex or grammar is a 400 naming the parameter). Blocking: the
         endpoints call it off the event loop."""
@@ -67,7 +69,7 @@ class ServerState:
         try:
             self.engine.compile_grammar(params)
         except ValueError as e:
-            raise invalid(str(e), _grammar_param(params)) from None
+            raise invalid(str(e), constraint_param or _grammar_param(params)) from None
 
     def stats(self) -> dict[str, Any]:
         """Engine statistics (every EngineStats field) plus the server's in-flight counts."""
@@ -189,6 +191,11 @@ class ClientGone(Exception):
     """The client disconnected before its (non-streamed) answer was ready; nobody gets a response."""
 
 
+def ignored_header(ignored: list[str] | None) -> dict[str, str]:
+    """Unrecognized fields the server ignored (not --strict-fields), named for the client too."""
+    return {"X-Ignored-Fields": ",".join(ignored)} if ignored else {}
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -245,6 +252,7 @@ class GenerationJob:
                  tracker: RequestTracker, priority: int = 0):
         self.state, self.prompt_ids, self.params, self.priority = state, prompt_ids, params, priority
         self.rid, self.tracker = rid, tracker
+        self.public_id = rid        # the response's id (vLLM's `request_id` sets it; engine ids stay unique)
         self.created = now()
         self.engine_ids = [f"{rid}-{i}" for i in range(len(prompt_ids))]
         self.finished_ids: set[str] = set()
@@ -260,11 +268,18 @@ class GenerationJob:
     chunk_object = ""
 
     def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": self.rid, "object": self.chunk_object, "created": self.created,
+        d: dict[str, Any] = {"id": self.public_id, "object": self.chunk_object, "created": self.created,
                              "model": self.state.served_model_name, "choices": choices}
         if self.req.sampling.include_usage:
             d["usage"] = use
         return d
+
+    def _running_usage(self, completion_tokens: int) -> dict[str, Any] | None:
+        """A streamed chunk's usage: the counts so far with `stream_options.continuous_usage_stats`
+        (vLLM's), else null (only the last chunk has usage)."""
+        if not self.req.sampling.continuous_usage:
+            return None
+        return usage(self.num_prompt_tokens, completion_tokens, sum(self.cached))
 
     def outputs(self) -> AsyncIterator[tuple[int, Any]]:
         """(prompt index, RequestOutput) as the engine produces them, observed for the metrics."""

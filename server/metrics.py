@@ -5,6 +5,11 @@ first generated token (TTFT), between successive tokens of one sequence (inter-t
 observation per token, so a step that delivers k tokens at once counts k gaps of dt/k), and to the last
 token (end-to-end). Engine state (running/waiting sequences, KV usage, prefix-cache hits) is read from
 `engine.stats()` at scrape time, so scraping costs nothing between scrapes.
+
+Names follow Prometheus conventions (seconds, counters end in `_total`) and every series of a server
+carries `model_name` (the served model name), as vLLM's dashboards select on. Two millisecond gauges keep
+their old names beside the new seconds ones (`namazu_decode_step_ms`, `namazu_prefill_block_ms`): the
+KV-aware router's tests and dashboards built on it read them; they are deprecated.
 """
 from __future__ import annotations
 
@@ -32,10 +37,9 @@ _RENAMED = {
     "kv_cache_usage": ("namazu_kv_cache_usage_ratio", "fraction of KV-cache blocks held by live sequences"),
     "prefix_cache_hit_rate": ("namazu_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / "
                               "prompt tokens admitted, since start"),
-    "ms_per_decode_step": ("namazu_decode_step_ms", "measured milliseconds of an engine step of decodes (the "
-                           "KV-aware router's wait estimate; 0 until measured)"),
-    "ms_per_prefill_block": ("namazu_prefill_block_ms", "measured milliseconds one more prompt block adds to an "
-                             "engine step (0 until measured)"),
+    "ms_per_decode_step": ("namazu_decode_step_ms", "deprecated: namazu_decode_step_seconds in milliseconds"),
+    "ms_per_prefill_block": ("namazu_prefill_block_ms", "deprecated: namazu_prefill_block_seconds in "
+                             "milliseconds"),
     "peak_num_running": ("namazu_peak_num_running", "most sequences that shared one engine step"),
     "requests_in_flight": ("namazu_requests_in_flight", "engine requests the server is streaming now"),
     "peak_requests_in_flight": ("namazu_peak_requests_in_flight", "most engine requests in flight at once"),
@@ -43,31 +47,78 @@ _RENAMED = {
 _MONOTONIC = {"num_preemptions", "num_steps", "num_prompt_tokens", "num_generated_tokens", "num_draft_tokens",
               "num_accepted_draft_tokens", "prefix_cache_queries", "prefix_cache_hits",
               "grammar_cache_hits", "grammar_cache_misses", "grammar_mask_rows", "grammar_mask_seconds",
-              "drafter_seconds", "num_draft_blocks", "num_drafts_proposed"}
+              "drafter_seconds", "num_draft_blocks", "num_drafts_proposed", "num_spec_disabled_steps",
+              "num_draft_rows"}
+# Counters under the names vLLM's dashboards use (vllm:prefix_cache_queries / _hits): the hit rate over any
+# window is rate(hits) / rate(queries); namazu_prefix_cache_hit_rate stays the since-start ratio.
+_COUNTERS = {
+    "prefix_cache_queries": ("namazu_prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits": ("namazu_prefix_cache_hits", "prompt tokens found in the prefix cache"),
+}
+# Millisecond statistics, also exported in seconds under these names.
+_SECONDS = {
+    "ms_per_decode_step": ("namazu_decode_step_seconds", "measured duration of an engine step of decodes (the "
+                           "KV-aware router's wait estimate; 0 until measured)"),
+    "ms_per_prefill_block": ("namazu_prefill_block_seconds", "measured time one more prompt block adds to an "
+                             "engine step (0 until measured)"),
+}
 
 
 class _EngineCollector(Collector):
     """Reads the engine's statistics when Prometheus scrapes."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]):
+    def __init__(self, stats: Callable[[], dict[str, Any]], const: dict[str, str]):
         self.stats = stats
+        self.const = const
 
     def collect(self) -> Iterator[Any]:
         stats = self.stats()
-        yield from _speculation_metrics(stats)
+        f = _Families(self.const)
+        yield from _speculation_metrics(stats, f)
         for key, value in stats.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
+            if key in _SECONDS:
+                yield f.gauge(*_SECONDS[key], float(value) / 1000.0)
             if key in _RENAMED:
-                name, doc = _RENAMED[key]
-                yield GaugeMetricFamily(name, doc, value=float(value))
+                yield f.gauge(*_RENAMED[key], float(value))
+            elif key in _COUNTERS:
+                yield f.counter(*_COUNTERS[key], float(value))
             elif key in _MONOTONIC:
-                yield CounterMetricFamily(f"namazu_engine_{key}", f"engine statistic {key}", value=float(value))
+                yield f.counter(f"namazu_engine_{key}", f"engine statistic {key}", float(value))
             else:
-                yield GaugeMetricFamily(f"namazu_engine_{key}", f"engine statistic {key}", value=float(value))
+                yield f.gauge(f"namazu_engine_{key}", f"engine statistic {key}", float(value))
 
 
-def _speculation_metrics(stats: dict[str, Any]) -> Iterator[Any]:
+class _Families:
+    """Metric families with the server's constant labels (model_name), or none."""
+
+    def __init__(self, const: dict[str, str]):
+        self.names, self.values = list(const), list(const.values())
+
+    def _one(self, family: Any, value: float) -> Any:
+        family.add_metric(self.values, value)
+        return family
+
+    def gauge(self, name: str, doc: str, value: float) -> Any:
+        if not self.names:
+            return GaugeMetricFamily(name, doc, value=value)
+        return self._one(GaugeMetricFamily(name, doc, labels=self.names), value)
+
+    def counter(self, name: str, doc: str, value: float) -> Any:
+        if not self.names:
+            return CounterMetricFamily(name, doc, value=value)
+        return self._one(CounterMetricFamily(name, doc, labels=self.names), value)
+
+    def histogram(self, name: str, doc: str, buckets: list, sum_value: float) -> Any:
+        if not self.names:
+            return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=sum_value)
+        h = HistogramMetricFamily(name, doc, labels=self.names)
+        h.add_metric(self.values, buckets, sum_value)
+        return h
+
+
+def _speculation_metrics(stats: dict[str, Any], f: _Families) -> Iterator[Any]:
     """Acceptance length per verify step (a histogram), draft acceptance rate, draft block length, drafter time
     per step."""
     hist = stats.get("acceptance_length_histogram") or []
@@ -78,50 +129,68 @@ def _speculation_metrics(stats: dict[str, Any]) -> Iterator[Any]:
             buckets.append((str(float(i + 1)), cum))
         buckets.append(("+Inf", cum))
         total = sum((i + 1) * n for i, n in enumerate(hist))
-        yield HistogramMetricFamily("namazu_spec_acceptance_length", "tokens emitted per verify step (drafts "
-                                    "accepted + the bonus token)", buckets=buckets, sum_value=total)
+        yield f.histogram("namazu_spec_acceptance_length", "tokens emitted per verify step (drafts accepted + the "
+                          "bonus token)", buckets, total)
     drafted = stats.get("num_draft_tokens", 0)
-    yield GaugeMetricFamily("namazu_spec_draft_acceptance_rate", "accepted draft tokens / drafted tokens, since "
-                            "start", value=stats.get("num_accepted_draft_tokens", 0) / drafted if drafted else 0.0)
+    yield f.gauge("namazu_spec_draft_acceptance_rate", "accepted draft tokens / drafted tokens, since start",
+                  stats.get("num_accepted_draft_tokens", 0) / drafted if drafted else 0.0)
     blocks = stats.get("num_draft_blocks", 0)
-    yield GaugeMetricFamily("namazu_spec_draft_block_length", "drafts proposed per drafted sequence, mean since "
-                            "start (below --num-speculative-tokens where blocks end early: "
-                            "--speculative-min-confidence)",
-                            value=stats.get("num_drafts_proposed", 0) / blocks if blocks else 0.0)
+    yield f.gauge("namazu_spec_draft_block_length", "drafts proposed per drafted sequence, mean since start "
+                  "(below --num-speculative-tokens where blocks end early: --speculative-min-confidence)",
+                  stats.get("num_drafts_proposed", 0) / blocks if blocks else 0.0)
     steps = stats.get("num_steps", 0)
-    yield GaugeMetricFamily("namazu_spec_drafter_seconds_per_step", "drafter wall time per engine step, mean "
-                            "since start", value=stats.get("drafter_seconds", 0.0) / steps if steps else 0.0)
+    yield f.gauge("namazu_spec_drafter_seconds_per_step", "drafter wall time per engine step, mean since start",
+                  stats.get("drafter_seconds", 0.0) / steps if steps else 0.0)
 
 
 class ServerMetrics:
     """One registry per app, so several apps (tests) never share counters."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, Any]]):
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]], model_name: str | None = None):
         disable_created_metrics()      # the *_created series only double the scrape size
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("namazu_http_requests", "HTTP requests by route and status code",
-                                ["route", "status"], registry=r)
-        self.finished = Counter("namazu_request_success", "finished sequences by finish reason",
-                                ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("namazu_prompt_tokens", "prompt tokens of admitted requests",
-                                     registry=r)
-        self.cached_tokens = Counter("namazu_cached_prompt_tokens", "prompt tokens served from the prefix "
-                                     "cache", registry=r)
-        self.generation_tokens = Counter("namazu_generation_tokens", "generated tokens", registry=r)
-        self.ttft = Histogram("namazu_time_to_first_token_seconds", "request arrival to first token",
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("namazu_inter_token_latency_seconds", "time between successive tokens of a "
-                             "sequence", buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("namazu_e2e_request_latency_seconds", "request arrival to its last token",
-                             buckets=_E2E_BUCKETS, registry=r)
-        r.register(_EngineCollector(engine_stats))
+        const = {"model_name": model_name} if model_name else {}
+        names, values = list(const), list(const.values())
+
+        def bound(metric: Any) -> Any:
+            """The metric's child for the constant labels (the metric itself when there are none)."""
+            return metric.labels(*values) if values else metric
+
+        requests = Counter("namazu_http_requests", "HTTP requests by route and status code",
+                           [*names, "route", "status"], registry=r)
+        finished = Counter("namazu_request_success", "finished sequences by finish reason",
+                           [*names, "finish_reason"], registry=r)
+        self.requests = _Prefixed(requests, values)
+        self.finished = _Prefixed(finished, values)
+        self.prompt_tokens = bound(Counter("namazu_prompt_tokens", "prompt tokens of admitted requests", names,
+                                           registry=r))
+        self.cached_tokens = bound(Counter("namazu_cached_prompt_tokens", "prompt tokens served from the prefix "
+                                           "cache", names, registry=r))
+        self.generation_tokens = bound(Counter("namazu_generation_tokens", "generated tokens", names, registry=r))
+        self.ttft = bound(Histogram("namazu_time_to_first_token_seconds", "request arrival to first token", names,
+                                    buckets=_TTFT_BUCKETS, registry=r))
+        self.itl = bound(Histogram("namazu_inter_token_latency_seconds", "time between successive tokens of a "
+                                   "sequence", names, buckets=_ITL_BUCKETS, registry=r))
+        self.e2e = bound(Histogram("namazu_e2e_request_latency_seconds", "request arrival to its last token",
+                                   names, buckets=_E2E_BUCKETS, registry=r))
+        r.register(_EngineCollector(engine_stats, const))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def tracker(self) -> RequestTracker:
         return RequestTracker(self)
+
+
+class _Prefixed:
+    """A labelled metric whose leading labels (model_name) are fixed: `.labels(route, status)`."""
+
+    def __init__(self, metric: Any, prefix: list[str]):
+        self.metric, self.prefix = metric, prefix
+
+    def labels(self, *values: str) -> Any:
+        return self.metric.labels(*self.prefix, *values)
 
 
 class RequestTracker:

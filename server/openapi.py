@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from namazu.sampling_params import INT64_MAX, TOP_K_MAX
+from namazu.sampling_params import INT64_MAX, MAX_LOGIT_BIAS, TOP_K_MAX
 from server.protocol import IGNORED_FIELDS, MAX_N, MAX_STOP
+from server.vllm_fields import MAX_BAD_WORDS, MAX_REQUEST_ID, REASONING_EFFORTS
 
 _INT64 = {"type": "integer", "minimum": -(2**63), "maximum": INT64_MAX}
 
@@ -77,7 +78,32 @@ def _absent_if_null(props: dict[str, Any], required: str) -> dict[str, Any]:
             for name, schema in props.items()}
 
 
-def _sampling(vocab_size: int) -> dict[str, Any]:
+_CHOICES = {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
+_VLLM_CONSTRAINTS: dict[str, Any] = {
+    "guided_json": _nullable({"oneOf": [{"type": "object"}, {"type": "string"}]}),
+    "guided_regex": _nullable({"type": "string", "minLength": 1}),
+    "guided_choice": _nullable(_CHOICES),
+    "guided_grammar": _nullable({"type": "string", "minLength": 1}),
+    "regex": _nullable({"type": "string", "minLength": 1}),
+    "grammar": _nullable({"type": "string", "minLength": 1}),
+    "structured_outputs": _nullable({"type": "object", "additionalProperties": False, "properties": {
+        "json": _nullable({"oneOf": [{"type": "object"}, {"type": "string"}]}),
+        "regex": _nullable({"type": "string", "minLength": 1}), "choice": _nullable(_CHOICES),
+        "grammar": _nullable({"type": "string", "minLength": 1}), "json_object": _nullable({"type": "boolean"}),
+        "backend": _nullable({"type": "string"}), "disable_fallback": _nullable({"type": "boolean"}),
+        "disable_any_whitespace": _nullable({"type": "boolean"}),
+        "disable_additional_properties": _nullable({"type": "boolean"})}}),
+}
+_NAME = {"type": "string", "pattern": "^[\\w-]{1,64}$",
+         "description": "letters and digits of any script, '_' and '-' (not OpenAI's ASCII-only rule)"}
+_RESPONSE_FORMAT = {"type": "object", "required": ["type"], "properties": {
+    "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+    "json_schema": {"type": "object", "required": ["name"], "properties": {
+        "name": _NAME, "description": {"type": "string"}, "schema": {"type": "object"},
+        "strict": {"type": "boolean"}}}}}
+
+
+def _sampling(vocab_size: int, max_logprobs: int = 20) -> dict[str, Any]:
     """The fields both generation endpoints accept (server/protocol.py `_read_sampling`)."""
     token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
     return {
@@ -103,16 +129,33 @@ def _sampling(vocab_size: int) -> dict[str, Any]:
         "min_tokens": _int(0),
         "skip_special_tokens": {"type": "boolean"},
         "include_stop_str_in_output": {"type": "boolean"},
-        "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                 "additionalProperties": {"type": "number", "minimum": -1e300, "maximum": 1e300},
+                                 "description": "token id (decimal text) -> bias, clamped to [-100, 100]"}),
+        "allowed_token_ids": _nullable({"type": "array", "minItems": 1, "items": token_id}),
+        "bad_words": _nullable({"type": "array", "maxItems": MAX_BAD_WORDS,
+                                "items": {"type": "string", "minLength": 1, "pattern": "\\S"}}),
         "priority": _INT64,
+        # vLLM's extras (server/vllm_fields.py)
+        **_VLLM_CONSTRAINTS,
+        "prompt_logprobs": _nullable(_int(0, max_logprobs)),
+        "truncate_prompt_tokens": _nullable(_int(-1)),
+        "return_tokens_as_token_ids": {"type": "boolean"},
+        "request_id": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_REQUEST_ID,
+                                 "pattern": "^[A-Za-z0-9._:\\-]+$"}),
+        "spaces_between_special_tokens": {"type": "boolean"},
+        "add_special_tokens": {"type": "boolean"},
+        "guided_decoding_backend": {"type": "string"},
+        "include_reasoning": {"type": "boolean"},
         **{name: _ignored_field(*spec) for name, spec in IGNORED_FIELDS.items()},
     }
 
 
 def _completion_request(vocab_size: int, max_logprobs: int) -> dict[str, Any]:
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
-    props = _sampling(vocab_size)
+    props = _sampling(vocab_size, max_logprobs)
     props.update({
+        "response_format": _nullable(_RESPONSE_FORMAT),
         "prompt": {"oneOf": [{"type": "string", "minLength": 1},
                              {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
                              ids, {"type": "array", "minItems": 1, "items": ids}]},
@@ -148,10 +191,13 @@ def _chat_request(vocab_size: int, max_logprobs: int) -> dict[str, Any]:
     tool = {"type": "object", "required": ["type", "function"], "properties": {
         "type": {"type": "string", "enum": ["function"]},
         "function": {"type": "object", "required": ["name"], "properties": {
-            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+            "name": _NAME,
             "description": {"type": "string"},
             "parameters": {"type": "object"}}}}}
-    props = _sampling(vocab_size)
+    named = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
+    props = _sampling(vocab_size, max_logprobs)
     props.update({
         "messages": {"type": "array", "minItems": 1, "items": message},
         "max_tokens": _nullable(_int(1)),
@@ -159,9 +205,19 @@ def _chat_request(vocab_size: int, max_logprobs: int) -> dict[str, Any]:
         "logprobs": {"type": "boolean"},
         "top_logprobs": _nullable(_int(0, min(20, max_logprobs))),
         "tools": _nullable({"type": "array", "items": tool}),
-        "tool_choice": _nullable({"type": "string", "enum": ["none", "auto"]}),
-        "response_format": _nullable({"type": "object", "properties": {
-            "type": {"type": "string", "enum": ["text"]}}}),
+        "tool_choice": _nullable({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, named]}),
+        "response_format": _nullable(_RESPONSE_FORMAT),
+        "functions": _nullable({"type": "array", "items": tool["properties"]["function"],
+                                "description": "deprecated form of 'tools'; answered with 'function_call'"}),
+        "function_call": _nullable({"oneOf": [{"type": "string", "enum": ["none", "auto"]},
+                                              {"type": "object", "required": ["name"],
+                                               "properties": {"name": {"type": "string"}},
+                                               "additionalProperties": False}]}),
+        "chat_template_kwargs": _nullable({"type": "object", "description": "extra chat-template variables"}),
+        "add_generation_prompt": {"type": "boolean"},
+        "continue_final_message": {"type": "boolean"},
+        "echo": {"type": "boolean"},
+        "reasoning_effort": _nullable({"type": "string", "enum": list(REASONING_EFFORTS)}),
     })
     return {"type": "object", "required": ["messages"], "additionalProperties": False,
             "properties": _absent_if_null(props, "messages")}
@@ -189,11 +245,93 @@ _CHAT = {"type": "object", "required": ["id", "object", "created", "model", "cho
                                            "properties": {
         "index": {"type": "integer"},
         "message": {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "string", "nullable": True},
-            "tool_calls": {"type": "array", "items": {"type": "object"}}}},
+            "role": {"type": "string", "enum": ["assistant", "user", "system", "tool"]},
+            "content": {"type": "string", "nullable": True},
+            "tool_calls": {"type": "array", "items": {"type": "object"}},
+            "function_call": {"type": "object"}}},
         "logprobs": {"type": "object", "nullable": True},
         "finish_reason": {"type": "string", "nullable": True},
         "stop_reason": {"nullable": True, "oneOf": [{"type": "string"}, {"type": "integer"}]}}}}}}
+
+def _responses_request(vocab_size: int, max_logprobs: int) -> dict[str, Any]:
+    """server/serving_responses.py: the Responses fields, plus the sampling extensions passed to the chat
+    reader (those with another name here, such as n or max_tokens, are left out: they are refused)."""
+    text_part = {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"type": "string", "enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}}
+    item = {"type": "object", "properties": {
+        "type": {"type": "string", "enum": ["message", "function_call", "function_call_output", "reasoning"]},
+        "role": {"type": "string", "enum": ["user", "system", "developer", "assistant"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]},
+        "call_id": {"type": "string"}, "name": {"type": "string"}, "arguments": {"type": "string"},
+        "output": {"type": "string"}}}
+    tool = {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"type": "string", "enum": ["function"]}, "name": _NAME, "description": {"type": "string"},
+        "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}
+    fmt = {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]}, "name": _NAME,
+        "schema": {"type": "object"}, "strict": {"type": "boolean"}, "description": {"type": "string"}}}
+    props = {k: v for k, v in _sampling(vocab_size, max_logprobs).items()
+             if k not in ("n", "best_of", "stream_options", "prompt_logprobs", "return_tokens_as_token_ids")}
+    props.update({
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": item}]},
+        "instructions": _nullable({"type": "string"}),
+        "max_output_tokens": _nullable(_int(1)),
+        "previous_response_id": _nullable({"type": "string"}),
+        "tools": _nullable({"type": "array", "items": tool}),
+        "tool_choice": _nullable({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                                            {"type": "object", "required": ["type", "name"], "properties": {
+                                                "type": {"type": "string", "enum": ["function"]},
+                                                "name": {"type": "string"}}}]}),
+        "text": _nullable({"type": "object", "additionalProperties": False, "properties": {
+            "format": fmt, "verbosity": {"type": "string"}}}),
+        "truncation": _nullable({"type": "string", "enum": ["auto", "disabled"]}),
+        "reasoning": _nullable({"type": "object"}),
+        "include": _nullable({"type": "array", "items": {"type": "string"}}),
+    })
+    return {"type": "object", "required": ["input"], "additionalProperties": False,
+            "properties": _absent_if_null(props, "input")}
+
+
+_RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "model", "output", "status"],
+             "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["response"]}, "created_at": {"type": "integer"},
+    "model": {"type": "string"}, "status": {"type": "string", "enum": ["completed", "incomplete", "failed"]},
+    "output": {"type": "array", "items": {"type": "object", "required": ["type", "id"], "properties": {
+        "type": {"type": "string", "enum": ["message", "function_call"]}, "id": {"type": "string"}}}},
+    "usage": {"type": "object", "nullable": True, "properties": {
+        "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"}}},
+    "previous_response_id": {"type": "string", "nullable": True}}}
+
+_TOKENIZE_REQUEST = {"type": "object", "additionalProperties": False, "properties": {
+    "model": _nullable({"type": "string"}), "prompt": {"type": "string"},
+    "add_special_tokens": _nullable({"type": "boolean"}), "return_token_strs": _nullable({"type": "boolean"}),
+    "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"],
+                                                           "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+        "content": {"type": "string"}}}},
+    "add_generation_prompt": _nullable({"type": "boolean"}), "continue_final_message": _nullable({"type": "boolean"}),
+    "chat_template_kwargs": _nullable({"type": "object"}), "tools": _nullable({"type": "array", "items": {}})},
+    "oneOf": [{"required": ["prompt"], "not": {"required": ["messages"]}},
+              {"required": ["messages"], "not": {"required": ["prompt"]}}]}
+_TOKENIZE = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+    "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+    "tokens": {"type": "array", "items": {"type": "integer"}},
+    "token_strs": {"type": "array", "nullable": True, "items": {"type": "string"}}}}
+
+
+def _detokenize_request(vocab_size: int) -> dict[str, Any]:
+    return {"type": "object", "required": ["tokens"], "additionalProperties": False, "properties": {
+        "model": _nullable({"type": "string"}),
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}}}
+
+
+def _post(summary: str, request: Any, response: dict[str, Any], errors: tuple[str, ...]) -> dict[str, Any]:
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                     "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": response}}},
+                                   **_errors(*errors)}}}
+
 
 _MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
     "id": {"type": "string"}, "object": {"type": "string", "enum": ["model"]}, "created": {"type": "integer"},
@@ -214,8 +352,10 @@ def _generation(summary: str, request: str, response: str) -> dict[str, Any]:
     }}
 
 
-def build_openapi(vocab_size: int, max_logprobs: int, auth: bool) -> dict[str, Any]:
-    """The document for a server with these limits; `auth`: whether routes need the bearer key."""
+def build_openapi(vocab_size: int, max_logprobs: int, auth: bool, strict: bool = True) -> dict[str, Any]:
+    """The document for a server with these limits; `auth`: whether routes need the bearer key; `strict`:
+    whether unknown request fields are refused (--strict-fields) or ignored, which the request bodies'
+    additionalProperties says."""
     json_ok = lambda schema, what: {"description": what, "content": {  # noqa: E731
         "application/json": {"schema": schema}}}
     health = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
@@ -243,6 +383,26 @@ def build_openapi(vocab_size: int, max_logprobs: int, auth: bool) -> dict[str, A
                 "responses": {"200": json_ok(_MODEL, "the model"), **_errors("401", "404")}}},
             "/v1/completions": _generation("text completion", "CompletionRequest", "Completion"),
             "/v1/chat/completions": _generation("chat completion", "ChatCompletionRequest", "ChatCompletion"),
+            "/v1/responses": _generation("a response (OpenAI Responses API)", "ResponsesRequest", "Response"),
+            "/v1/responses/{response_id}": {"get": {
+                "summary": "a stored response (this process, bounded LRU)", "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": json_ok({"$ref": "#/components/schemas/Response"}, "the response"),
+                              **_errors("401", "404")}}},
+            "/tokenize": _post("token ids of a prompt or of a chat (rendered by the template)", _TOKENIZE_REQUEST,
+                               _TOKENIZE, ("400", "401", "404", "408", "413", "422")),
+            "/detokenize": _post("the text of token ids", _detokenize_request(vocab_size),
+                                 {"type": "object", "required": ["prompt"],
+                                  "properties": {"prompt": {"type": "string"}}},
+                                 ("400", "401", "404", "408", "413", "422")),
+            "/tokenizer_info": {"get": {"summary": "the tokenizer's configuration (remote tokenizers)", "responses": {
+                "200": json_ok({"type": "object", "required": ["tokenizer_class", "eos_token"], "properties": {
+                    "tokenizer_class": {"type": "string"}, "eos_token": {"type": "string", "nullable": True},
+                    "chat_template": {"type": "string", "nullable": True}}}, "tokenizer info"),
+                **_errors("401")}}},
+            "/version": {"get": {"summary": "the server's version", "responses": {
+                "200": json_ok({"type": "object", "required": ["version"],
+                                "properties": {"version": {"type": "string"}}}, "version"), **_errors("401")}}},
         },
         "components": {"schemas": {
             "Error": _ERROR,
@@ -250,8 +410,14 @@ def build_openapi(vocab_size: int, max_logprobs: int, auth: bool) -> dict[str, A
             "ChatCompletionRequest": _chat_request(vocab_size, max_logprobs),
             "Completion": _COMPLETION,
             "ChatCompletion": _CHAT,
+            "ResponsesRequest": _responses_request(vocab_size, max_logprobs),
+            "Response": _RESPONSE,
         }},
     }
+    if not strict:
+        for schema in doc["components"]["schemas"].values():
+            if schema.get("additionalProperties") is False:
+                schema["additionalProperties"] = True
     if auth:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]

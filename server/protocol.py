@@ -1,13 +1,15 @@
 """OpenAI request bodies -> typed requests + SamplingParams, with an error that names the bad field.
 
-Reading is strict the way the OpenAI API is: a field of the wrong JSON type is a 422 naming it, a value
-out of range or a feature this server does not have (`suffix`, `logit_bias`, image parts) is a 400 naming
-it, and an unknown field is a 400 rather than being silently ignored. Fields the API accepts but that
-change nothing here (`user`, `metadata`, ...) are accepted and ignored.
+A field of the wrong JSON type is a 422 naming it; a value out of range or a feature this server does not
+have (`suffix`, image parts, vLLM's `cache_salt`) is a 400 naming it. vLLM's extra fields are read with
+vLLM's meaning (server/vllm_fields.py). A field nobody knows is, as in vLLM, logged and ignored by default;
+with `strict` (the server's `--strict-fields`) it is a 400 naming it. Fields the API accepts but that change
+nothing here (`user`, `metadata`, ...) are accepted and ignored.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -15,10 +17,27 @@ from typing import Any
 
 from namazu.sampling_params import INT64_MAX, TOP_K_MAX, SamplingParams
 from server.errors import APIError, invalid, wrong_type
+from server.vllm_fields import (
+    Extras,
+    legacy_functions,
+    read_constraints,
+    read_extras,
+    read_logit_bias,
+    read_reasoning_effort,
+    read_template_kwargs,
+)
+
+logger = logging.getLogger(__name__)
 
 MAX_N = 128
 INT64_MIN = -(2**63)
 MAX_STOP = 16
+# Tool and schema names: OpenAI allows only ASCII [A-Za-z0-9_-]; vLLM allows anything. namazu takes letters
+# and digits of any script (`\w`: a pydantic class or a tool named 天気 or 会議メモ is served), '_' and
+# '-', 1-64 characters. Not '.', ':' or spaces: the Kimi-K2 tool-call header `functions.NAME:INDEX` is
+# parsed at those characters.
+NAME_RE = re.compile(r"[\w-]{1,64}")
+NAME_RULE = "1-64 characters, each a letter or digit (of any script), '_' or '-'"
 # Fields OpenAI defines that namazu accepts and does not act on, with their JSON type: each is type-checked
 # like any other field (a request the API document calls invalid is refused), then ignored. The document
 # (server/openapi.py) describes them from this table. (json type, element type of an array, null allowed)
@@ -36,7 +55,9 @@ _PY_TYPES = {"string": str, "object": dict, "boolean": bool, "array": list}
 class Fields:
     """Typed access to one JSON object's fields; remembers which were read so leftovers are refused."""
 
-    def __init__(self, body: Any, what: str = "request body"):
+    def __init__(self, body: Any, what: str = "request body", strict: bool = True):
+        self.strict = strict
+        self.ignored: list[str] = []
         if not isinstance(body, dict):
             raise APIError(422, f"the {what} must be a JSON object, got {type(body).__name__}",
                            code="invalid_type")
@@ -120,8 +141,14 @@ class Fields:
 
     def finish(self) -> None:
         unknown = sorted(set(self.body) - self.seen)
-        if unknown:
-            raise invalid(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        if not unknown:
+            return
+        if self.strict:
+            raise invalid(f"unrecognized request argument(s): {', '.join(unknown)} (the server runs with "
+                          "--strict-fields)", unknown[0])
+        # vLLM's default: the request is served, the fields are named in the log (and in a response header).
+        self.ignored = unknown
+        logger.warning("ignoring unrecognized request field(s): %s", ", ".join(unknown))
 
 
 def _check_ignored(name: str, v: Any, json_type: str, item_type: str | None, nullable: bool) -> None:
@@ -150,24 +177,25 @@ class SamplingFields:
     include_usage: bool
     priority: int                    # lower runs first under --scheduling-policy priority
     kwargs: dict[str, Any]
+    continuous_usage: bool = False   # stream_options.continuous_usage_stats: usage on every chunk
+    constraint_param: str | None = None   # the field that named the output constraint (errors name it)
+    extras: Extras | None = None     # vLLM's prompt- and response-side fields
 
 
-def _read_sampling(f: Fields) -> SamplingFields:
-    if f.has("logit_bias") and f.raw("logit_bias"):
-        raise invalid("'logit_bias' is not supported by this server", "logit_bias")
-    f.raw("logit_bias")
+def _read_sampling(f: Fields, max_logprobs: int) -> SamplingFields:
+    extras = read_extras(f, max_logprobs)
     if f.has("best_of") and f.int("best_of", lo=1) != f.int("n", 1):
         raise invalid("'best_of' is not supported (only best_of == n)", "best_of")
     n = f.int("n", 1, lo=1, hi=MAX_N)
     stream = f.bool("stream")
-    include_usage = False
+    include_usage = continuous = False
     opts = f.raw("stream_options")
     if opts is not None:
         if not stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
         o = Fields(opts, "'stream_options' object")
         include_usage = o.bool("include_usage")
-        o.raw("continuous_usage_stats")
+        continuous = o.bool("continuous_usage_stats")
         o.finish()
     seed = f.int("seed", None, lo=0, hi=2**63 - 1)
     kwargs: dict[str, Any] = dict(
@@ -184,19 +212,29 @@ def _read_sampling(f: Fields) -> SamplingFields:
         min_tokens=f.int("min_tokens", 0, lo=0),
         skip_special_tokens=f.bool("skip_special_tokens", True),
         include_stop_str_in_output=f.bool("include_stop_str_in_output"),
+        logit_bias=read_logit_bias(f.raw("logit_bias")),
+        allowed_token_ids=f.int_list("allowed_token_ids"),
     )
+    if kwargs["allowed_token_ids"] == []:
+        raise invalid("'allowed_token_ids' must not be empty (it would allow no token)", "allowed_token_ids")
     if kwargs["top_p"] == 0.0:
         raise invalid("'top_p' must be greater than 0", "top_p")
-    # Extra (non-OpenAI) parameters: constrain the output to a regex or an EBNF grammar.
-    for name in ("regex", "grammar"):
-        v = f.str(name)
-        if v is not None:
-            if not v:
-                raise invalid(f"'{name}' must not be empty", name)
-            kwargs[name] = v
     priority = f.int("priority", 0)
     return SamplingFields(n=n, seed=seed, stream=stream, include_usage=include_usage, priority=priority,
-                          kwargs=kwargs)
+                          kwargs=kwargs, continuous_usage=continuous and include_usage, extras=extras)
+
+
+def apply_constraints(sampling: SamplingFields, constraints: list[tuple[str, dict[str, Any]]]) -> None:
+    """At most one structured-output constraint per request (one grammar per sequence)."""
+    if len(constraints) > 1:
+        # The error names response_format when it is one of them (the OpenAI field), else the later one.
+        names = [c[0] for c in constraints]
+        a, b = (names[1], "response_format") if names[0] == "response_format" else (names[0], names[1])
+        raise invalid(f"'{a}' and '{b}' both constrain the output; a request may use one (for tools with a "
+                      "JSON answer, use tool_choice 'none' or drop the other)", b)
+    for name, kw in constraints:
+        sampling.kwargs.update(kw)
+        sampling.constraint_param = name
 
 
 def make_sampling_params(s: SamplingFields, max_tokens: int, logprobs: int | None,
@@ -221,10 +259,11 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None
     sampling: SamplingFields
+    ignored: list[str] | None = None     # unrecognized fields, ignored (not --strict-fields)
 
 
-def parse_completion(body: Any, max_logprobs: int) -> CompletionRequest:
-    f = Fields(body)
+def parse_completion(body: Any, max_logprobs: int, strict: bool = True) -> CompletionRequest:
+    f = Fields(body, strict=strict)
     model = f.str("model")
     if f.raw("suffix"):
         raise invalid("'suffix' (fill-in-the-middle) is not supported: namazu's models only continue "
@@ -236,11 +275,16 @@ def parse_completion(body: Any, max_logprobs: int) -> CompletionRequest:
     if max_tokens == 0 and not echo:
         raise invalid("'max_tokens' must be at least 1 (0 is only allowed with 'echo', to score the "
                       "prompt)", "max_tokens")
-    sampling = _read_sampling(f)
+    sampling = _read_sampling(f, max_logprobs)
     if max_tokens == 0 and sampling.stream:
         raise invalid("'max_tokens' = 0 cannot be streamed", "max_tokens")
+    constraints = read_constraints(f)
+    structured = _read_response_format(f.raw("response_format"))
+    if structured:
+        constraints.insert(0, ("response_format", structured))
     f.finish()
-    return CompletionRequest(model, prompts, max_tokens, echo, logprobs, sampling)
+    apply_constraints(sampling, constraints)
+    return CompletionRequest(model, prompts, max_tokens, echo, logprobs, sampling, f.ignored)
 
 
 def _read_prompts(p: Any) -> list[str | list[int]]:
@@ -278,10 +322,16 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int | None
     sampling: SamplingFields
+    template_kwargs: dict[str, Any] | None = None    # extra chat-template variables (vLLM chat_template_kwargs)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False                   # prepend the last message's content when it has the answer's role
+    legacy_functions: bool = False       # asked with `functions`: answer with `function_call`
+    ignored: list[str] | None = None
 
 
-def parse_chat(body: Any, max_logprobs: int) -> ChatRequest:
-    f = Fields(body)
+def parse_chat(body: Any, max_logprobs: int, strict: bool = True) -> ChatRequest:
+    f = Fields(body, strict=strict)
     model = f.str("model")
     messages = _read_messages(f.raw("messages"))
     max_tokens = f.int("max_tokens", None, lo=1)
@@ -292,22 +342,49 @@ def parse_chat(body: Any, max_logprobs: int) -> ChatRequest:
     top = f.int("top_logprobs", None, lo=0, hi=min(20, max_logprobs))
     if top is not None and not logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
-    tools = _read_tools(f.raw("tools"))
-    tool_choice = _read_tool_choice(f.raw("tool_choice"), tools)
-    parallel = f.bool("parallel_tool_calls", True)
+    raw_tools, raw_choice = f.raw("tools"), f.raw("tool_choice")
+    legacy_tools, legacy_choice = legacy_functions(f)
+    legacy = legacy_tools is not None
+    if legacy:
+        if raw_tools is not None or raw_choice is not None:
+            raise invalid("'functions' is the deprecated form of 'tools'; send one of them", "functions")
+        raw_tools, raw_choice = legacy_tools, legacy_choice
+    where = "functions" if legacy else "tools"
+    try:
+        tools = _read_tools(raw_tools)
+        tool_choice = _read_tool_choice(raw_choice, tools)
+    except APIError as e:
+        if legacy and e.param:
+            e.param = e.param.replace("tools", "functions").replace("tool_choice", "function_call")
+            e.message = e.message.replace("'tools", "'functions").replace("tool_choice", "function_call")
+        raise
+    # A legacy `function_call` answer holds one call.
+    parallel = f.bool("parallel_tool_calls", True) and not legacy
     structured = _read_response_format(f.raw("response_format"))
-    sampling = _read_sampling(f)
-    f.finish()
-    constraints = [k for k in ("regex", "grammar") if k in sampling.kwargs] + list(structured)[:1]
+    sampling = _read_sampling(f, max_logprobs)
+    constraints = read_constraints(f)
+    if structured:
+        constraints.insert(0, ("response_format", structured))
     if tool_choice != "none":
-        constraints.append("tools")
-    if len(constraints) > 1:
-        raise invalid(f"'{constraints[0]}' and '{constraints[1]}' both constrain the output; a request may use "
-                      "one (for tools with a JSON answer, use tool_choice 'none' or drop response_format)",
-                      "response_format" if structured else constraints[1])
-    sampling.kwargs.update(structured)
+        constraints.append((where, {}))
+    template_kwargs = read_template_kwargs(f)
+    effort = read_reasoning_effort(f)
+    if effort is not None:
+        template_kwargs.setdefault("reasoning_effort", effort)
+    add_gen = f.bool("add_generation_prompt", True)
+    cont = f.bool("continue_final_message")
+    if cont and add_gen:
+        raise invalid("'continue_final_message' continues the last message, so 'add_generation_prompt' must "
+                      "be false", "continue_final_message")
+    if cont and messages[-1]["role"] != "assistant":
+        raise invalid("'continue_final_message' needs the last message to be the assistant's",
+                      "continue_final_message")
+    echo = f.bool("echo")
+    f.finish()
+    apply_constraints(sampling, constraints)
     return ChatRequest(model, messages, tools, tool_choice, parallel, max_tokens, logprobs,
-                       (top or 0) if logprobs else None, sampling)
+                       (top or 0) if logprobs else None, sampling, template_kwargs or None, add_gen, cont, echo,
+                       legacy, f.ignored)
 
 
 def _read_response_format(v: Any) -> dict[str, Any]:
@@ -331,9 +408,8 @@ def _read_response_format(v: Any) -> dict[str, Any]:
         raise wrong_type("response_format.json_schema", "an object with 'name' and 'schema'", js)
     j = Fields(js, "'response_format.json_schema' object")
     name = j.str("name")
-    if name is None or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
-        raise invalid("'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'",
-                      "response_format.json_schema.name")
+    if name is None or not NAME_RE.fullmatch(name):
+        raise invalid(f"'response_format.json_schema.name' must be {NAME_RULE}", "response_format.json_schema.name")
     j.str("description")
     schema = j.raw("schema")
     strict = j.bool("strict", False)
@@ -435,9 +511,8 @@ def _read_tools(v: Any) -> list[dict[str, Any]] | None:
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
             raise invalid(f"'tools[{i}]' must be {{'type': 'function', 'function': {{...}}}}", f"tools[{i}]")
         name = t["function"].get("name")
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
-            raise invalid(f"'tools[{i}].function.name' must be 1-64 letters, digits, '_' or '-'",
-                          f"tools[{i}].function.name")
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+            raise invalid(f"'tools[{i}].function.name' must be {NAME_RULE}", f"tools[{i}].function.name")
         params = t["function"].get("parameters")
         if params is not None and not isinstance(params, dict):
             raise wrong_type(f"tools[{i}].function.parameters", "a JSON-schema object", params)

@@ -3,7 +3,10 @@
 `echo` puts the prompt in front of each choice's text; with `logprobs` it also returns the prompt's
 token logprobs (None for the first token), which is how lm-eval-harness scores loglikelihoods; with
 `max_tokens` 0 and `echo` the prompt is only scored. Several prompts run as concurrent engine requests;
-choice i*n + j is prompt i's continuation j.
+choice i*n + j is prompt i's continuation j. vLLM's extra fields act here too (server/vllm_fields.py):
+`prompt_logprobs` (each choice gets vLLM's `prompt_logprobs` list), `truncate_prompt_tokens`,
+`return_tokens_as_token_ids`, `bad_words`, `request_id` (the response id is `cmpl-<request_id>`),
+`response_format` and the `guided_*` constraints.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from server.common import (
     OffsetCounter,
     ServerState,
     TokenText,
+    ignored_header,
     new_id,
     off_loop,
     resolve_max_tokens,
@@ -29,6 +33,7 @@ from server.common import (
 from server.errors import APIError
 from server.metrics import RequestTracker
 from server.protocol import CompletionRequest, make_sampling_params, parse_completion
+from server.response_extras import apply_prompt_side, token_text, truncate_prompt, vllm_prompt_logprobs
 from server.sse import SSE_DONE, sse, sse_error, stream_error
 
 logger = logging.getLogger(__name__)
@@ -71,40 +76,49 @@ class _Prompt:
 
 async def create_completion(request: Request, state: ServerState, body: Any,
                             tracker: RequestTracker) -> Response:
-    req = parse_completion(body, state.max_logprobs)
+    req = parse_completion(body, state.max_logprobs, state.strict_fields)
     state.check_model(req.model)
     state.check_num_seqs(len(req.prompts) * req.sampling.n, "prompt" if len(req.prompts) > 1 else "n")
     # Tokenizing (and detokenizing token-id prompts) is proportional to the body: off the event loop.
     prompts, params, rid = await off_loop(_prepare, state, req)
     job = _Job(state, req, prompts, params, rid, tracker)
+    headers = ignored_header(req.ignored)
     if req.sampling.stream:
         return StreamingResponse(job.stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    return JSONResponse(await until_disconnect(request, job.run()))
+                                 headers={"Cache-Control": "no-cache", **headers})
+    return JSONResponse(await until_disconnect(request, job.run()), headers=headers)
 
 
 def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[_Prompt], Any, str]:
     engine = state.engine
     tok = engine.tokenizer
+    extras = req.sampling.extras
     gen_tokens = max(1, req.max_tokens)      # max_tokens 0 (echo only): one token, discarded
+    add_special = extras.add_special_tokens if extras and extras.add_special_tokens is not None else True
     prompts: list[_Prompt] = []
     for i, p in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
-            ids = tok.encode(p, add_special_tokens=True)
+            ids = tok.encode(p, add_special_tokens=add_special)
             if not ids:
                 raise APIError(400, f"'{param}' encodes to no tokens", param=param)
-            resolve_max_tokens(len(ids), gen_tokens, engine.max_model_len)
-            prompts.append(_Prompt(p, ids))
+            cut = truncate_prompt(ids, extras, engine.max_model_len)
+            resolve_max_tokens(len(cut), gen_tokens, engine.max_model_len)
+            # A truncated prompt's text is what the model saw (echo returns it).
+            prompts.append(_Prompt(p if len(cut) == len(ids) else None, cut))
         else:
-            resolve_max_tokens(len(p), gen_tokens, engine.max_model_len)
-            prompts.append(_Prompt(None, list(p)))     # text decoded once the engine accepted the ids
-    want_prompt_lp = req.echo and req.logprobs is not None
-    params = make_sampling_params(req.sampling, gen_tokens, req.logprobs,
-                                  req.logprobs if want_prompt_lp else None, state.vocab_size)
+            cut = truncate_prompt(list(p), extras, engine.max_model_len)
+            resolve_max_tokens(len(cut), gen_tokens, engine.max_model_len)
+            prompts.append(_Prompt(None, cut))     # text decoded once the engine accepted the ids
+    echo_lp = req.logprobs if req.echo and req.logprobs is not None else None
+    asked = extras.prompt_logprobs if extras else None
+    prompt_lp = max((x for x in (echo_lp, asked) if x is not None), default=None)
+    apply_prompt_side(req.sampling.kwargs, extras, tok)
+    params = make_sampling_params(req.sampling, gen_tokens, req.logprobs, prompt_lp, state.vocab_size)
     rid = new_id("cmpl")
     for i, p in enumerate(prompts):
-        state.validate(f"{rid}-{i}", p.ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        state.validate(f"{rid}-{i}", p.ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]",
+                       req.sampling.constraint_param)
         if p.text is None:
             p.text = tok.decode(p.ids, skip_special_tokens=False)
     return prompts, params, rid
@@ -120,7 +134,15 @@ class _Job(GenerationJob):
         super().__init__(state, [p.ids for p in prompts], params, rid, tracker, req.sampling.priority)
         self.req, self.prompts = req, prompts
         self.n = req.sampling.n
-        self.tt = TokenText(state.engine.tokenizer)
+        self.tt = token_text(state.engine.tokenizer, req.sampling.extras)
+        self.plain_tt = TokenText(state.engine.tokenizer)
+        extras = req.sampling.extras
+        self.vllm_plp = extras.prompt_logprobs if extras is not None else None
+        if extras is not None and extras.request_id:
+            self.public_id = f"cmpl-{extras.request_id}"
+
+    def _vllm_plp(self, i: int, out: Any) -> list[Any]:
+        return vllm_prompt_logprobs(self.prompts[i].ids, out.prompt_logprobs, self.vllm_plp, self.plain_tt)
 
     def _prompt_logprobs(self, i: int, out: Any, lp: _Logprobs) -> None:
         entries = out.prompt_logprobs or [None] * len(self.prompts[i].ids)
@@ -149,12 +171,13 @@ class _Job(GenerationJob):
                     for t, e in zip(ids, c.logprobs or []):
                         lp.add(t, e)
                     lp = lp.take()
-                choices.append({"index": i * self.n + c.index,
-                                "text": (p.text if self.req.echo else "") + text,
-                                "logprobs": lp,
-                                "finish_reason": "length" if score_only else c.finish_reason,
-                                "stop_reason": c.stop_reason})
-        return {"id": self.rid, "object": "text_completion", "created": self.created,
+                choice = {"index": i * self.n + c.index, "text": (p.text if self.req.echo else "") + text,
+                          "logprobs": lp, "finish_reason": "length" if score_only else c.finish_reason,
+                          "stop_reason": c.stop_reason}
+                if self.vllm_plp is not None:
+                    choice["prompt_logprobs"] = self._vllm_plp(i, out)
+                choices.append(choice)
+        return {"id": self.public_id, "object": "text_completion", "created": self.created,
                 "model": self.state.served_model_name, "choices": choices,
                 "usage": usage(self.num_prompt_tokens, completion_tokens, sum(self.cached))}
 
@@ -188,9 +211,11 @@ class _Job(GenerationJob):
                     chunk = {"index": i * self.n + c.index, "text": text,
                              "logprobs": lp.take() if self.req.logprobs is not None else None,
                              "finish_reason": c.finish_reason}
+                    if first and self.vllm_plp is not None:
+                        chunk["prompt_logprobs"] = self._vllm_plp(i, out)
                     if c.finish_reason is not None:
                         chunk["stop_reason"] = c.stop_reason
-                    yield sse(self._chunk([chunk]))
+                    yield sse(self._chunk([chunk], self._running_usage(completion_tokens)))
             if self.req.sampling.include_usage:
                 yield sse(self._chunk([], usage(self.num_prompt_tokens, completion_tokens,
                                                 sum(self.cached))))

@@ -1,4 +1,5 @@
-"""Server-sent events: how a streamed response's chunks, its end and an in-band error are written.
+"""Server-sent events: how a streamed response's chunks (chat and completions: plain `data:` events; the
+Responses API: named events), its end and an in-band error are written.
 
 Once a stream's status line is sent, an error can only travel in the stream: as an OpenAI error object in
 a `data:` event, followed by the `[DONE]` sentinel like any other end.
@@ -19,6 +20,11 @@ def sse(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(kind: str, obj: Any) -> bytes:
+    """A named event (`event:` line, then its data), as the Responses API streams them."""
+    return f"event: {kind}\n".encode() + sse(obj)
 
 
 def sse_error(err: APIError) -> bytes:

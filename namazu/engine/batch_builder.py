@@ -75,10 +75,14 @@ def build_sampling(samplers: list[ScheduledSeq], vocab_size: int) -> SamplingInp
     # were a tenth of a batch-1 step's engine-side time.
     floats: list[tuple[float, ...]] = []
     ints: list[tuple[int, int, int]] = []
+    biased: list[tuple[int, np.ndarray, np.ndarray]] = []     # (first row, token ids, biases)
     for item in samplers:
         seq, p = item.seq, item.seq.params
         row = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
         top_k, seed, counter = (p.top_k if p.top_k > 0 else vocab_size), seq.seed, seq.num_output_tokens
+        if p.logit_bias:
+            for j in range(item.num_drafts + 1):      # every row of a verify samples under the same bias
+                biased.append((len(floats) + j, *p.logit_bias_arrays()))
         for j in range(item.num_drafts + 1):
             floats.append(row)
             ints.append((top_k, seed, counter + j))
@@ -94,7 +98,15 @@ def build_sampling(samplers: list[ScheduledSeq], vocab_size: int) -> SamplingInp
         any_repetition_penalty=any_rep,
         any_top_k_top_p=bool((top_k < vocab_size).any() or (top_p < 1).any()),
         any_min_p=bool((min_p > 0).any()), all_greedy=bool((temperature == 0).all()),
-        num_logprobs=max_lp)
+        num_logprobs=max_lp, **_bias_coordinates(biased))
+
+
+def _bias_coordinates(biased: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, np.ndarray | None]:
+    if not biased:
+        return {"bias": None, "bias_values": None}
+    rows = np.concatenate([np.full(len(ids), r, np.int64) for r, ids, _ in biased])
+    ids = np.concatenate([ids for _, ids, _ in biased])
+    return {"bias": np.stack([rows, ids]), "bias_values": np.concatenate([v for _, _, v in biased])}
 
 
 def build_spec(scheduled: list[ScheduledSeq], samplers: list[ScheduledSeq]) -> SpecInputs:

@@ -94,6 +94,9 @@ class EngineStats:
     # (`namazu.engine.step_rate_fit`; 0.0 until measured), for the KV-aware router's wait estimate.
     ms_per_decode_step: float = 0.0
     ms_per_prefill_block: float = 0.0
+    # Prompt tokens looked up in the prefix cache and found there, since start (rate() them for a hit rate).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -402,7 +405,8 @@ class LLMEngine:
             num_spec_disabled_steps=self.scheduler.num_spec_disabled_steps, num_draft_rows=self._draft_rows,
             num_draft_blocks=self._draft_blocks, num_drafts_proposed=self._drafts_proposed,
             ms_per_decode_step=self.step_rates.ms_per_decode_step,
-            ms_per_prefill_block=self.step_rates.ms_per_prefill_block)
+            ms_per_prefill_block=self.step_rates.ms_per_prefill_block,
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits)
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()

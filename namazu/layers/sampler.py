@@ -1,6 +1,6 @@
 """Token sampling on the device with no host synchronisation.
 
-Per row (one sampled position): penalties -> token bitmask -> temperature -> top-k / top-p -> min-p ->
+Per row (one sampled position): penalties -> logit bias -> token bitmask -> temperature -> top-k / top-p -> min-p ->
 exponential race. Sampling draws E ~ Exp(1) per token and takes argmax(logits / T - log E), which picks
 token i with probability softmax(logits / T)_i without `multinomial` and without reading anything back.
 
@@ -72,6 +72,8 @@ class SamplingTensors:
     output_counts: torch.Tensor | None = None  # [S, V] fp32 counts of generated tokens (penalties)
     prompt_mask: torch.Tensor | None = None    # [S, V] bool tokens in the prompt (repetition penalty)
     bitmask: torch.Tensor | None = None        # [S, ceil(V/32)] int32, bit set = allowed
+    bias: torch.Tensor | None = None           # [2, E] int64 (row, token id) of each logit-bias entry
+    bias_values: torch.Tensor | None = None    # [E] fp32 added to the logit there
     any_penalty: bool = False
     any_top_k_top_p: bool = False
     any_min_p: bool = False
@@ -134,7 +136,14 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def leaves_logits_raw(t: SamplingTensors) -> bool:
     """Whether `process_logits` returns the raw logits unchanged (every row greedy, no penalty, no grammar
     mask): each row's sample is then their argmax, which graph mode computes inside its compiled forward."""
-    return t.all_greedy and not t.any_penalty and t.bitmask is None
+    return t.all_greedy and not t.any_penalty and t.bitmask is None and t.bias is None
+
+
+def apply_logit_bias(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Adds each row's logit bias (a scatter on the device: no host read)."""
+    if t.bias is None:
+        return logits
+    return logits.index_put((t.bias[0], t.bias[1]), t.bias_values, accumulate=True)
 
 
 def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -142,6 +151,7 @@ def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     greedy rows keep scale 1, their argmax is unchanged by every filter)."""
     if t.any_penalty:
         logits = apply_penalties(logits, t)
+    logits = apply_logit_bias(logits, t)
     logits = apply_bitmask(logits, t.bitmask)
     if t.all_greedy:
         return logits

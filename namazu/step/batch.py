@@ -79,6 +79,10 @@ class SamplingInputs:
     any_min_p: bool
     all_greedy: bool
     num_logprobs: int              # top-N logprobs per sampled token; -1 = no logprobs at all
+    # Logit bias as coordinates: [2, E] (sampled row, token id) and [E] the bias added there (OpenAI
+    # `logit_bias`); None when no row of the step has one.
+    bias: np.ndarray | None = None
+    bias_values: np.ndarray | None = None
 
 
 @dataclass
@@ -187,6 +191,11 @@ def trim_drafts(b: StepBatch, keep: np.ndarray) -> StepBatch:
     sp = b.sampling
     per_row = {f: getattr(sp, f)[row_kept] for f in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
                                                      "frequency_penalty", "repetition_penalty", "seeds", "counters")}
+    if sp.bias is not None:
+        keep_entry = row_kept[sp.bias[0]]
+        new_row = np.cumsum(row_kept) - 1
+        per_row.update(bias=np.stack([new_row[sp.bias[0][keep_entry]], sp.bias[1][keep_entry]]),
+                       bias_values=sp.bias_values[keep_entry])
     sampling = dataclasses.replace(sp, bitmask=None if sp.bitmask is None else sp.bitmask[row_kept], **per_row)
     spec = dataclasses.replace(b.spec, row_layout=sampled_row_layout(keep[b.spec.batch_index]))
     plp = dataclasses.replace(b.prompt_lp, rows=new_index[b.prompt_lp.rows])

@@ -9,7 +9,8 @@ The engine builds a full `StepBatch` each step; most of it the worker already kn
 - the step's input token values (one per decode, PENDING where only the worker knows it);
 - a sequence's prompt length the first time it is scheduled, and its sampling settings (temperature,
   top-p, min-p, penalties, top-k, seed) the first time it samples; after that only its output counter;
-- grammar bitmask rows, prompt-logprob rows, the few step-wide flags, and the ids the worker forgets.
+- grammar bitmask rows, prompt-logprob rows, the few step-wide flags, and the ids the worker forgets;
+- logit-bias entries (row, token id, bias) of the rows that have one, every step (rare, and small).
 
 So a running decode costs a fixed number of bytes per sequence, whatever its context length or block
 table width (tests/step/test_step_delta.py). `StepDecoder` (each rank's worker) keeps the other half: each
@@ -57,6 +58,8 @@ _FIELDS: tuple[tuple[str, np.dtype], ...] = (
     ("bitmask", _I32),          # [R, W]
     ("prompt_lp", _I64),        # [2, P]: rows, targets
     ("finished", _I64),         # the worker forgets these first
+    ("bias", _I64),             # [2, E]: logit-bias entries' sampled rows and token ids, every step they apply
+    ("bias_values", _F32),      # [E]
 )
 _SCALARS = ("num_logprobs", "max_drafts_next", "plp_num", "flags", "bitmask_width")
 _HEADER = 1 + len(_SCALARS) + len(_FIELDS)
@@ -196,6 +199,7 @@ class _Tables:
 _NO_CHANGE = np.zeros((3, 0), np.int64)
 _NO_IDS = np.zeros(0, np.int64)
 _NO_ROWS = np.zeros((2, 0), np.int64)
+_NO_F32 = np.zeros(0, np.float32)
 
 
 class StepEncoder:
@@ -255,7 +259,8 @@ class StepEncoder:
             seq, b.attn.input_ids, change, ids,
             np.stack([sq.seq_ids[new_at], sq.prompt_lens[new_at]]) if new_at else _NO_ROWS,
             p_ids, p_floats, p_ints, sampler, _NO_IDS if mask is None else mask,
-            np.stack([plp.rows, plp.targets]) if len(plp.rows) else _NO_ROWS, b.finished_seq_ids]
+            np.stack([plp.rows, plp.targets]) if len(plp.rows) else _NO_ROWS, b.finished_seq_ids,
+            _NO_ROWS if sp.bias is None else sp.bias, _NO_F32 if sp.bias_values is None else sp.bias_values]
         return _pack(scalars, arrays)
 
 
@@ -287,7 +292,8 @@ class StepDecoder:
             # and a buffer shared with the sender (shared memory) must not be aliased.
             buf = bytearray(buf)
         (num_logprobs, max_drafts_next, plp_num, flags, mask_width), fields = _unpack(buf)
-        seq, input_ids, change, table_ids, new, p_ids, p_floats, p_ints, sampler, mask, plp, finished_arr = fields
+        (seq, input_ids, change, table_ids, new, p_ids, p_floats, p_ints, sampler, mask, plp, finished_arr,
+         bias, bias_values) = fields
         t = self._t
         finished = finished_arr.tolist()
         t.forget(finished)
@@ -326,6 +332,8 @@ class StepDecoder:
             seqs, attn, spec, sampling = self._general(slots, seq_ids, starts, num_new, num_drafts, assumed,
                                                        samples_i, input_ids, sampler, mask, mask_width,
                                                        num_logprobs, max_drafts_next, flags)
+        if len(bias_values):
+            sampling.bias, sampling.bias_values = bias.reshape(2, -1), bias_values
         plp = plp.reshape(2, -1)
         return StepBatch(attn=attn, seqs=seqs, sampling=sampling, spec=spec,
                          prompt_lp=PromptLogprobInputs(plp[0], plp[1], plp_num), finished_seq_ids=finished)

@@ -1,6 +1,6 @@
 """Which grammar a request gets, from its sampling settings, and the engine's structured-output state.
 
-`allowed_token_ids` and `min_tokens` need no compiler. A JSON schema, JSON object, regex, EBNF grammar
+`allowed_token_ids`, `bad_words_ids` and `min_tokens` need no compiler. A JSON schema, JSON object, regex, EBNF grammar
 or tool-call constraint is compiled by xgrammar (`StructuredOutputs`, created on first use so that a
 server that never sees one never imports xgrammar); `compile` checks and compiles a request's grammar
 ahead of time (the async front runs it off the step loop), `grammar_for` then only builds matchers.
@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from namazu.sampling_params import SamplingParams
+from namazu.structured.bad_words import BadWordsGrammar
 from namazu.structured.grammar import AllOf, Grammar, MinTokensGrammar, TokenSetGrammar
 
 
@@ -111,6 +112,8 @@ def grammar_for(params: SamplingParams, end_ids: list[int], vocab_size: int,
         parts.append(params.grammar_factory())
     if params.allowed_token_ids is not None:
         parts.append(TokenSetGrammar(params.allowed_token_ids, vocab_size))
+    if params.bad_words_ids:
+        parts.append(BadWordsGrammar(params.bad_words_ids, vocab_size))
     if params.min_tokens > 0:
         banned = list(params.stop_token_ids or []) + ([] if params.ignore_eos else list(end_ids))
         if banned:

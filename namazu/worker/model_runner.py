@@ -282,7 +282,8 @@ class ModelRunner:
             temperature=T(sp.temperature), top_k=T(sp.top_k), top_p=T(sp.top_p), min_p=T(sp.min_p),
             presence_penalty=T(sp.presence_penalty), frequency_penalty=T(sp.frequency_penalty),
             repetition_penalty=T(sp.repetition_penalty), seeds=T(sp.seeds), counters=T(sp.counters),
-            output_counts=counts, prompt_mask=prompt_mask, bitmask=T(sp.bitmask), any_penalty=sp.any_penalty,
+            output_counts=counts, prompt_mask=prompt_mask, bitmask=T(sp.bitmask), bias=T(sp.bias),
+            bias_values=T(sp.bias_values), any_penalty=sp.any_penalty,
             any_top_k_top_p=sp.any_top_k_top_p, any_min_p=sp.any_min_p, all_greedy=sp.all_greedy,
             num_logprobs=-1)
 

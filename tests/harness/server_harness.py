@@ -4,6 +4,7 @@ start-and-wait-for-/health helper every live process (server, router, Ray Serve 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -88,11 +89,18 @@ class LiveServer(LiveProcess):
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def metrics(self) -> dict[str, float]:
-        """The /metrics samples as {'name{labels}': value}."""
+        """The /metrics samples as {'name{labels}': value}, without the model_name label every series of a
+        server has (tests/test_server_metrics.py checks it)."""
         text = httpx.get(self.url + "/metrics", headers=self.headers(), timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+        return parse_metrics(text)
+
+
+def parse_metrics(text: str, keep_model_name: bool = False) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            if not keep_model_name:
+                key = re.sub(r'model_name="[^"]*",?', "", key).replace(",}", "}").replace("{}", "")
+            out[key] = float(value)
+    return out

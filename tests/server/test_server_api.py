@@ -16,7 +16,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_harness import LiveServer, make_tiny_model
+from server_harness import LiveServer, make_tiny_model, parse_metrics
 
 from namazu.tokenizer import Tokenizer
 
@@ -271,10 +271,7 @@ async def _metrics_async(srv) -> str:
 
 
 def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
+    return parse_metrics(text)[name]
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(srv):

@@ -28,7 +28,9 @@ def _features(i: int) -> SamplingParams:
         SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3,
                        max_tokens=12, prompt_logprobs=2, ignore_eos=True),
         SamplingParams(temperature=0.7, allowed_token_ids=list(range(65, 91)), min_tokens=4, max_tokens=12),
-    ][i % 4]
+        SamplingParams(temperature=0.9, seed=i, logit_bias={70: 5.0, 71: -100.0, 200 + i: 2.5}, max_tokens=12,
+                       ignore_eos=True),
+    ][i % 5]
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

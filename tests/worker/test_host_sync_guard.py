@@ -1,5 +1,5 @@
 """No host synchronisation inside a step: decode, mixed prefill/decode and verify batches, with every
-sampling feature on, run under the guard; a planted sync is caught."""
+sampling feature on (logit_bias too), run under the guard; a planted sync is caught."""
 import pytest
 from engine_helpers import prompts, tiny_checkpoint
 
@@ -15,7 +15,9 @@ def features(i: int) -> SamplingParams:
         SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3,
                        max_tokens=8, prompt_logprobs=2, logprobs=1, ignore_eos=True),
         SamplingParams(temperature=0.7, allowed_token_ids=list(range(65, 91)), min_tokens=4, max_tokens=8),
-    ][i % 4]
+        SamplingParams(temperature=0.9, seed=i, logit_bias={70: 100.0, 71: -100.0, 5: 3.5}, max_tokens=8,
+                       ignore_eos=True),
+    ][i % 5]
 
 
 @pytest.mark.parametrize("drafter_mode", [None, "random", "random_q"])
@@ -44,6 +46,7 @@ def test_steps_do_not_sync(drafter_mode):
         assert "verify" in kinds
     allowed = outs[3].outputs[0].token_ids
     assert all(65 <= t < 91 for t in allowed) and len(allowed) >= 4
+    assert set(outs[4].outputs[0].token_ids) == {70}          # +100 wins over any logit of the tiny model
 
 
 def test_a_planted_sync_is_caught(monkeypatch):
