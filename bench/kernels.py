@@ -214,7 +214,7 @@ class Row:
 
 
 def run_shape(shape: Shape, tokens_list: list[int], device: str, roof: Roofline, seed: int,
-              emit: Callable[[Row], None]) -> list[Row]:
+              emit: Callable[[Row], None], skip: tuple[str, ...] = ()) -> list[Row]:
     g = torch.Generator(device=device).manual_seed(seed)
     e, h, i, k = shape.experts, shape.hidden, shape.inter, shape.top_k
     print(f"[{shape.name}] allocating BF16 and NVFP4 experts ({e} x 3 x {h} x {i})", file=sys.stderr, flush=True)
@@ -233,6 +233,8 @@ def run_shape(shape: Shape, tokens_list: list[int], device: str, roof: Roofline,
         flops = 2 * n * k * 3 * h * i
         refs = {"bf16": md.torch_moe_bf16(x, ids, tw, w13, w2), "nvfp4": md.torch_moe_nvfp4(x, ids, tw, fp4)}
         for c in candidates(device):
+            if c.backend in skip:
+                continue
             if c.fn is None:
                 row = Row(shape.name, n, c.fmt, c.backend, None, None, None, None, None, c.why_not)
             else:
@@ -348,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", default=["tiny", "k2"])
     p.add_argument("--tokens", nargs="+", type=int, help="token counts (default: per shape and device)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip", nargs="+", default=[], metavar="BACKEND",
+                   help="backends not to time, e.g. torch-ref (seconds per call at Kimi-K2 shapes on CPU)")
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's, i.e. OMP_NUM_THREADS)")
     p.add_argument("--write", action="store_true", help="update this device's section of bench/RESULTS.md")
     p.add_argument("--jsonl", help="append every row to this file as it is measured (partial results)")
@@ -375,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for shape in shapes_for(args.shapes, args.device):
         tokens = args.tokens or DEFAULT_TOKENS[(args.device, shape.name.split(" ")[0])]
-        rows += run_shape(shape, tokens, args.device, roof, args.seed, emit)
+        rows += run_shape(shape, tokens, args.device, roof, args.seed, emit, tuple(args.skip))
     text = table(rows)
     notes = summary(rows, args.device)
     print("\n" + text + "\n" + "\n".join(notes))
