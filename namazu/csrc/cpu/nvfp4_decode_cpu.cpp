@@ -38,6 +38,7 @@
 namespace {
 
 constexpr int64_t kRowBlock = 16;  // output rows per parallel work item (4 tile groups)
+constexpr int64_t kPrefetchTiles = 6;  // software prefetch distance of the weight stream, in 288-byte tiles
 constexpr int kMaxTokTile = 4;     // token rows per tile (their accumulators change once per K tile, so they may spill)
 // Below this many weight reads + multiply-adds a parallel region costs more than it saves.
 constexpr int64_t kMinParallelWork = int64_t{1} << 21;
@@ -152,6 +153,10 @@ NVFP4_AVX2 void tile_avx2(const uint8_t* tp, int64_t nkc, const int16_t* const* 
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
   for (int64_t kc = 0; kc < nkc; ++kc) {
     const uint8_t* T = tp + kc * NVFP4_TILE_BYTES;
+    // The weight stream runs kPrefetchTiles ahead: the hardware prefetcher alone left a third of the time
+    // waiting on memory at 1 token. (Past the group's end it fetches the next group, which follows.)
+    const char* ahead = reinterpret_cast<const char*>(T) + kPrefetchTiles * NVFP4_TILE_BYTES;
+    for (int line = 0; line < NVFP4_TILE_BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     // 32 scale bytes: rows 0-1 then 2-3, 8 blocks each; byte << 7 is the half-float of scale / 256, and
     // lane j of a row's vector is block j's, as in the integer sums below.
     const __m256i s01 = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(T + 256))), 7);
