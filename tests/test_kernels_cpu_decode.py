@@ -218,3 +218,36 @@ def test_run_time_pick_follows_the_cpu_flags():
     for request in (0, 2, 3, 4):
         assert torch.ops.namazu.nvfp4_decode_isa(request) == (AVX2 if has else SCALAR)
     assert torch.ops.namazu.nvfp4_decode_isa(SCALAR) == SCALAR
+
+
+def test_the_engine_serves_an_nvfp4_checkpoint_through_the_decode_layout(tmp_path):
+    """End to end: LLM(model=an NVFP4 checkpoint) on the CPU picks the cpp backend, every NVFP4 layer's
+    W4A16 experts run from the decode layout (one cache entry per layer), and greedy tokens match the
+    torch reference backend's."""
+    from quant_fixtures import random_windows, write_model_dir
+
+    from namazu import LLM, SamplingParams
+    from namazu.quant.calibrate import calibrate, finalize
+    from namazu.quant.checkpoint import save_quantized
+    from namazu.quant.experts import NvFP4Experts
+    from namazu.quant.policy import QuantPolicy
+    from namazu.quant.quantize import quantize_model
+
+    src, ckpt = tmp_path / "bf16", tmp_path / "nvfp4"
+    model = write_model_dir(str(src))
+    policy = QuantPolicy.preset("experts")
+    cov, lin, total = calibrate(model, random_windows(2, 32), policy, min_tokens=4, progress=False)
+    quantize_model(model, policy, finalize(cov, lin, total, 4, True, False)[0])
+    save_quantized(model, ckpt, policy, source_dir=src)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    tokens = {}
+    for backend in ("auto", "torch"):
+        with LLM(str(ckpt), executor="inline", dtype="float32", moe_backend=backend) as llm:
+            served = llm.engine.executor.worker.runner.model
+            tokens[backend] = llm.generate(["hello there"], params, use_tqdm=False)[0].outputs[0].token_ids
+            experts = [m for m in served.modules() if isinstance(m, NvFP4Experts)]
+            if backend == "auto":
+                chosen = experts[0].runtime.backend
+                assert chosen.name == "cpp" and chosen.w4a16_impl == "cpp-decode"
+                assert len(chosen._w4a16.args[0]) == len(experts) > 0
+    assert tokens["auto"] == tokens["torch"]
