@@ -23,6 +23,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <new>
@@ -71,7 +72,7 @@ void quantize_row(const float* src, int64_t k, int64_t kp, int16_t* q, float* s)
     bool bad = false;
     for (int j = 0; j < 16; ++j) {
       const float a = std::fabs(v[j]);
-      bad |= !(a <= 3.4e38f);  // inf or NaN
+      bad |= !(a <= FLT_MAX);  // inf or NaN
       amax = a > amax ? a : amax;
     }
     if (bad || !(amax >= 0x1p-100f)) {
