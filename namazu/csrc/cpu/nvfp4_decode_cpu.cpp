@@ -5,8 +5,9 @@
 // the codes never become floats: a byte shuffle maps a 32-byte load of nibbles to 64 signed 8-bit values
 // (2 * E2M1), unpacking against zero widens them to 16 bits, and vpmaddwd multiplies them with the
 // activations quantized to 16-bit integers, 16 multiply-adds per instruction with exact integer sums per
-// 16-block. Only the per-block sum is converted and scaled (weight block scale x activation block scale,
-// one FMA per block).
+// 16-block. The nibbles are placed so that lane j of each multiply-add holds a pair of block j's
+// products: 8 of them added as int32 give a tile row's 8 block sums in 8 lanes, and one FMA with the 8
+// block scales (weight x activation) finishes the tile row. Weights never become floats.
 //
 // Activations: each 16-block of a GEMM input is stored as int16 with a power-of-two scale 2^(e-15), e
 // the block max's binary exponent. For bf16 inputs every element within 2^7 of its block's max is exact
@@ -16,7 +17,7 @@
 // makes its block's scale NaN, so NaN reaches the output as in the reference.
 //
 // Each expert's weights are read from memory once per step: work items are (expert, 16 output rows);
-// within one the 4-row groups run over all the expert's tokens in tiles of 1-2 while their 16 KB stream
+// within one the 4-row groups run over all the expert's tokens in tiles of 1-4 while their 16 KB stream
 // (K = 7168) stays in L1/L2. OpenMP threads take items dynamically (experts and output tiles).
 #include "nvfp4_decode_cpu.h"
 
