@@ -50,8 +50,13 @@ def _cpp_nvfp4(x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.Tensor:
                                           w.w2_packed, w.w2_scale, w.w2_gs, w.a13_scale, w.a2_scale)
 
 
-def _cuda_nvfp4(x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.Tensor:
-    from namazu.kernels import cuda_moe
+def _cuda_nvfp4(cache, x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.Tensor:
+    """The split-K decode kernel where this device's recorded table picks a variant that passed its check
+    (1-64 tokens; kernels/cuda_decode.py), else the grouped GEMM."""
+    from namazu.kernels import cuda_decode, cuda_moe
+    variant = cuda_decode.select_decode(x, w)
+    if variant is not None:
+        return cuda_decode.decode_moe_nvfp4(x, topk_ids, topk_weights, w, variant, cache=cache)
     return cuda_moe.cuda_moe_nvfp4(x, topk_ids, topk_weights, w)
 
 
@@ -119,9 +124,12 @@ def build_backend(name: str, device_type: str) -> MoEBackend:
         return MoEBackend(name, device_type, "triton", "triton", "torch", _triton_bf16, _triton_nvfp4, ref_fp4)
     if name == "cuda":
         # NVFP4 kernels only: a BF16 model's experts take the Triton kernel rather than the reference.
+        # One decode-layout cache per backend (per model), filled at each layer's first decode-kernel call.
+        from namazu.kernels.cuda_decode import DecodePrepackCache
+        fp4 = functools.partial(_cuda_nvfp4, DecodePrepackCache())
         if availability("triton", device_type)[0]:
-            return MoEBackend(name, device_type, "triton", "cuda", "torch", _triton_bf16, _cuda_nvfp4, ref_fp4)
-        return MoEBackend(name, device_type, "torch", "cuda", "torch", ref_bf16, _cuda_nvfp4, ref_fp4)
+            return MoEBackend(name, device_type, "triton", "cuda", "torch", _triton_bf16, fp4, ref_fp4)
+        return MoEBackend(name, device_type, "torch", "cuda", "torch", ref_bf16, fp4, ref_fp4)
     return MoEBackend("torch", device_type, "torch", "torch", "torch", ref_bf16, ref_fp4, ref_fp4)
 
 
