@@ -127,6 +127,19 @@ def test_cubin_has_every_variant_and_the_shapes_match_the_source(tmp_path):
     assert line.split("X(", 1)[0] + "".join(f"X({nt}, {w}) " for nt, w in cd.SHAPES).rstrip() == line
 
 
+def test_prefill_cubin_has_its_kernels(tmp_path):
+    try:
+        nvcc = cl.find_nvcc()
+    except RuntimeError:
+        pytest.skip("nvcc is not installed here")
+    image = cd.compile_prefill_cubin(tmp_path, nvcc).read_bytes()
+    assert cd.prefill_kernel_names() <= set(cl.elf_function_symbols(image))
+    assert len(cd.prefill_kernel_names()) == 2 * len(cd.PREFILL_BLOCKS)
+    # gate_up CTAs own 64 outputs (64 gate + 64 up rows), down CTAs 128; 256 threads.
+    assert cd.prefill_grid(cd.PrefillVariant(128), 1024, 2048, True) == ((8, 32, 1), (256, 1, 1))
+    assert cd.prefill_grid(cd.PrefillVariant(64), 1024, 7168, False) == ((16, 56, 1), (256, 1, 1))
+
+
 def test_variant_names_and_grid():
     v = cd.Variant.parse("nt4_w8_s2")
     assert (v.nt, v.warps, v.split, v.kernel) == (4, 8, 2, "nvfp4_decode_gemm_nt4_w8")
@@ -135,6 +148,7 @@ def test_variant_names_and_grid():
         cd.Variant.parse("nt3_w4_s1")
     with pytest.raises(ValueError, match="not a decode variant"):
         cd.Variant.parse("fast")
+    assert cd.parse_variant("pf_m64") == cd.PrefillVariant(64) and cd.parse_variant("nt2_w4_s1") == cd.Variant(2, 4, 1)
     # 4096 rows / (8 * 4 * 8) columns per CTA = 16; 3 K splits; 64 padded rows = 4 blocks.
     assert cd.launch_grid(v, 4096, 64) == ((16, 2, 4), (256, 1, 1))
     assert cd.launch_grid(cd.Variant(2, 4, 1), 100 * 8, 16) == ((13, 1, 1), (128, 1, 1))
@@ -146,8 +160,10 @@ DEVICE, CAP = "NVIDIA H200", (9, 0)
 
 
 def fake_table(**over) -> dict:
-    t = cd.table_dict(DEVICE, CAP, {"nt4_w4_s4": True, "nt8_w4_s2": True, "nt2_w4_s8": False},
-                      [(1, "nt4_w4_s4"), (8, "nt2_w4_s8"), (32, "default"), (64, "nt8_w4_s2")])
+    t = cd.table_dict(DEVICE, CAP, {"nt4_w4_s4": True, "nt8_w4_s2": True, "nt2_w4_s8": False, "pf_m128": True,
+                                    "pf_m64": False},
+                      [(1, "nt4_w4_s4"), (8, "nt2_w4_s8"), (32, "default"), (64, "nt8_w4_s2"), (1024, "pf_m64"),
+                       (cd.NO_LIMIT, "pf_m128")])
     t.update(over)
     return t
 
@@ -158,14 +174,19 @@ def test_table_chooses_by_bucket_and_refuses_failed_variants():
     assert t.choose(2) is None          # the 8-token bucket's variant failed its check: the default runs
     assert t.choose(20) is None         # the grouped GEMM measured fastest there
     assert t.choose(64) == cd.Variant(8, 4, 2)
-    assert t.choose(65) is None         # past the table
+    assert t.choose(65) is None         # pf_m64 failed its check
+    assert t.choose(4096) == t.choose(10 ** 6) == cd.PrefillVariant(128)   # the last bucket: every larger batch
+    short = fake_table(buckets=[{"max_tokens": 8, "variant": "nt4_w4_s4"}])
+    assert cd.SelectionTable(short).choose(9) is None   # past the table
     unchecked = fake_table(checked={"nt4_w4_s4": True})
     assert cd.SelectionTable(unchecked).choose(64) is None   # never checked = never chosen
 
 
 @pytest.mark.parametrize("over,match", [({"version": 0}, "version"), ({"checked": {"nt9_w1_s1": True}}, "compiled"),
                                         ({"buckets": [{"max_tokens": 8, "variant": "nt4_w4_s1"},
-                                                      {"max_tokens": 8, "variant": "nt4_w4_s2"}]}, "ascending")])
+                                                      {"max_tokens": 8, "variant": "nt4_w4_s2"}]}, "ascending"),
+                                        ({"buckets": [{"max_tokens": 128, "variant": "nt4_w4_s1"}]}, "up to 64"),
+                                        ({"checked": {"pf_m32": True}}, "row blocks")])
 def test_table_rejects_malformed(over, match):
     with pytest.raises(ValueError, match=match):
         cd.SelectionTable(fake_table(**over))
@@ -173,7 +194,7 @@ def test_table_rejects_malformed(over, match):
 
 def test_table_applies_only_to_its_device_and_sources():
     t = cd.SelectionTable(fake_table())
-    here = cl.sources_digest(cd.SOURCES, cd.ARCH)
+    here = cd.table_digest()
     assert t.applies_to(DEVICE, CAP, here) == ""
     assert "this is NVIDIA H100" in t.applies_to("NVIDIA H100", CAP, here)
     assert "(10, 0)" in t.applies_to(DEVICE, (10, 0), here)
@@ -203,7 +224,8 @@ def test_select_decode_reads_the_recorded_table(on_fake_device):
     path.write_text(json.dumps({"cuda_moe_table": fake_table()}))   # gpu-check's tune.json form
     assert cd.select_decode(X(1), w) == cd.Variant(4, 4, 4)
     assert cd.select_decode(X(4), w) is None                     # failed variant: default
-    assert cd.select_decode(X(cd.MAX_DECODE_TOKENS + 1), w) is None
+    assert cd.select_decode(X(cd.MAX_DECODE_TOKENS + 1), w) is None   # the failed pf_m64
+    assert cd.select_decode(X(2048), w) == cd.PrefillVariant(128)
     w4a4 = md.random_nvfp4_weights(4, 512, 256)
     w4a4.a13_scale = torch.ones(4)
     assert cd.select_decode(X(1), w4a4) is None

@@ -39,10 +39,34 @@ def test_variant_matches_reference(monkeypatch, kernels, variant, size):
     assert rel_err(out, ref) < TOL
 
 
-def test_check_variant_passes_every_variant(kernels):
+PREFILL_SIZES = [(300, 512, 256, 8, 4, None), (1100, 384, 384, 16, 8, 12), (70, 256, 128, 4, 2, None)]
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    return cd.CubinPrefill()
+
+
+@pytest.mark.parametrize("variant", cd.PREFILL_VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("size", PREFILL_SIZES, ids=lambda s: f"n{s[0]}_h{s[1]}_i{s[2]}")
+def test_prefill_variant_matches_reference(monkeypatch, prefill, variant, size):
+    from namazu.kernels import cuda_moe
+    n, h, i, e, k, used = size
+    c = make_case(n, h, i, e, k, seed=970 + n, experts_used=used, device="cuda")
+    monkeypatch.setattr(cuda_moe, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                     device=device))
+    out = prefill.moe(c.x, c.topk_ids, c.topk_weights, c.nvfp4, variant)
+    ref = md.torch_moe_nvfp4(c.x, c.topk_ids, c.topk_weights, c.nvfp4)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < TOL
+
+
+def test_check_variant_passes_every_variant(kernels, prefill):
     """What the tuner records (bench/tune_cuda_moe.py) on the same device."""
     for v in cd.VARIANTS:
         assert cd.check_variant(kernels, v) < cd.CHECK_TOL, v.name
+    for v in cd.PREFILL_VARIANTS:
+        assert cd.check_variant(prefill, v) < cd.CHECK_TOL, v.name
 
 
 def test_decode_is_graph_captured_and_never_syncs(kernels):

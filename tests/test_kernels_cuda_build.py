@@ -29,15 +29,17 @@ def test_grouped_gemm_compiles_for_sm90a(tmp_path):
     assert "bytes stack frame" not in res.stderr or "0 bytes stack frame" in res.stderr
 
 
-def test_decode_kernels_compile_for_sm90a(tmp_path):
-    """The split-K decode variants (namazu/csrc/nvfp4_moe_decode.cu): no spills, no stack frame (a spill
-    would put the register-resident weight stream through local memory)."""
+@pytest.mark.parametrize("source,kernels", [("nvfp4_moe_decode.cu", 6), ("nvfp4_moe_prefill.cu", 4)])
+def test_device_chosen_kernels_compile_for_sm90a(tmp_path, source, kernels):
+    """The split-K decode variants (4 GEMMs + 2 reductions) and the large-batch kernels (2 row blocks x
+    gate_up/down): no spills, no stack frame (a spill would put the register-resident weight stream or
+    the accumulators through local memory)."""
     cmd = [nvcc(), "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v", "-c",
-           str(CSRC / "nvfp4_moe_decode.cu"), "-o", str(tmp_path / "decode.o")]
+           str(CSRC / source), "-o", str(tmp_path / "k.o")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     entries = res.stderr.count("Compiling entry function")
-    assert entries >= 6, res.stderr   # 4 GEMM variants + 2 reductions
+    assert entries == kernels, res.stderr
     assert res.stderr.count("0 bytes spill stores") == entries, res.stderr
     assert res.stderr.count("0 bytes stack frame") == entries, res.stderr
 

@@ -1,17 +1,19 @@
-"""The Hopper NVFP4 split-K decode kernels (namazu/csrc/nvfp4_moe_decode.cu) and the table that picks one.
+"""The Hopper NVFP4 kernels chosen on the device: split-K decode (namazu/csrc/nvfp4_moe_decode.cu, 1-64
+tokens), large-batch grouped GEMM (nvfp4_moe_prefill.cu, 64/128-row blocks), and the table that picks one.
 
   prepack / DecodePrepackCache   ModelOpt tensors -> the GPU decode layout (nvfp4_moe_decode.h), once per
                                  layer, on the device with torch (a reshape and a permute)
-  Variant                        a compiled tile shape (n8 tiles per warp, warps per CTA) and a K split
-  CubinDecode                    the cubin's kernels through cuda-python; `moe` runs the four launches
+  Variant                        a compiled decode tile shape (n8 tiles per warp, warps per CTA) and a K split
+  PrefillVariant                 a large-batch kernel's row block (64 or 128)
+  CubinDecode / CubinPrefill     the cubins' kernels through cuda-python; `moe` runs one layer on a variant
   SelectionTable                 what bench/tune_cuda_moe.py measured on a device: which variants passed
                                  their check against the torch reference there, and the fastest of them
                                  per token bucket; `choose` refuses a variant that failed and anything
                                  when the table is for another device or other kernel sources
   select_decode                  the real path's question (backends.py's cuda NVFP4): which variant, if
-                                 any, runs this call; None means the default, the grouped GEMM
+                                 any, runs this call; None means the default, the 16-row grouped GEMM
 
-No table, a stale one, or more than MAX_DECODE_TOKENS tokens: the grouped GEMM (cuda_moe.py) runs, as before.
+No table or a stale one: the grouped GEMM (cuda_moe.py) runs at every size, as before.
 """
 from __future__ import annotations
 
@@ -33,9 +35,12 @@ from namazu.kernels.moe_types import NVFP4MoEWeights
 logger = logging.getLogger(__name__)
 
 SOURCES = ("nvfp4_moe_decode.cu", "nvfp4_moe_decode.h")
+PREFILL_SOURCES = ("nvfp4_moe_prefill.cu", "nvfp4_grouped_gemm.h")
+PREFILL_BLOCKS = (64, 128)
 ARCH = "sm_90a"
 BLOCK_M, TILE_K, TILE_ROWS, TILE_BYTES = 16, 128, 8, 576   # nvfp4_moe_decode.h
 MAX_DECODE_TOKENS = 64
+NO_LIMIT = 2 ** 31 - 1   # max_tokens of a table's last bucket: every larger batch
 SHAPES = ((2, 4), (4, 4), (8, 4), (4, 8))   # NVFP4_DECODE_VARIANTS of the .cu, in its order
 SPLITS = (1, 2, 4, 8)
 TABLE_ENV = "NAMAZU_CUDA_MOE_TABLE"
@@ -69,6 +74,37 @@ class Variant:
 
 
 VARIANTS = tuple(Variant(nt, w, s) for nt, w in SHAPES for s in SPLITS)
+
+
+@dataclass(frozen=True)
+class PrefillVariant:
+    block_m: int   # rows per CTA (the dispatch's block_m)
+
+    @property
+    def name(self) -> str:
+        return f"pf_m{self.block_m}"
+
+    def kernel(self, gate_up: bool) -> str:
+        return f"nvfp4_prefill_gemm_m{self.block_m}_{'gate_up' if gate_up else 'down'}"
+
+
+PREFILL_VARIANTS = tuple(PrefillVariant(b) for b in PREFILL_BLOCKS)
+ANY_VARIANT = Variant | PrefillVariant
+
+
+def parse_variant(name: str) -> ANY_VARIANT:
+    """A decode (nt<N>_w<W>_s<S>) or large-batch (pf_m<BM>) variant by name; raises if it is not compiled."""
+    m = re.fullmatch(r"pf_m(\d+)", name)
+    if m is None:
+        return Variant.parse(name)
+    if int(m.group(1)) not in PREFILL_BLOCKS:
+        raise ValueError(f"large-batch variant {name!r} is not compiled (row blocks {PREFILL_BLOCKS})")
+    return PrefillVariant(int(m.group(1)))
+
+
+def table_digest() -> str:
+    """The kernel sources a table measured: all of them, so an edit of any kernel invalidates it."""
+    return cl.sources_digest(SOURCES + PREFILL_SOURCES, ARCH)
 
 
 CHECK_TOL = 1e-2   # relative error against torch_moe_nvfp4 a variant must stay under on the device
@@ -177,33 +213,71 @@ def compile_decode_cubin(cache_dir: str | Path | None = None, nvcc: str | None =
     return cl.compile_cubin(cache_dir, nvcc, sources=SOURCES, arch=ARCH)
 
 
+def compile_prefill_cubin(cache_dir: str | Path | None = None, nvcc: str | None = None) -> Path:
+    return cl.compile_cubin(cache_dir, nvcc, sources=PREFILL_SOURCES, arch=ARCH)
+
+
 def kernel_names() -> set[str]:
     return {v.kernel for v in VARIANTS} | {"nvfp4_decode_reduce_gate_up", "nvfp4_decode_reduce_down"}
 
 
-class CubinDecode:
-    """The decode cubin loaded into torch's context; `moe` is the routed-experts layer on one variant."""
+def prefill_kernel_names() -> set[str]:
+    return {v.kernel(gu) for v in PREFILL_VARIANTS for gu in (True, False)}
 
-    def __init__(self, cubin: str | Path | None = None):
+
+def prefill_grid(v: PrefillVariant, max_rows: int, n_out: int, gate_up: bool):
+    """(grid, block) of one large-batch launch, as nvfp4_prefill_gemm_sm90 computes them."""
+    cols = 64 if gate_up else 128
+    return (max_rows // v.block_m, -(-n_out // cols), 1), (256, 1, 1)
+
+
+class _Cubin:
+    """A cubin loaded into torch's context (the device's primary context), its named kernels resolved."""
+
+    def __init__(self, image: bytes, names: set[str], what: str):
         from cuda.bindings import driver
 
         self.driver = driver
-        image = Path(cubin or compile_decode_cubin()).read_bytes()
-        missing = kernel_names() - set(cl.elf_function_symbols(image))
+        missing = names - set(cl.elf_function_symbols(image))
         if missing:
-            raise RuntimeError(f"the decode cubin lacks the kernels {sorted(missing)}")
+            raise RuntimeError(f"the {what} cubin lacks the kernels {sorted(missing)}")
         cl._check(driver.cuInit(0))
         device = cl._check(driver.cuDeviceGet(torch.cuda.current_device()))
         cl._check(driver.cuCtxSetCurrent(cl._check(driver.cuDevicePrimaryCtxRetain(device))))
         self.module = cl._check(driver.cuModuleLoadData(image))
-        self.functions = {name: cl._check(driver.cuModuleGetFunction(self.module, name.encode()))
-                          for name in kernel_names()}
+        self.functions = {name: cl._check(driver.cuModuleGetFunction(self.module, name.encode())) for name in names}
 
     def _launch(self, name: str, grid, block, args: ctypes.Structure) -> None:
         params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         stream = torch.cuda.current_stream().cuda_stream
         cl._check(self.driver.cuLaunchKernel(self.functions[name], *grid, *block, 0, stream,
                                              ctypes.addressof(params), 0))
+
+
+class CubinPrefill(_Cubin):
+    """The large-batch kernels; `moe` is cuda_moe_nvfp4 (same contract) with the variant's row blocks."""
+
+    def __init__(self, cubin: str | Path | None = None):
+        super().__init__(Path(cubin or compile_prefill_cubin()).read_bytes(), prefill_kernel_names(), "large-batch")
+
+    def moe(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: NVFP4MoEWeights,
+            v: PrefillVariant) -> torch.Tensor:
+        from namazu.kernels.cuda_moe import cuda_moe_nvfp4
+
+        def gemm(*a) -> None:
+            args = cl.gemm_args(*a)
+            cl.check_args(args)
+            if args.max_rows:
+                self._launch(v.kernel(bool(args.gate_up)), *prefill_grid(v, args.max_rows, args.n_out,
+                                                                         bool(args.gate_up)), args)
+        return cuda_moe_nvfp4(x, topk_ids, topk_weights, w, gemm=gemm, block_m=v.block_m)
+
+
+class CubinDecode(_Cubin):
+    """The decode cubin; `moe` is the routed-experts layer on one split-K variant."""
+
+    def __init__(self, cubin: str | Path | None = None):
+        super().__init__(Path(cubin or compile_decode_cubin()).read_bytes(), kernel_names(), "decode")
 
     def _gemm(self, v: Variant, a: torch.Tensor, a_div: int, bd, tiles: torch.Tensor, rows: int) -> torch.Tensor:
         partial = _empty((v.split, bd.num_pairs, rows), torch.float32, a.device)
@@ -263,7 +337,7 @@ DEFAULT = "default"   # a bucket where the grouped GEMM measured fastest
 @dataclass(frozen=True)
 class Bucket:
     max_tokens: int
-    variant: Variant | None   # None: the default kernel
+    variant: ANY_VARIANT | None   # None: the default kernel
 
 
 class SelectionTable:
@@ -281,9 +355,13 @@ class SelectionTable:
                 raise ValueError(f"{origin}: missing field {key!r}")
         self.device, self.sources = str(data["device"]), str(data["sources"])
         self.capability = tuple(data["capability"])
-        self.checked = {Variant.parse(k): bool(v) for k, v in data["checked"].items()}
-        self.buckets = [Bucket(int(b["max_tokens"]), None if b["variant"] == DEFAULT else Variant.parse(b["variant"]))
+        self.checked = {parse_variant(k): bool(v) for k, v in data["checked"].items()}
+        self.buckets = [Bucket(int(b["max_tokens"]), None if b["variant"] == DEFAULT else parse_variant(b["variant"]))
                         for b in data["buckets"]]
+        for b in self.buckets:
+            if isinstance(b.variant, Variant) and b.max_tokens > MAX_DECODE_TOKENS:
+                raise ValueError(f"{origin}: decode variant {b.variant.name} for up to {b.max_tokens} tokens "
+                                 f"(the decode kernels cover up to {MAX_DECODE_TOKENS})")
         if [b.max_tokens for b in self.buckets] != sorted({b.max_tokens for b in self.buckets}):
             raise ValueError(f"{origin}: buckets must have strictly ascending max_tokens")
 
@@ -305,7 +383,7 @@ class SelectionTable:
             return f"measured kernel sources {self.sources}, these are {sources}"
         return ""
 
-    def choose(self, num_tokens: int) -> Variant | None:
+    def choose(self, num_tokens: int) -> ANY_VARIANT | None:
         for b in self.buckets:
             if num_tokens <= b.max_tokens:
                 if b.variant is None:
@@ -335,7 +413,7 @@ def _active_table(device_index: int) -> SelectionTable | None:
     if path.is_file():
         try:
             t = SelectionTable.load(path)
-            why = t.applies_to(name, cap, cl.sources_digest(SOURCES, ARCH))
+            why = t.applies_to(name, cap, table_digest())
             if why:
                 logger.warning("CUDA MoE decode table %s not used: %s", path, why)
             else:
@@ -352,8 +430,9 @@ _KERNELS: dict = {}
 _CACHE = DecodePrepackCache()
 
 
-def select_decode(x: torch.Tensor, w: NVFP4MoEWeights) -> Variant | None:
-    if x.device.type != "cuda" or x.shape[0] > MAX_DECODE_TOKENS or w.a13_scale is not None:
+def select_decode(x: torch.Tensor, w: NVFP4MoEWeights) -> ANY_VARIANT | None:
+    """The checked variant this device's table picks for x's token count, or None (the default kernel)."""
+    if x.device.type != "cuda" or w.a13_scale is not None:
         return None
     if w.hidden_size % TILE_K or w.intermediate_size % TILE_K:
         return None
@@ -362,12 +441,18 @@ def select_decode(x: torch.Tensor, w: NVFP4MoEWeights) -> Variant | None:
 
 
 def decode_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: NVFP4MoEWeights,
-                     variant: Variant, cache: DecodePrepackCache | None = None) -> torch.Tensor:
-    """The routed experts through one decode variant (the cubin loaded once per process)."""
+                     variant: ANY_VARIANT, cache: DecodePrepackCache | None = None) -> torch.Tensor:
+    """The routed experts through one variant, decode or large-batch (each cubin loaded once per process)."""
     check_shapes(w)
-    if "cubin" not in _KERNELS:
-        _KERNELS["cubin"] = CubinDecode()
-    return _KERNELS["cubin"].moe(x, topk_ids, topk_weights, w, (cache or _CACHE).get(w), variant)
+    if isinstance(variant, PrefillVariant):
+        if "prefill" not in _KERNELS:
+            _KERNELS["prefill"] = CubinPrefill()
+        return _KERNELS["prefill"].moe(x, topk_ids, topk_weights, w, variant)
+    if x.shape[0] > MAX_DECODE_TOKENS:
+        raise ValueError(f"the decode kernels take up to {MAX_DECODE_TOKENS} tokens, got {x.shape[0]}")
+    if "decode" not in _KERNELS:
+        _KERNELS["decode"] = CubinDecode()
+    return _KERNELS["decode"].moe(x, topk_ids, topk_weights, w, (cache or _CACHE).get(w), variant)
 
 
 # ---- checking a variant on the device (bench/tune_cuda_moe.py records the verdicts) ----------------------
@@ -378,20 +463,29 @@ CHECK_CASES = ((1, 512, 256, 16, 4, None), (5, 384, 256, 16, 4, None), (33, 512,
                (64, 1024, 512, 32, 8, None))
 
 
-def check_variant(kernels: CubinDecode, v: Variant, device: str = "cuda") -> float:
-    """The largest relative error of `v` against torch_moe_nvfp4 over CHECK_CASES (inf if non-finite)."""
+# The large-batch kernels' cases: several 64/128-row blocks per expert, ragged last blocks, idle experts,
+# K of 3 and 12 chunks of 32.
+PREFILL_CHECK_CASES = ((300, 512, 256, 8, 4, None), (1100, 384, 384, 16, 8, 12))
+
+
+def check_variant(kernels: CubinDecode | CubinPrefill, v: ANY_VARIANT, device: str = "cuda") -> float:
+    """The largest relative error of `v` against torch_moe_nvfp4 over its check cases (inf if non-finite)."""
     from namazu.kernels import moe_dispatch as md
 
     worst = 0.0
-    for i, (n, h, inter, e, k, used) in enumerate(CHECK_CASES):
+    cases = PREFILL_CHECK_CASES if isinstance(v, PrefillVariant) else CHECK_CASES
+    for i, (n, h, inter, e, k, used) in enumerate(cases):
         g = torch.Generator(device=device).manual_seed(1000 + i)
         w = md.random_nvfp4_weights(e, h, inter, device=device, seed=2000 + i)
         x = torch.randn(n, h, generator=g, device=device).to(torch.bfloat16)
         pool = used or e
         ids = torch.rand(n, pool, generator=g, device=device).topk(k, dim=1).indices
         tw = torch.rand(n, k, generator=g, device=device) + 0.1
-        out = kernels.moe(x, ids, tw, w, DecodeWeights(prepack(w.w13_packed, w.w13_scale),
-                                                       prepack(w.w2_packed, w.w2_scale)), v).float()
+        if isinstance(v, PrefillVariant):
+            out = kernels.moe(x, ids, tw, w, v).float()
+        else:
+            out = kernels.moe(x, ids, tw, w, DecodeWeights(prepack(w.w13_packed, w.w13_scale),
+                                                           prepack(w.w2_packed, w.w2_scale)), v).float()
         ref = md.torch_moe_nvfp4(x, ids, tw, w).float()
         if not torch.isfinite(out).all():
             return float("inf")
@@ -403,5 +497,5 @@ def table_dict(device: str, capability: tuple[int, int], checked: dict[str, bool
                measured: dict | None = None) -> dict:
     """The JSON SelectionTable reads (`measured`: the timings behind the choice, kept for the record)."""
     return {"version": TABLE_VERSION, "device": device, "capability": list(capability),
-            "sources": cl.sources_digest(SOURCES, ARCH), "checked": checked,
+            "sources": table_digest(), "checked": checked,
             "buckets": [{"max_tokens": t, "variant": v} for t, v in buckets], "measured": measured or {}}
