@@ -464,7 +464,7 @@ CHECK_CASES = ((1, 512, 256, 16, 4, None), (5, 384, 256, 16, 4, None), (33, 512,
 
 
 # The large-batch kernels' cases: several 64/128-row blocks per expert, ragged last blocks, idle experts,
-# K of 3 and 12 chunks of 32.
+# K of 8 to 16 chunks of 32.
 PREFILL_CHECK_CASES = ((300, 512, 256, 8, 4, None), (1100, 384, 384, 16, 8, 12))
 
 
