@@ -188,6 +188,8 @@ else
   stage graphs 90 - $PY bench/step_profile.py --batch 1 32 --output-len 32 --interleave 2
   stage spec 100 - spec_bench
   stage engine 150 tests.txt engine_tests
+  # The `cuda` rows run what the table just recorded picks (cuda-gemm16: the default, side by side).
+  [ -f "$OUT_DIR/tune.json" ] && export NAMAZU_CUDA_MOE_TABLE="$OUT_DIR/tune.json"
   stage bench 150 bench.txt $PY bench/kernels.py --device cuda --shapes tiny k2 --write \
     --jsonl "$OUT_DIR/bench.jsonl"
   # --write updated this copy's bench/RESULTS.md (kernels-cuda section): bring it back to commit.

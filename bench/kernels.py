@@ -213,6 +213,11 @@ def candidates(device: str) -> list[Candidate]:
                              sync_free=kernel))
         if name == "cpp":
             out.append(Candidate("nvfp4", "cpp-modelopt", backends._cpp_nvfp4 if b else None, why))
+        if name == "cuda":
+            # `cuda` runs what the device's selection table picks (the note says which); this row is the
+            # default it falls back to, the 16-row grouped GEMM, for the A/B.
+            from namazu.kernels.cuda_moe import cuda_moe_nvfp4
+            out.append(Candidate("nvfp4", "cuda-gemm16", cuda_moe_nvfp4 if b else None, why, sync_free=True))
     return out
 
 
@@ -276,6 +281,10 @@ def run_shape(shape: Shape, tokens_list: list[int], device: str, roof: Roofline,
                             note = f"eager (graph capture failed: {str(exc).splitlines()[0][:60]})"
                     if t is None:
                         t = timeit(lambda: c.fn(*args), device)  # noqa: B023
+                    if c.backend == "cuda":
+                        from namazu.kernels.cuda_decode import select_decode
+                        v = select_decode(x, fp4)
+                        note = ((note + "; ") if note else "") + f"table: {v.name if v else 'default'}"
                 except (RuntimeError, ValueError, NotImplementedError) as exc:
                     row = Row(shape.name, n, c.fmt, c.backend, None, None, None, None, None,
                               f"failed: {str(exc).splitlines()[0][:120]}")

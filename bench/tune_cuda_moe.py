@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokens = sorted(set(args.tokens))
     device, cap = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        # The cubins are arch-specific sm_90a code: they do not load on other GPUs (Blackwell included).
+        print(f"tune_cuda_moe: {device} is sm_{cap[0]}{cap[1]}; these kernels are sm_90a only: no table")
+        return 0
     decode, prefill = cd.CubinDecode(), cd.CubinPrefill()
 
     def kernels_of(v):
