@@ -52,7 +52,7 @@ setup(
     version="0.1.0",
     description="Inference server for DeepSeek-V3 / Kimi-K2 class Mixture-of-Experts models",
     packages=find_packages(include=["namazu", "namazu.*", "server", "server.*"]),
-    package_data={"namazu": ["assets/**/*", "csrc/*", "csrc/**/*"]},
+    package_data={"namazu": ["assets/**/*", "csrc/*", "csrc/**/*", "kernels/tables/*.json"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     python_requires=">=3.10",
