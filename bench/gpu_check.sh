@@ -106,7 +106,8 @@ build() {
   # The cubin of the same kernel, for the cuda-python launch path (kernels/cubin_loader.py).
   $PY -c 'from namazu.kernels.cubin_loader import compile_cubin; print("cubin:", compile_cubin())' || return 1
   # The split-K decode variants (kernels/cuda_decode.py), loaded the same way.
-  $PY -c 'from namazu.kernels.cuda_decode import compile_decode_cubin as c; print("decode cubin:", c())'
+  $PY -c 'from namazu.kernels.cuda_decode import compile_decode_cubin as d, compile_prefill_cubin as p
+print("decode cubin:", d()); print("large-batch cubin:", p())'
 }
 
 run_tests() {  # pytest FILES...; fails on a failure, a crash or a skip (a GPU test that skips never ran)
