@@ -95,6 +95,28 @@ def test_e2m1_table_matches_the_format():
     assert [e2m1_value(c) for c in range(16)] == e2m1_decode(torch.arange(16, dtype=torch.uint8)).tolist()
 
 
+def test_register_fp4_expansion_is_exact_for_every_input(tmp_path):
+    """nvfp4_e2m1_bf16.h (the prmt variants' FP4 expansion), built for the host with its C __byte_perm,
+    over all 65,536 pairs of packed bytes: each of the four bf16 results equals the format's value."""
+    cc = shutil.which("gcc") or pytest.skip("no gcc")
+    src = tmp_path / "conv.c"
+    src.write_text(f'#include <stdio.h>\n#include "{cl.CSRC / "nvfp4_e2m1_bf16.h"}"\n'
+                   'int main(void) { for (unsigned w = 0; w < 65536; ++w) { uint32_t lo, hi;'
+                   ' nvfp4_e2m1x4_to_bf16(w, &lo, &hi); printf("%u %u\\n", lo, hi); } return 0; }\n')
+    res = subprocess.run([cc, "-std=c11", "-O1", str(src), "-o", str(tmp_path / "conv")], capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr
+    out = subprocess.run([str(tmp_path / "conv")], capture_output=True, text=True).stdout.split()
+    words = torch.tensor([int(v) for v in out], dtype=torch.int64).reshape(65536, 2)
+    halves = torch.stack([words & 0xFFFF, words >> 16], dim=2).reshape(65536, 4)   # v0, v1, v2, v3
+    got = (halves.to(torch.int32) << 16).view(torch.float32)                       # bf16 bits -> fp32
+    w = torch.arange(65536, dtype=torch.int64)
+    codes = torch.stack([(w >> (4 * j)) & 0xF for j in range(4)], dim=1).to(torch.uint8)
+    want = e2m1_decode(codes)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))   # -0.0 for code 8 too
+
+
 @pytest.mark.parametrize("struct,c_name", [(cd.DecodeArgs, "Nvfp4DecodeArgs"),
                                            (cd.ReduceArgs, "Nvfp4DecodeReduceArgs")])
 def test_structs_match_the_c_header(tmp_path, struct, c_name):
@@ -141,14 +163,18 @@ def test_prefill_cubin_has_its_kernels():
 
 
 def test_variant_names_and_grid():
-    v = cd.Variant.parse("nt4_w8_s2")
-    assert (v.nt, v.warps, v.split, v.kernel) == (4, 8, 2, "nvfp4_decode_gemm_nt4_w8")
-    assert {x.name for x in cd.VARIANTS} == {f"nt{a}_w{b}_s{s}" for a, b in cd.SHAPES for s in cd.SPLITS}
+    v = cd.Variant.parse("nt4_w8_prmt_s2")
+    assert (v.nt, v.warps, v.split, v.dq, v.kernel) == (4, 8, 2, "prmt", "nvfp4_decode_gemm_nt4_w8_prmt")
+    assert {x.name for x in cd.VARIANTS} == {f"nt{a}_w{b}_{d}_s{s}" for a, b in cd.SHAPES for d in ("lut", "prmt")
+                                             for s in cd.SPLITS}
     with pytest.raises(ValueError, match="not compiled"):
-        cd.Variant.parse("nt3_w4_s1")
+        cd.Variant.parse("nt4_w4_fast_s1")
+    with pytest.raises(ValueError, match="not compiled"):
+        cd.Variant.parse("nt3_w4_lut_s1")
     with pytest.raises(ValueError, match="not a decode variant"):
         cd.Variant.parse("fast")
-    assert cd.parse_variant("pf_m64") == cd.PrefillVariant(64) and cd.parse_variant("nt2_w4_s1") == cd.Variant(2, 4, 1)
+    assert cd.parse_variant("pf_m64") == cd.PrefillVariant(64)
+    assert cd.parse_variant("nt2_w4_lut_s1") == cd.Variant(2, 4, 1)
     # 4096 rows / (8 * 4 * 8) columns per CTA = 16; 3 K splits; 64 padded rows = 4 blocks.
     assert cd.launch_grid(v, 4096, 64) == ((16, 2, 4), (256, 1, 1))
     assert cd.launch_grid(cd.Variant(2, 4, 1), 100 * 8, 16) == ((13, 1, 1), (128, 1, 1))
@@ -160,10 +186,11 @@ DEVICE, CAP = "NVIDIA H200", (9, 0)
 
 
 def fake_table(**over) -> dict:
-    t = cd.table_dict(DEVICE, CAP, {"nt4_w4_s4": True, "nt8_w4_s2": True, "nt2_w4_s8": False, "pf_m128": True,
-                                    "pf_m64": False},
-                      [(1, "nt4_w4_s4"), (8, "nt2_w4_s8"), (32, "default"), (64, "nt8_w4_s2"), (1024, "pf_m64"),
-                       (cd.NO_LIMIT, "pf_m128")])
+    checked = {"nt4_w4_lut_s4": True, "nt8_w4_prmt_s2": True, "nt2_w4_lut_s8": False, "pf_m128": True,
+               "pf_m64": False}
+    buckets = [(1, "nt4_w4_lut_s4"), (8, "nt2_w4_lut_s8"), (32, "default"), (64, "nt8_w4_prmt_s2"),
+               (1024, "pf_m64"), (cd.NO_LIMIT, "pf_m128")]
+    t = cd.table_dict(DEVICE, CAP, checked, buckets)
     t.update(over)
     return t
 
@@ -173,19 +200,19 @@ def test_table_chooses_by_bucket_and_refuses_failed_variants():
     assert t.choose(1) == cd.Variant(4, 4, 4)
     assert t.choose(2) is None          # the 8-token bucket's variant failed its check: the default runs
     assert t.choose(20) is None         # the grouped GEMM measured fastest there
-    assert t.choose(64) == cd.Variant(8, 4, 2)
+    assert t.choose(64) == cd.Variant(8, 4, 2, "prmt")
     assert t.choose(65) is None         # pf_m64 failed its check
     assert t.choose(4096) == t.choose(10 ** 6) == cd.PrefillVariant(128)   # the last bucket: every larger batch
-    short = fake_table(buckets=[{"max_tokens": 8, "variant": "nt4_w4_s4"}])
+    short = fake_table(buckets=[{"max_tokens": 8, "variant": "nt4_w4_lut_s4"}])
     assert cd.SelectionTable(short).choose(9) is None   # past the table
-    unchecked = fake_table(checked={"nt4_w4_s4": True})
+    unchecked = fake_table(checked={"nt4_w4_lut_s4": True})
     assert cd.SelectionTable(unchecked).choose(64) is None   # never checked = never chosen
 
 
-@pytest.mark.parametrize("over,match", [({"version": 0}, "version"), ({"checked": {"nt9_w1_s1": True}}, "compiled"),
-                                        ({"buckets": [{"max_tokens": 8, "variant": "nt4_w4_s1"},
-                                                      {"max_tokens": 8, "variant": "nt4_w4_s2"}]}, "ascending"),
-                                        ({"buckets": [{"max_tokens": 128, "variant": "nt4_w4_s1"}]}, "up to 64"),
+@pytest.mark.parametrize("over,match", [({"version": 0}, "version"), ({"checked": {"nt9_w1_lut_s1": True}}, "compiled"),
+                                        ({"buckets": [{"max_tokens": 8, "variant": "nt4_w4_lut_s1"},
+                                                      {"max_tokens": 8, "variant": "nt4_w4_lut_s2"}]}, "ascending"),
+                                        ({"buckets": [{"max_tokens": 128, "variant": "nt4_w4_lut_s1"}]}, "up to 64"),
                                         ({"checked": {"pf_m32": True}}, "row blocks")])
 def test_table_rejects_malformed(over, match):
     with pytest.raises(ValueError, match=match):

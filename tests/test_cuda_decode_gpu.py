@@ -100,15 +100,15 @@ def test_cuda_backend_runs_the_tables_picks(monkeypatch, tmp_path):
     import json
 
     from namazu.kernels import backends
-    checked = {"nt4_w4_s4": True, "pf_m128": True}
+    checked = {"nt4_w4_prmt_s4": True, "pf_m128": True}
     table = cd.table_dict(torch.cuda.get_device_name(), torch.cuda.get_device_capability(), checked,
-                          [(64, "nt4_w4_s4"), (cd.NO_LIMIT, "pf_m128")])
+                          [(64, "nt4_w4_prmt_s4"), (cd.NO_LIMIT, "pf_m128")])
     path = tmp_path / "tune.json"
     path.write_text(json.dumps({"cuda_moe_table": table}))
     monkeypatch.setenv(cd.TABLE_ENV, str(path))
     monkeypatch.setattr(cd, "_STATE", {})
     b = backends.build_backend("cuda", "cuda")
-    for n, want in ((8, cd.Variant(4, 4, 4)), (300, cd.PrefillVariant(128))):
+    for n, want in ((8, cd.Variant(4, 4, 4, "prmt")), (300, cd.PrefillVariant(128))):
         c = make_case(n, 512, 256, 16, 4, seed=990 + n, device="cuda")
         assert cd.select_decode(c.x, c.nvfp4) == want
         out = b.nvfp4(c.x, c.topk_ids, c.topk_weights, c.nvfp4)

@@ -9,10 +9,13 @@
 // The weight stream never touches shared memory: each lane loads its 16 nibble bytes and 2 scale bytes of
 // a tile straight into registers (ld.global.cs: read once, evict first), expands them to bf16 with a
 // 256-entry byte -> bf16x2 table and one multiply by the block scale (exact: at most 6 significant bits),
-// and feeds mma.m16n8k16. The next K chunk's tiles are loaded before the current one is multiplied, so
+// (DQ = lut) or with register byte permutes (DQ = prmt, nvfp4_e2m1_bf16.h: no shared-memory lookups, whose
+// bank conflicts may bound the table version; which wins is measured on the device), and feeds
+// mma.m16n8k16. The next K chunk's tiles are loaded before the current one is multiplied, so
 // every warp keeps two chunks of loads in flight. A rows that are padding (the common case at decode:
 // 1-2 real rows of 16) are neither loaded nor written.
 #include "nvfp4_moe_decode.h"
+#include "nvfp4_e2m1_bf16.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -70,7 +73,7 @@ __device__ __forceinline__ uint32_t word(const uint4 (&v)[4], int i) {
   return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;
 }
 
-template <int NT, int WARPS>
+template <int NT, int WARPS, bool kPrmt>
 __device__ __forceinline__ void decode_gemm(const Nvfp4DecodeArgs& args) {
   __shared__ uint32_t lut[256];  // packed byte -> (e2m1(low nibble), e2m1(high nibble)) as bf16x2
   const int64_t row0 = static_cast<int64_t>(blockIdx.z) * kBlockM;
@@ -126,7 +129,16 @@ __device__ __forceinline__ void decode_gemm(const Nvfp4DecodeArgs& args) {
         const uint32_t packed = st < 2 ? q[j].x : st < 4 ? q[j].y : st < 6 ? q[j].z : q[j].w;
         const uint32_t pair = (packed >> (16 * (st & 1))) & 0xFFFF;
         const __nv_bfloat162 sc = st < 4 ? s0 : s1;
-        const uint32_t b0 = scaled(lut, pair & 0xFF, sc), b1 = scaled(lut, pair >> 8, sc);
+        uint32_t b0, b1;
+        if constexpr (kPrmt) {
+          uint32_t v0, v1;
+          nvfp4_e2m1x4_to_bf16(pair, &v0, &v1);
+          b0 = bits(__hmul2(*reinterpret_cast<__nv_bfloat162*>(&v0), sc));
+          b1 = bits(__hmul2(*reinterpret_cast<__nv_bfloat162*>(&v1), sc));
+        } else {
+          b0 = scaled(lut, pair & 0xFF, sc);
+          b1 = scaled(lut, pair >> 8, sc);
+        }
         mma_bf16(acc[j], word(cur.a_lo, 2 * st), word(cur.a_hi, 2 * st), word(cur.a_lo, 2 * st + 1),
                  word(cur.a_hi, 2 * st + 1), b0, b1);
       }
@@ -158,8 +170,12 @@ __device__ __forceinline__ void decode_gemm(const Nvfp4DecodeArgs& args) {
 #define NVFP4_DECODE_VARIANTS(X) X(2, 4) X(4, 4) X(8, 4) X(4, 8)
 #define NVFP4_DECODE_KERNEL(NT, WARPS)                                                          \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                      \
-      nvfp4_decode_gemm_nt##NT##_w##WARPS(Nvfp4DecodeArgs args) {                              \
-    decode_gemm<NT, WARPS>(args);                                                                \
+      nvfp4_decode_gemm_nt##NT##_w##WARPS##_lut(Nvfp4DecodeArgs args) {                        \
+    decode_gemm<NT, WARPS, false>(args);                                                         \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                      \
+      nvfp4_decode_gemm_nt##NT##_w##WARPS##_prmt(Nvfp4DecodeArgs args) {                       \
+    decode_gemm<NT, WARPS, true>(args);                                                          \
   }
 NVFP4_DECODE_VARIANTS(NVFP4_DECODE_KERNEL)
 
@@ -198,21 +214,22 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4_decode_reduce_down(Nvfp4
 
 namespace {
 struct Shape {
-  int nt, warps;
+  int nt, warps, prmt;
 };
-#define NVFP4_DECODE_SHAPE(NT, WARPS) Shape{NT, WARPS},
+#define NVFP4_DECODE_SHAPE(NT, WARPS) Shape{NT, WARPS, 0}, Shape{NT, WARPS, 1},
 constexpr Shape kShapes[] = {NVFP4_DECODE_VARIANTS(NVFP4_DECODE_SHAPE)};
 constexpr int kVariants = sizeof(kShapes) / sizeof(kShapes[0]);
-#define NVFP4_DECODE_FN(NT, WARPS) &nvfp4_decode_gemm_nt##NT##_w##WARPS,
+#define NVFP4_DECODE_FN(NT, WARPS) &nvfp4_decode_gemm_nt##NT##_w##WARPS##_lut, &nvfp4_decode_gemm_nt##NT##_w##WARPS##_prmt,
 void (*const kKernels[])(Nvfp4DecodeArgs) = {NVFP4_DECODE_VARIANTS(NVFP4_DECODE_FN)};
 }  // namespace
 
 extern "C" int nvfp4_decode_variant_count(void) { return kVariants; }
 
-extern "C" int nvfp4_decode_variant_shape(int variant, int* nt, int* warps) {
+extern "C" int nvfp4_decode_variant_shape(int variant, int* nt, int* warps, int* prmt) {
   if (variant < 0 || variant >= kVariants) return cudaErrorInvalidValue;
   *nt = kShapes[variant].nt;
   *warps = kShapes[variant].warps;
+  *prmt = kShapes[variant].prmt;
   return cudaSuccess;
 }
 

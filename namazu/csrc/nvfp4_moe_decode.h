@@ -67,10 +67,11 @@ typedef struct Nvfp4DecodeReduceArgs {
   int64_t split;
 } Nvfp4DecodeReduceArgs;
 
-// The compiled tile shapes: NT n8 tiles per warp, WARPS warps per CTA. nvfp4_decode_variant_count /
+// The compiled kernels: NT n8 tiles per warp, WARPS warps per CTA, the FP4 expansion by a shared-memory
+// table (prmt = 0) or by register byte permutes (prmt = 1). nvfp4_decode_variant_count /
 // nvfp4_decode_variant_shape list them (the Python side reads the same list from the cubin's names).
 int nvfp4_decode_variant_count(void);
-int nvfp4_decode_variant_shape(int variant, int* nt, int* warps);
+int nvfp4_decode_variant_shape(int variant, int* nt, int* warps, int* prmt);
 
 // Launch one split-K GEMM of `variant`, then its reduction (gate_up = 1: the gate_up reduction into
 // reduce->out, else the down one). Returns cudaSuccess, cudaErrorInvalidValue for bad sizes, or the

@@ -34,7 +34,7 @@ from namazu.kernels.moe_types import NVFP4MoEWeights
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("nvfp4_moe_decode.cu", "nvfp4_moe_decode.h")
+SOURCES = ("nvfp4_moe_decode.cu", "nvfp4_moe_decode.h", "nvfp4_e2m1_bf16.h")
 PREFILL_SOURCES = ("nvfp4_moe_prefill.cu", "nvfp4_grouped_gemm.h")
 PREFILL_BLOCKS = (64, 128)
 ARCH = "sm_90a"
@@ -42,6 +42,7 @@ BLOCK_M, TILE_K, TILE_ROWS, TILE_BYTES = 16, 128, 8, 576   # nvfp4_moe_decode.h
 MAX_DECODE_TOKENS = 64
 NO_LIMIT = 2 ** 31 - 1   # max_tokens of a table's last bucket: every larger batch
 SHAPES = ((2, 4), (4, 4), (8, 4), (4, 8))   # NVFP4_DECODE_VARIANTS of the .cu, in its order
+DEQUANT = ("lut", "prmt")   # FP4 expansion: shared-memory byte table, or register byte permutes
 SPLITS = (1, 2, 4, 8)
 TABLE_ENV = "NAMAZU_CUDA_MOE_TABLE"
 TABLE_DIR = Path(__file__).resolve().parent / "tables"
@@ -53,27 +54,28 @@ class Variant:
     nt: int       # n8 tiles per warp
     warps: int    # warps per CTA
     split: int    # K splits
+    dq: str = "lut"
 
     @property
     def name(self) -> str:
-        return f"nt{self.nt}_w{self.warps}_s{self.split}"
+        return f"nt{self.nt}_w{self.warps}_{self.dq}_s{self.split}"
 
     @property
     def kernel(self) -> str:
-        return f"nvfp4_decode_gemm_nt{self.nt}_w{self.warps}"
+        return f"nvfp4_decode_gemm_nt{self.nt}_w{self.warps}_{self.dq}"
 
     @classmethod
     def parse(cls, name: str) -> Variant:
-        m = re.fullmatch(r"nt(\d+)_w(\d+)_s(\d+)", name)
+        m = re.fullmatch(r"nt(\d+)_w(\d+)_([a-z]+)_s(\d+)", name)
         if m is None:
-            raise ValueError(f"not a decode variant name: {name!r} (want nt<N>_w<W>_s<S>)")
-        v = cls(*map(int, m.groups()))
-        if (v.nt, v.warps) not in SHAPES or v.split < 1:
-            raise ValueError(f"decode variant {name!r} is not compiled (shapes {SHAPES}, split >= 1)")
+            raise ValueError(f"not a decode variant name: {name!r} (want nt<N>_w<W>_<lut|prmt>_s<S>)")
+        v = cls(int(m[1]), int(m[2]), int(m[4]), m[3])
+        if (v.nt, v.warps) not in SHAPES or v.dq not in DEQUANT or v.split < 1:
+            raise ValueError(f"decode variant {name!r} is not compiled (shapes {SHAPES}, {DEQUANT}, split >= 1)")
         return v
 
 
-VARIANTS = tuple(Variant(nt, w, s) for nt, w in SHAPES for s in SPLITS)
+VARIANTS = tuple(Variant(nt, w, s, dq) for nt, w in SHAPES for dq in DEQUANT for s in SPLITS)
 
 
 @dataclass(frozen=True)
