@@ -2,6 +2,8 @@
 runs it, where a skip is a failure). The CPU half is tests/test_cuda_decode.py."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from kernel_cases import TOL, make_case, rel_err
@@ -23,18 +25,24 @@ def kernels():
     return cd.CubinDecode()
 
 
+@functools.cache
+def decode_case(size: tuple) -> tuple:
+    """One problem per size, shared by the 32 variants: (case, decode layout, reference output)."""
+    n, h, i, e, k, used = size
+    c = make_case(n, h, i, e, k, seed=900 + n, experts_used=used, device="cuda")
+    d = cd.DecodeWeights(cd.prepack(c.nvfp4.w13_packed, c.nvfp4.w13_scale),
+                         cd.prepack(c.nvfp4.w2_packed, c.nvfp4.w2_scale))
+    return c, d, md.torch_moe_nvfp4(c.x, c.topk_ids, c.topk_weights, c.nvfp4)
+
+
 @pytest.mark.parametrize("variant", cd.VARIANTS, ids=lambda v: v.name)
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"n{s[0]}_h{s[1]}_i{s[2]}")
 def test_variant_matches_reference(monkeypatch, kernels, variant, size):
-    n, h, i, e, k, used = size
-    c = make_case(n, h, i, e, k, seed=900 + n, experts_used=used, device="cuda")
+    c, d, ref = decode_case(size)
     # Poisoned partials and outputs: an element a kernel forgets to write shows up as NaN.
     monkeypatch.setattr(cd, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
                                                                                device=device))
-    d = cd.DecodeWeights(cd.prepack(c.nvfp4.w13_packed, c.nvfp4.w13_scale),
-                         cd.prepack(c.nvfp4.w2_packed, c.nvfp4.w2_scale))
     out = kernels.moe(c.x, c.topk_ids, c.topk_weights, c.nvfp4, d, variant)
-    ref = md.torch_moe_nvfp4(c.x, c.topk_ids, c.topk_weights, c.nvfp4)
     assert not torch.isnan(out).any()
     assert rel_err(out, ref) < TOL
 
