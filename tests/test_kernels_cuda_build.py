@@ -31,9 +31,9 @@ def test_grouped_gemm_compiles_for_sm90a(tmp_path):
 
 @pytest.mark.parametrize("source,kernels", [("nvfp4_moe_decode.cu", 10), ("nvfp4_moe_prefill.cu", 4)])
 def test_device_chosen_kernels_compile_for_sm90a(tmp_path, source, kernels):
-    """The split-K decode variants (4 tile shapes x 2 FP4 expansions + 2 reductions) and the large-batch kernels (2 row blocks x
-    gate_up/down): no spills, no stack frame (a spill would put the register-resident weight stream or
-    the accumulators through local memory)."""
+    """The split-K decode variants (4 tile shapes x 2 FP4 expansions + 2 reductions) and the large-batch
+    kernels (2 row blocks x gate_up/down): no spills, no stack frame (a spill would put the
+    register-resident weight stream or the accumulators through local memory)."""
     cmd = [nvcc(), "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v", "-c",
            str(CSRC / source), "-o", str(tmp_path / "k.o")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
