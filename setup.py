@@ -30,7 +30,7 @@ def kernel_extensions() -> tuple[list, dict]:
     csrc = "namazu/csrc"
     exts = [CppExtension(
         "namazu._nvfp4_cpu",
-        [f"{csrc}/cpu/binding.cpp", f"{csrc}/cpu/nvfp4_moe_cpu.cpp"],
+        [f"{csrc}/cpu/binding.cpp", f"{csrc}/cpu/nvfp4_moe_cpu.cpp", f"{csrc}/cpu/nvfp4_decode_cpu.cpp"],
         # No -march: the kernel picks its AVX2 / AVX-512 path at run time, so the build is portable.
         extra_compile_args=["-O3", "-fopenmp", "-Wno-maybe-uninitialized", "-Wno-uninitialized"],
         extra_link_args=["-fopenmp"],
@@ -52,7 +52,7 @@ setup(
     version="0.1.0",
     description="Inference server for DeepSeek-V3 / Kimi-K2 class Mixture-of-Experts models",
     packages=find_packages(include=["namazu", "namazu.*", "server", "server.*"]),
-    package_data={"namazu": ["assets/**/*", "csrc/*", "csrc/**/*"]},
+    package_data={"namazu": ["assets/**/*", "csrc/*", "csrc/**/*", "kernels/tables/*.json"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     python_requires=">=3.10",

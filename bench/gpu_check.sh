@@ -14,8 +14,12 @@
 #             eager, no host sync in decode / mixed / verify steps, speculative decoding exact, the DFlash
 #             drafter; informational (CPU-written tests may hold CPU-only assumptions: read the failures)
 #   7 bench   bench/kernels.py on the GPU: namazu-tiny and Kimi-K2 shapes, rows saved as they are measured
+#   4 cudatune bench/tune_cuda_moe.py: every CUDA NVFP4 decode variant checked against the torch reference,
+#             the checked ones timed at Kimi-K2 shapes (1-64 tokens), the selection table recorded in
+#             tune.json ("cuda_moe_table": commit it as namazu/kernels/tables/<device>.json)
 #   8 tune    (if time is left) bench/tune_triton.py: candidate Triton tiles at decode and mid sizes
-# One budget (BUDGET_S, 540 s: 9 minutes by construction, under the 600 s of one command):
+#             (tune.json's "triton" list)
+# One budget (BUDGET_S, 480 s: 8 minutes by construction, under the 600 s of one command):
 # each stage gets min(its own cap, what is left of the budget), so the limits can never add up past it.
 # GPU_CHECK_DRY_RUN=1 (on a CPU machine, PYTHON=a python with a CUDA build of torch): after env fails, run
 # build and tests anyway, to see the CUDA extension build and the GPU tests fail loudly; run it on an
@@ -32,7 +36,7 @@ mkdir -p "$OUT_DIR"
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
-BUDGET_S=${BUDGET_S:-540}
+BUDGET_S=${BUDGET_S:-480}
 SUMMARY="$OUT_DIR/summary.txt"
 : > "$SUMMARY"
 declare -A STATUS
@@ -100,7 +104,10 @@ build() {
   $PY -c 'import torch, namazu._nvfp4_cuda, namazu._nvfp4_cpu; print("built and imported: namazu._nvfp4_cuda, namazu._nvfp4_cpu")' \
     || return 1
   # The cubin of the same kernel, for the cuda-python launch path (kernels/cubin_loader.py).
-  $PY -c 'from namazu.kernels.cubin_loader import compile_cubin; print("cubin:", compile_cubin())'
+  $PY -c 'from namazu.kernels.cubin_loader import compile_cubin; print("cubin:", compile_cubin())' || return 1
+  # The split-K decode variants (kernels/cuda_decode.py), loaded the same way.
+  $PY -c 'from namazu.kernels.cuda_decode import compile_decode_cubin as d, compile_prefill_cubin as p
+print("decode cubin:", d()); print("large-batch cubin:", p())'
 }
 
 run_tests() {  # pytest FILES...; fails on a failure, a crash or a skip (a GPU test that skips never ran)
@@ -126,7 +133,8 @@ EOF_PY
 gpu_tests() {
   local rc=0 crc
   run_tests tests/kernels/test_kernels_cuda_build.py tests/kernels/test_cubin_loader.py tests/kernels/test_cubin_gpu.py \
-    tests/kernels/test_kernels_gpu.py tests/kernels/test_kernels_dispatch.py || rc=1
+    tests/kernels/test_cuda_decode.py tests/kernels/test_cuda_decode_gpu.py tests/kernels/test_kernels_gpu.py \
+    tests/kernels/test_kernels_dispatch.py || rc=1
   # The C++ CPU kernel built with this machine's compiler, in its own process: a crash there must not
   # hide the GPU tests' report. On a crash, the native backtrace (cuda-gdb also debugs host code).
   run_tests tests/kernels/test_kernels_cpu.py; crc=$?
@@ -173,12 +181,16 @@ elif [ "${STATUS[env]}" != ok ]; then
   echo "env failed: no GPU stage can run" | tee -a "$SUMMARY"
 else
   stage build 200 build.txt build
-  stage tests 120 tests.txt gpu_tests
+  stage tests 150 tests.txt gpu_tests
+  # The decode variants' device check and timing; its table lands in tune.json (< 2 minutes).
+  stage cudatune 110 tune.txt $PY bench/tune_cuda_moe.py --budget 60 --out "$OUT_DIR/tune.json"
   # Graph mode on the GPU: CUDA graphs captured at start-up, decode steps eager vs replayed (alternated in
   # one engine), device idle share per step from CUDA events; its table goes to summary.txt.
   stage graphs 90 - $PY bench/step_profile.py --batch 1 32 --output-len 32 --interleave 2
   stage spec 100 - spec_bench
   stage engine 150 tests.txt engine_tests
+  # The `cuda` rows run what the table just recorded picks (cuda-gemm16: the default, side by side).
+  [ -f "$OUT_DIR/tune.json" ] && export NAMAZU_CUDA_MOE_TABLE="$OUT_DIR/tune.json"
   stage bench 150 bench.txt $PY bench/kernels.py --device cuda --shapes tiny k2 --write \
     --jsonl "$OUT_DIR/bench.jsonl"
   # --write updated this copy's bench/RESULTS.md (kernels-cuda section): bring it back to commit.
@@ -186,8 +198,19 @@ else
   # What is left of the budget goes to an offline Triton tile search; its JSON is what a later commit of
   # TILE_CONFIGS would be based on.
   if [ "$(left)" -gt 90 ]; then
+    TRITON_JSON=$(mktemp --suffix=.json)
     stage tune "$(left)" tune.txt $PY bench/tune_triton.py --buckets decode mid --budget $(( $(left) - 60 )) \
-      --out "$OUT_DIR/tune.json"
+      --out "$TRITON_JSON"
+    # One tune.json (the device tool returns at most 8 files): the CUDA table and the Triton list side by side.
+    $PY - "$OUT_DIR/tune.json" "$TRITON_JSON" <<'EOF_PY'
+import json, os, sys
+out, triton = sys.argv[1:]
+data = json.load(open(out)) if os.path.exists(out) else {}
+if os.path.getsize(triton):
+    data["triton"] = json.load(open(triton))
+json.dump(data, open(out, "w"), indent=1)
+EOF_PY
+    rm -f "$TRITON_JSON"
   fi
 fi
 
@@ -195,10 +218,11 @@ fi
   echo
   echo "| stage | result |"
   echo "|---|---|"
-  for s in env build tests engine graphs spec bench tune; do echo "| $s | ${STATUS[$s]:-not run} |"; done
+  for s in env build tests cudatune engine graphs spec bench tune; do echo "| $s | ${STATUS[$s]:-not run} |"; done
   echo "total $(( $(date +%s) - T0 ))s of a ${BUDGET_S}s budget; files in $OUT_DIR"
   grep -E "^(FAILED|ERROR) |( passed| failed| errors?)(,| in )" "$OUT_DIR/tests.txt" 2>/dev/null | head -30
   grep -E "NVFP4 .*best BF16" "$OUT_DIR/bench.txt" 2>/dev/null | head -12
+  grep -E "^(cuda decode .* tokens: best|variants checked:)" "$OUT_DIR/tune.txt" 2>/dev/null
   grep -E "^(nvfp4|bf16) (decode|mid|prefill): best" "$OUT_DIR/tune.txt" 2>/dev/null
 } | tee -a "$SUMMARY"
 [ "${STATUS[env]}" = ok ] && [ "${STATUS[build]:-}" = ok ] && [ "${STATUS[tests]:-}" = ok ] && [ "${STATUS[bench]:-}" = ok ]

@@ -6,9 +6,17 @@ measured in the same run.
 
 One row per (shape, tokens, format, backend): time of the whole layer (sort, gate_up, SiLU-and-mul,
 down, weighted sum; on GPU the kernel backends are replayed from a CUDA graph, as the engine's decode
-steps run, and the host-synced baselines are timed eagerly; on CPU the median of eager calls),
-achieved bytes/s and FLOP/s, and percent of the roofline: the time floor max(bytes / copy bandwidth,
-FLOPs / bf16 matmul rate), both measured here first, over the time taken.
+steps run, and the host-synced baselines are timed eagerly; on CPU the median of eager calls, or with
+`--clock cpu` the least thread CPU time, for one thread on a shared machine where other processes take
+time slices), achieved bytes/s and FLOP/s, and two percentages measured against this run's own
+roofline: `% copy` = (bytes / copy bandwidth) / time, how close a row is to streaming its weights once,
+and `% roofline` = max(bytes / copy bandwidth, FLOPs / matmul rate) / time. The matmul rate is the
+faster of a bf16 and an fp32 matmul (a CPU without AVX512_BF16 runs bf16 matmuls at a small fraction
+of its fp32 rate, which would make every compute floor meaningless).
+
+CPU NVFP4 rows: `cpp` is what the cpp backend serves for W4A16 (the decode layout, prepacked before
+timing, as at start-up), `cpp-modelopt` the previous kernel on ModelOpt's layout, timed in the same
+run for the A/B.
 Bytes count the weights of the experts the batch actually touches (plus activations in and out);
 FLOPs are 2 * tokens * top_k * 3 * hidden * inter. `rel err` is each output against the torch reference
 of its format on the same inputs (a broken kernel shows here, not only in the tests).
@@ -89,18 +97,25 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+CLOCK = {"wall": True}   # set by main: False = thread CPU time (--clock cpu)
+
+
 def timeit(fn: Callable[[], object], device: str, min_time: float = 0.2, max_reps: int = 50) -> float:
-    """Median seconds per call after a warm-up call (which also compiles Triton kernels)."""
+    """Median wall seconds per call after a warm-up call (which also compiles Triton kernels); with
+    `--clock cpu`, the least thread CPU time of at least 5 calls (the calling thread does all the work
+    when torch runs one thread)."""
     fn()
     sync(device)
     times: list[float] = []
+    clock = time.perf_counter if CLOCK["wall"] else time.thread_time
+    least = 3 if CLOCK["wall"] else 5
     start = time.perf_counter()
-    while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - start < min_time):
-        t0 = time.perf_counter()
+    while len(times) < max_reps and (len(times) < least or time.perf_counter() - start < min_time):
+        t0 = clock()
         fn()
         sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        times.append(clock() - t0)
+    return statistics.median(times) if CLOCK["wall"] else min(times)
 
 
 def timeit_graph(fn: Callable[[], object], reps: int = 20) -> float:
@@ -141,10 +156,12 @@ def measure_roofline(device: str) -> Roofline:
     t = timeit(lambda: dst.copy_(src), device)
     copy_bw = 2 * n_bytes / t  # read + write
     n = 8192 if device == "cuda" else 1024
-    a = torch.randn(n, n, device=device).to(torch.bfloat16)
-    b = torch.randn(n, n, device=device).to(torch.bfloat16)
-    t = timeit(lambda: a @ b, device)
-    return Roofline(copy_bw, 2 * n ** 3 / t)
+    best = 0.0
+    for dtype in (torch.bfloat16,) if device == "cuda" else (torch.bfloat16, torch.float32):
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        best = max(best, 2 * n ** 3 / timeit(lambda: a @ b, device))  # noqa: B023
+    return Roofline(copy_bw, best)
 
 
 # ---- baselines and candidates ----------------------------------------------------------------------
@@ -194,6 +211,13 @@ def candidates(device: str) -> list[Candidate]:
             out.append(Candidate("bf16", "triton", b.bf16 if b else None, why, sync_free=True))
         out.append(Candidate("nvfp4", name if name != "torch" else "torch-ref", b.nvfp4 if b else None, why,
                              sync_free=kernel))
+        if name == "cpp":
+            out.append(Candidate("nvfp4", "cpp-modelopt", backends._cpp_nvfp4 if b else None, why))
+        if name == "cuda":
+            # `cuda` runs what the device's selection table picks (the note says which); this row is the
+            # default it falls back to, the 16-row grouped GEMM, for the A/B.
+            from namazu.kernels.cuda_moe import cuda_moe_nvfp4
+            out.append(Candidate("nvfp4", "cuda-gemm16", cuda_moe_nvfp4 if b else None, why, sync_free=True))
     return out
 
 
@@ -211,10 +235,11 @@ class Row:
     pct_roofline: float | None
     rel_err: float | None
     note: str = ""
+    pct_copy: float | None = None
 
 
 def run_shape(shape: Shape, tokens_list: list[int], device: str, roof: Roofline, seed: int,
-              emit: Callable[[Row], None]) -> list[Row]:
+              emit: Callable[[Row], None], skip: tuple[str, ...] = ()) -> list[Row]:
     g = torch.Generator(device=device).manual_seed(seed)
     e, h, i, k = shape.experts, shape.hidden, shape.inter, shape.top_k
     print(f"[{shape.name}] allocating BF16 and NVFP4 experts ({e} x 3 x {h} x {i})", file=sys.stderr, flush=True)
@@ -224,6 +249,10 @@ def run_shape(shape: Shape, tokens_list: list[int], device: str, roof: Roofline,
     w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
     fp4 = md.random_nvfp4_weights(e, h, i, device=device, seed=seed)
     bytes_per_expert = {"bf16": 3 * h * i * 2, "nvfp4": fp4.packed_bytes_per_expert()}
+    cands = [c for c in candidates(device) if c.backend not in skip]
+    for c in cands:
+        if c.backend == "cpp" and c.fn is not None:
+            c.fn.__self__.prepare_nvfp4(fp4)   # the decode layout, built once as at start-up, not timed
     rows = []
     for n in tokens_list:
         x = torch.randn(n, h, generator=g, device=device).to(torch.bfloat16)
@@ -232,7 +261,7 @@ def run_shape(shape: Shape, tokens_list: list[int], device: str, roof: Roofline,
         touched = int(torch.unique(ids).numel())
         flops = 2 * n * k * 3 * h * i
         refs = {"bf16": md.torch_moe_bf16(x, ids, tw, w13, w2), "nvfp4": md.torch_moe_nvfp4(x, ids, tw, fp4)}
-        for c in candidates(device):
+        for c in cands:
             if c.fn is None:
                 row = Row(shape.name, n, c.fmt, c.backend, None, None, None, None, None, c.why_not)
             else:
@@ -252,6 +281,10 @@ def run_shape(shape: Shape, tokens_list: list[int], device: str, roof: Roofline,
                             note = f"eager (graph capture failed: {str(exc).splitlines()[0][:60]})"
                     if t is None:
                         t = timeit(lambda: c.fn(*args), device)  # noqa: B023
+                    if c.backend == "cuda":
+                        from namazu.kernels.cuda_decode import select_decode
+                        v = select_decode(x, fp4)
+                        note = ((note + "; ") if note else "") + f"table: {v.name if v else 'default'}"
                 except (RuntimeError, ValueError, NotImplementedError) as exc:
                     row = Row(shape.name, n, c.fmt, c.backend, None, None, None, None, None,
                               f"failed: {str(exc).splitlines()[0][:120]}")
@@ -259,7 +292,7 @@ def run_shape(shape: Shape, tokens_list: list[int], device: str, roof: Roofline,
                     n_bytes = touched * bytes_per_expert[c.fmt] + 2 * n * h * 2
                     floor = max(n_bytes / roof.copy_bytes_per_s, flops / roof.matmul_flops)
                     row = Row(shape.name, n, c.fmt, c.backend, t * 1e6, n_bytes / t / 1e9, flops / t / 1e9,
-                              100 * floor / t, err, note)
+                              100 * floor / t, err, note, 100 * n_bytes / roof.copy_bytes_per_s / t)
             rows.append(row)
             emit(row)
         del refs
@@ -283,17 +316,18 @@ def table(rows: list[Row]) -> str:
         if r.fmt == "bf16" and r.time_us is not None:
             key = (r.shape, r.tokens)
             best_bf16[key] = min(best_bf16.get(key, float("inf")), r.time_us)
-    lines = ["| shape | tokens | format | backend | time (us) | GB/s | GFLOP/s | % roofline | rel err "
-             "| vs best BF16 |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | tokens | format | backend | time (us) | GB/s | GFLOP/s | % copy | % roofline | rel err "
+             "| vs best BF16 |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.time_us is None:
-            lines.append(f"| {r.shape} | {r.tokens} | {r.fmt} | {r.backend} | - | - | - | - | - | {r.note} |")
+            lines.append(f"| {r.shape} | {r.tokens} | {r.fmt} | {r.backend} | - | - | - | - | - | - | {r.note} |")
             continue
         speed = best_bf16.get((r.shape, r.tokens))
         ratio = (f"{speed / r.time_us:.2f}x" if speed else "-") + (f" ({r.note})" if r.note else "")
         lines.append(f"| {r.shape} | {r.tokens} | {r.fmt} | {r.backend} | {r.time_us:,.0f} | "
                      f"{fmt_num(r.gbytes_per_s, '.1f')} | {fmt_num(r.gflops, ',.0f')} | "
-                     f"{fmt_num(r.pct_roofline, '.1f')} | {fmt_num(r.rel_err, '.1e')} | {ratio} |")
+                     f"{fmt_num(r.pct_copy, '.1f')} | {fmt_num(r.pct_roofline, '.1f')} | "
+                     f"{fmt_num(r.rel_err, '.1e')} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -303,10 +337,13 @@ def summary(rows: list[Row], device: str) -> list[str]:
     out = []
     for (shape, n, fmt, backend), r in sorted(by.items()):
         if device == "cpu" and fmt == "nvfp4" and backend == "cpp":
+            bf16 = [v.time_us for (s, t, f, _), v in by.items() if s == shape and t == n and f == "bf16"]
+            old = by.get((shape, n, "nvfp4", "cpp-modelopt"))
             ref = by.get((shape, n, "nvfp4", "torch-ref"))
-            if ref:
-                out.append(f"{shape}, {n} tokens: cpp NVFP4 {ref.time_us / r.time_us:.1f}x faster than the "
-                           f"torch reference ({r.time_us:,.0f} vs {ref.time_us:,.0f} us)")
+            out.append(f"{shape}, {n} tokens: cpp NVFP4 (decode layout) {r.pct_copy:.0f}% of the copy roofline"
+                       + (f", {min(bf16) / r.time_us:.2f}x the best BF16" if bf16 else "")
+                       + (f", {old.time_us / r.time_us:.2f}x the ModelOpt-layout kernel" if old else "")
+                       + (f", {ref.time_us / r.time_us:.1f}x the torch reference" if ref else ""))
         if device == "cuda" and fmt == "nvfp4" and backend in ("triton", "cuda"):
             bf16 = [v.time_us for (s, t, f, _), v in by.items() if s == shape and t == n and f == "bf16"]
             if bf16:
@@ -348,7 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", default=["tiny", "k2"])
     p.add_argument("--tokens", nargs="+", type=int, help="token counts (default: per shape and device)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip", nargs="+", default=[], metavar="BACKEND",
+                   help="backends not to time, e.g. torch-ref (seconds per call at Kimi-K2 shapes on CPU)")
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's, i.e. OMP_NUM_THREADS)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: least thread CPU time per call (CPU, one thread: a shared machine's time slices "
+                        "given to other processes do not count)")
     p.add_argument("--write", action="store_true", help="update this device's section of bench/RESULTS.md")
     p.add_argument("--jsonl", help="append every row to this file as it is measured (partial results)")
     p.add_argument("--plot", help="write a time-vs-tokens plot (png)")
@@ -356,17 +398,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if args.device != "cpu" or torch.get_num_threads() != 1:
+            raise SystemExit("--clock cpu times one CPU thread: use it with --device cpu --threads 1")
+        CLOCK["wall"] = False
 
     roof = measure_roofline(args.device)
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     head = (f"{where}; roofline measured in this run: copy {roof.copy_bytes_per_s / 1e9:.1f} GB/s, "
-            f"bf16 matmul {roof.matmul_flops / 1e9:,.0f} GFLOP/s")
+            f"matmul {roof.matmul_flops / 1e9:,.0f} GFLOP/s; {args.clock} clock")
     print(head, flush=True)
     jsonl = open(args.jsonl, "a") if args.jsonl else None  # noqa: SIM115
 
     def emit(row: Row) -> None:
         print(f"  {row.shape} n={row.tokens} {row.fmt}/{row.backend}: "
-              + (f"{row.time_us:,.0f} us, {row.pct_roofline:.1f}% roofline, err {row.rel_err:.1e}"
+              + (f"{row.time_us:,.0f} us, {row.pct_copy:.1f}% copy, {row.pct_roofline:.1f}% roofline, "
+                 f"err {row.rel_err:.1e}"
                  if row.time_us is not None else row.note), flush=True)
         if jsonl:
             jsonl.write(json.dumps(asdict(row)) + "\n")
@@ -375,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for shape in shapes_for(args.shapes, args.device):
         tokens = args.tokens or DEFAULT_TOKENS[(args.device, shape.name.split(" ")[0])]
-        rows += run_shape(shape, tokens, args.device, roof, args.seed, emit)
+        rows += run_shape(shape, tokens, args.device, roof, args.seed, emit, tuple(args.skip))
     text = table(rows)
     notes = summary(rows, args.device)
     print("\n" + text + "\n" + "\n".join(notes))

@@ -2,7 +2,8 @@
 
 Backends (each matches the torch reference in moe_dispatch.py; tests compare them):
   torch   the reference itself (any device; dequantizes only the touched experts)
-  cpp     C++ OpenMP kernel, NVFP4 W4A16 and W4A4 (CPU; built by setup.py everywhere)
+  cpp     C++ OpenMP kernels (CPU; built by setup.py everywhere): W4A16 on the decode layout, prepacked once
+          per layer (kernels/cpu_decode.py), W4A4 emulation on the ModelOpt tensors
   triton  fused Triton kernels, BF16 and NVFP4 W4A16 (GPU; on CPU only under TRITON_INTERPRET=1, for tests)
   cuda    NVFP4 grouped GEMM for Hopper from namazu/csrc (GPU; built only where torch has CUDA), with the
           Triton kernel for BF16 experts where Triton is installed
@@ -17,6 +18,7 @@ the torch reference; the start-up log line says so.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -37,13 +39,24 @@ CUDA_EXT_VALIDATED = True
 
 # ---- the implementations -------------------------------------------------------------------------------
 
+def _cpp_w4a16(cache, x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.Tensor:
+    from namazu.kernels.cpu_decode import cpu_moe_nvfp4
+    return cpu_moe_nvfp4(x, topk_ids, topk_weights, w, cache)
+
+
 def _cpp_nvfp4(x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.Tensor:
+    """The ModelOpt-layout kernel: W4A4 emulation (and W4A16 for A/B benchmarks)."""
     return torch.ops.namazu.nvfp4_moe_cpu(x, topk_ids, topk_weights, w.w13_packed, w.w13_scale, w.w13_gs,
                                           w.w2_packed, w.w2_scale, w.w2_gs, w.a13_scale, w.a2_scale)
 
 
-def _cuda_nvfp4(x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.Tensor:
-    from namazu.kernels import cuda_moe
+def _cuda_nvfp4(cache, x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.Tensor:
+    """The split-K decode kernel where this device's recorded table picks a variant that passed its check
+    (1-64 tokens; kernels/cuda_decode.py), else the grouped GEMM."""
+    from namazu.kernels import cuda_decode, cuda_moe
+    variant = cuda_decode.select_decode(x, w)
+    if variant is not None:
+        return cuda_decode.decode_moe_nvfp4(x, topk_ids, topk_weights, w, variant, cache=cache)
     return cuda_moe.cuda_moe_nvfp4(x, topk_ids, topk_weights, w)
 
 
@@ -102,14 +115,21 @@ def build_backend(name: str, device_type: str) -> MoEBackend:
         raise RuntimeError(f"MoE backend '{name}' is not usable on {device_type}: {why}")
     ref_bf16, ref_fp4 = moe_dispatch.torch_moe_bf16, moe_dispatch.torch_moe_nvfp4
     if name == "cpp":
-        return MoEBackend(name, device_type, "torch", "cpp", "cpp", ref_bf16, _cpp_nvfp4, _cpp_nvfp4)
+        # One prepack cache per backend, i.e. per model: each layer's decode layout is built at its first call.
+        from namazu.kernels.cpu_decode import PrepackCache
+        cache = PrepackCache()
+        return MoEBackend(name, device_type, "torch", "cpp-decode", "cpp", ref_bf16,
+                          functools.partial(_cpp_w4a16, cache), _cpp_nvfp4, _prepare=cache.get)
     if name == "triton":
         return MoEBackend(name, device_type, "triton", "triton", "torch", _triton_bf16, _triton_nvfp4, ref_fp4)
     if name == "cuda":
         # NVFP4 kernels only: a BF16 model's experts take the Triton kernel rather than the reference.
+        # One decode-layout cache per backend (per model), filled at each layer's first decode-kernel call.
+        from namazu.kernels.cuda_decode import DecodePrepackCache
+        fp4 = functools.partial(_cuda_nvfp4, DecodePrepackCache())
         if availability("triton", device_type)[0]:
-            return MoEBackend(name, device_type, "triton", "cuda", "torch", _triton_bf16, _cuda_nvfp4, ref_fp4)
-        return MoEBackend(name, device_type, "torch", "cuda", "torch", ref_bf16, _cuda_nvfp4, ref_fp4)
+            return MoEBackend(name, device_type, "triton", "cuda", "torch", _triton_bf16, fp4, ref_fp4)
+        return MoEBackend(name, device_type, "torch", "cuda", "torch", ref_bf16, fp4, ref_fp4)
     return MoEBackend("torch", device_type, "torch", "torch", "torch", ref_bf16, ref_fp4, ref_fp4)
 
 

@@ -50,17 +50,24 @@ def find_nvcc() -> str:
     raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH): the cubin cannot be compiled")
 
 
-def compile_cubin(cache_dir: str | Path | None = None, nvcc: str | None = None) -> Path:
-    """Compiles the grouped GEMM to a cubin for sm_90a; reuses the cached one while the sources match."""
-    digest = hashlib.sha256(b"".join((CSRC / s).read_bytes() for s in SOURCES) + ARCH.encode()).hexdigest()[:16]
+def sources_digest(sources: tuple[str, ...] = SOURCES, arch: str = ARCH) -> str:
+    """Hash of the kernel sources and target: names a cubin, and ties a recorded tuning table to them."""
+    return hashlib.sha256(b"".join((CSRC / s).read_bytes() for s in sources) + arch.encode()).hexdigest()[:16]
+
+
+def compile_cubin(cache_dir: str | Path | None = None, nvcc: str | None = None, sources: tuple[str, ...] = SOURCES,
+                  arch: str = ARCH) -> Path:
+    """Compiles sources[0] (its headers after it) to a cubin for `arch` (default: the grouped GEMM for
+    sm_90a); reuses the cached one while the sources match."""
+    digest = sources_digest(sources, arch)
     cache = Path(cache_dir or Path(tempfile.gettempdir()) / "namazu-cubin")
     cache.mkdir(parents=True, exist_ok=True)
-    out = cache / f"nvfp4_grouped_gemm-{ARCH}-{digest}.cubin"
+    out = cache / f"{Path(sources[0]).stem}-{arch}-{digest}.cubin"
     if out.is_file():
         return out
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [nvcc or find_nvcc(), "-cubin", f"-gencode=arch=compute_{ARCH[3:]},code={ARCH}", "-O3",
-           "-o", str(tmp), str(CSRC / "nvfp4_grouped_gemm.cu")]
+    cmd = [nvcc or find_nvcc(), "-cubin", f"-gencode=arch=compute_{arch[3:]},code={arch}", "-O3",
+           "-o", str(tmp), str(CSRC / sources[0])]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if res.returncode != 0:
         raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")

@@ -27,10 +27,11 @@ def load_extension() -> None:
 
 
 def cuda_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   w: NVFP4MoEWeights, gemm: Callable | None = None) -> torch.Tensor:
+                   w: NVFP4MoEWeights, gemm: Callable | None = None, block_m: int = BLOCK_M) -> torch.Tensor:
     """`gemm(a, sorted_pairs, block_expert, total_rows, w_packed, w_scale, w_gs, topk_weights, out, num_pairs,
     top_k, gate_up)` launches one grouped GEMM: the torch extension's op by default, or the cubin loaded
-    through cuda-python (kernels/cubin_loader.py, `cubin_moe_nvfp4`)."""
+    through cuda-python (kernels/cubin_loader.py, `cubin_moe_nvfp4`), or the large-batch kernels of the
+    same contract with row blocks of `block_m` (kernels/cuda_decode.py, `prefill_moe_nvfp4`)."""
     if w.a13_scale is not None:
         raise ValueError("the CUDA NVFP4 kernel is weight-only (W4A16); W4A4 emulation runs on torch or cpp")
     if w.hidden_size % K_ALIGN or w.intermediate_size % K_ALIGN:
@@ -42,7 +43,7 @@ def cuda_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     n, hidden = x.shape
     top_k = topk_ids.shape[1]
     xb = x.to(torch.bfloat16).contiguous()
-    bd = block_dispatch(topk_ids, w.num_experts, BLOCK_M)
+    bd = block_dispatch(topk_ids, w.num_experts, block_m)
     inter = _empty((bd.max_rows, w.intermediate_size), torch.bfloat16, x.device)
     gemm(xb, bd.sorted_pairs, bd.block_expert, bd.total_rows, w.w13_packed.contiguous(), w.w13_scale.contiguous(),
          w.w13_gs.float().contiguous(), None, inter, bd.num_pairs, top_k, True)

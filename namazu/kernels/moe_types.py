@@ -138,6 +138,7 @@ class MoEBackend:
     _bf16: Bf16Fn
     _w4a16: Nvfp4Fn
     _w4a4: Nvfp4Fn
+    _prepare: Callable[[NVFP4MoEWeights], object] | None = None   # builds a kernel's own layout (cpp)
 
     def bf16(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
              w2: torch.Tensor) -> torch.Tensor:
@@ -147,6 +148,12 @@ class MoEBackend:
               weights: NVFP4MoEWeights) -> torch.Tensor:
         fn = self._w4a16 if weights.a13_scale is None else self._w4a4
         return fn(x, topk_ids, topk_weights, weights)
+
+    def prepare_nvfp4(self, weights: NVFP4MoEWeights) -> None:
+        """Builds whatever layout this backend's W4A16 kernel reads from `weights` now (the cpp backend's
+        decode layout) rather than at the layer's first call; a no-op for backends without one."""
+        if self._prepare is not None:
+            self._prepare(weights)
 
     def describe(self) -> str:
         return f"{self.name} (bf16={self.bf16_impl}, nvfp4 w4a16={self.w4a16_impl}, w4a4={self.w4a4_impl})"

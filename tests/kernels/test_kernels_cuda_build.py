@@ -29,6 +29,21 @@ def test_grouped_gemm_compiles_for_sm90a(tmp_path):
     assert "bytes stack frame" not in res.stderr or "0 bytes stack frame" in res.stderr
 
 
+@pytest.mark.parametrize("source,kernels", [("nvfp4_moe_decode.cu", 10), ("nvfp4_moe_prefill.cu", 4)])
+def test_device_chosen_kernels_compile_for_sm90a(tmp_path, source, kernels):
+    """The split-K decode variants (4 tile shapes x 2 FP4 expansions + 2 reductions) and the large-batch
+    kernels (2 row blocks x gate_up/down): no spills, no stack frame (a spill would put the
+    register-resident weight stream or the accumulators through local memory)."""
+    cmd = [nvcc(), "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v", "-c",
+           str(CSRC / source), "-o", str(tmp_path / "k.o")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    entries = res.stderr.count("Compiling entry function")
+    assert entries == kernels, res.stderr
+    assert res.stderr.count("0 bytes spill stores") == entries, res.stderr
+    assert res.stderr.count("0 bytes stack frame") == entries, res.stderr
+
+
 def test_torch_cuda_binding_parses(tmp_path):
     """The binding needs a CUDA torch to build; here it is syntax-checked against the CPU torch's headers
     plus the CUDA toolkit's, with the one generated CUDA header the CPU wheel lacks stubbed."""
