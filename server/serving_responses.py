@@ -375,34 +375,83 @@ def _event(seq: list[int], kind: str, **fields: Any) -> bytes:
     return sse_event(kind, d)
 
 
+class _OutputItems:
+    """The output items of one streamed response as they grow (a message item for text, one item per tool
+    call), and the events each change is announced with."""
+
+    def __init__(self) -> None:
+        self.seq = [0]
+        self.items: list[dict[str, Any]] = []        # in order
+        self.text: dict[str, Any] | None = None      # the open message item
+        self.calls: dict[int, dict[str, Any]] = {}   # tool-call index -> its item
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        return _event(self.seq, kind, **fields)
+
+    def add_text(self, content: str) -> list[bytes]:
+        ev = []
+        if self.text is None:
+            self.text = _message_item("", "in_progress")
+            self.items.append(self.text)
+            i = len(self.items) - 1
+            ev += [self.event("response.output_item.added", output_index=i, item={**self.text, "content": []}),
+                   self.event("response.content_part.added", item_id=self.text["id"], output_index=i,
+                              content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+        self.text["content"][0]["text"] += content
+        ev.append(self.event("response.output_text.delta", item_id=self.text["id"],
+                             output_index=self.items.index(self.text), content_index=0, delta=content, logprobs=[]))
+        return ev
+
+    def close_text(self) -> list[bytes]:
+        t = self.text
+        if t is None:
+            return []
+        i, part = self.items.index(t), t["content"][0]
+        t["status"] = "completed"
+        self.text = None
+        return [self.event("response.output_text.done", item_id=t["id"], output_index=i, content_index=0,
+                           text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", item_id=t["id"], output_index=i, content_index=0,
+                           part=part),
+                self.event("response.output_item.done", output_index=i, item=t)]
+
+    def add_call_delta(self, d: dict[str, Any]) -> list[bytes]:
+        ev = []
+        if "id" in d:       # a new call: the text before it is done
+            ev += self.close_text()
+            item = _call_item({"id": d["id"], "function": {"name": d["function"]["name"], "arguments": ""}},
+                              "in_progress")
+            self.calls[d["index"]] = item
+            self.items.append(item)
+            ev.append(self.event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item)))
+        piece = d["function"]["arguments"]
+        if piece:
+            item = self.calls[d["index"]]
+            item["arguments"] += piece
+            ev.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                 output_index=self.items.index(item), delta=piece))
+        return ev
+
+    def close_calls(self) -> list[bytes]:
+        ev = []
+        for item in self.calls.values():
+            i = self.items.index(item)
+            item["status"] = "completed"
+            ev += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                              name=item["name"], arguments=item["arguments"]),
+                   self.event("response.output_item.done", output_index=i, item=item)]
+        return ev
+
+
 async def _events(job: _ChatJob, shell: dict[str, Any], remember: Any) -> AsyncIterator[bytes]:
     """The Responses event stream of one chat generation."""
-    seq = [0]
-    yield _event(seq, "response.created", response=shell)
-    yield _event(seq, "response.in_progress", response=shell)
+    out_items = _OutputItems()
+    yield out_items.event("response.created", response=shell)
+    yield out_items.event("response.in_progress", response=shell)
     parser = ToolCallParser(job.state.engine.tokenizer, job.declared) if job.tools else None
-    items: list[dict[str, Any]] = []        # output items in order
-    text_item: dict[str, Any] | None = None
-    calls: dict[int, dict[str, Any]] = {}   # tool-call index -> its item
     n_chr = n_tok = 0
     finish = None
     outputs = job.outputs()
-
-    def close_text() -> list[bytes]:
-        nonlocal text_item
-        if text_item is None:
-            return []
-        i, t = items.index(text_item), text_item["content"][0]["text"]
-        text_item["status"] = "completed"
-        part = text_item["content"][0]
-        ev = [_event(seq, "response.output_text.done", item_id=text_item["id"], output_index=i, content_index=0,
-                     text=t, logprobs=[]),
-              _event(seq, "response.content_part.done", item_id=text_item["id"], output_index=i, content_index=0,
-                     part=part),
-              _event(seq, "response.output_item.done", output_index=i, item=text_item)]
-        text_item = None
-        return ev
-
     try:
         async for _, out in outputs:
             c = out.outputs[0]
@@ -411,53 +460,24 @@ async def _events(job: _ChatJob, shell: dict[str, Any], remember: Any) -> AsyncI
             finish = c.finish_reason
             content, new_calls = (parser.feed(delta, final=finish is not None) if parser is not None
                                   else (delta, []))
-            if content and (parser is None or not parser.num_calls):
-                if text_item is None:
-                    text_item = _message_item("", "in_progress")
-                    items.append(text_item)
-                    i = len(items) - 1
-                    yield _event(seq, "response.output_item.added", output_index=i,
-                                 item={**text_item, "content": []})
-                    yield _event(seq, "response.content_part.added", item_id=text_item["id"], output_index=i,
-                                 content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-                text_item["content"][0]["text"] += content
-                yield _event(seq, "response.output_text.delta", item_id=text_item["id"],
-                             output_index=items.index(text_item), content_index=0, delta=content, logprobs=[])
+            events = out_items.add_text(content) if content and (parser is None or not parser.num_calls) else []
             for d in new_calls:
-                if "id" in d:
-                    for ev in close_text():
-                        yield ev
-                    item = _call_item({"id": d["id"], "function": {"name": d["function"]["name"], "arguments": ""}},
-                                      "in_progress")
-                    calls[d["index"]] = item
-                    items.append(item)
-                    yield _event(seq, "response.output_item.added", output_index=len(items) - 1, item=dict(item))
-                piece = d["function"]["arguments"]
-                if piece:
-                    item = calls[d["index"]]
-                    item["arguments"] += piece
-                    yield _event(seq, "response.function_call_arguments.delta", item_id=item["id"],
-                                 output_index=items.index(item), delta=piece)
-        for ev in close_text():
+                events += out_items.add_call_delta(d)
+            for ev in events:
+                yield ev
+        for ev in out_items.close_text() + out_items.close_calls():
             yield ev
-        for item in calls.values():
-            i = items.index(item)
-            item["status"] = "completed"
-            yield _event(seq, "response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                         name=item["name"], arguments=item["arguments"])
-            yield _event(seq, "response.output_item.done", output_index=i, item=item)
-        resp = dict(shell)
-        resp["output"] = items
-        resp["usage"] = _usage(usage(job.num_prompt_tokens, n_tok, job.cached[0]))
+        resp = {**shell, "output": out_items.items,
+                "usage": _usage(usage(job.num_prompt_tokens, n_tok, job.cached[0]))}
         _finish(resp, finish)
         remember(resp)
-        yield _event(seq, "response.incomplete" if resp["status"] == "incomplete" else "response.completed",
-                     response=resp)
+        yield out_items.event("response.incomplete" if resp["status"] == "incomplete" else "response.completed",
+                              response=resp)
     except Exception as e:      # noqa: BLE001 -- the status line is sent; report in-band
         err = stream_error(job.rid, e)
-        yield _event(seq, "error", code=err.code, message=err.message, param=err.param)
-        failed = {**shell, "status": "failed", "output": items, "error": {"code": err.code or "server_error",
-                                                                          "message": err.message}}
-        yield _event(seq, "response.failed", response=failed)
+        yield out_items.event("error", code=err.code, message=err.message, param=err.param)
+        failed = {**shell, "status": "failed", "output": out_items.items,
+                  "error": {"code": err.code or "server_error", "message": err.message}}
+        yield out_items.event("response.failed", response=failed)
     finally:
         await outputs.aclose()
