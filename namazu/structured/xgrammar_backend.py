@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from namazu.structured.grammar import StepwiseGrammar, token_mask_words
-from namazu.structured.json_schema import check_json_schema, lower_formats
+from namazu.structured.json_schema import prepare_json_schema
 
 MAX_GRAMMAR_BYTES = 256 * 1024   # a bound on compile work per request
 
@@ -71,7 +71,9 @@ class XGrammarBackend:
             raise ValueError(f"the {spec.kind} is {len(spec.text)} characters; at most {MAX_GRAMMAR_BYTES} bytes")
         try:
             if spec.kind == "json_schema":
-                compiled = self.compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=True)
+                # The schema is normalized (json_schema.py): JSON Schema's own defaults apply, so an
+                # object without additionalProperties admits other properties, as the schema says.
+                compiled = self.compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=False)
             elif spec.kind == "json_object":
                 compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
                                                              strict_mode=False)
@@ -106,14 +108,16 @@ class XGrammarBackend:
 
 
 def json_schema_spec(schema: Any, strict: bool = True) -> GrammarSpec:
-    """Checks a JSON schema (a dict or its JSON text) and returns its spec; ValueError says why not."""
+    """Checks a JSON schema (a dict or its JSON text) and returns the spec of the schema namazu compiles
+    for it (`json_schema.prepare_json_schema`); ValueError says why not. Not strict, constraints namazu
+    cannot enforce are dropped (and logged) instead of refused."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, RecursionError) as err:
             raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
-    check_json_schema(schema)
-    return GrammarSpec("json_schema", json.dumps(lower_formats(schema), ensure_ascii=False))  # order matters
+    prepared, _relaxed = prepare_json_schema(schema, strict)
+    return GrammarSpec("json_schema", json.dumps(prepared, ensure_ascii=False))  # property order matters
 
 
 class MatcherGrammar(StepwiseGrammar):
