@@ -83,15 +83,19 @@ ENFORCED = {
         {"type": "object", "properties": {"kind": {"const": "b"}, "s": {"type": "string", "maxLength": 4}},
          "required": ["kind", "s"]}]},
     "oneOf-forbidden": {"oneOf": [
-        {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False},
-        {"type": "object", "properties": {"y": {"type": "boolean"}}, "required": ["y"], "additionalProperties": False}]},
+        {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+         "additionalProperties": False},
+        {"type": "object", "properties": {"y": {"type": "boolean"}}, "required": ["y"],
+         "additionalProperties": False}]},
     "oneOf-enum": {"oneOf": [{"enum": ["a", "b"]}, {"enum": ["c", 1]}]},
     "allOf-merge": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}},
                                "required": ["a"]},
                               {"properties": {"a": {"maximum": 9}, "b": {"type": "string", "maxLength": 3}},
                                "required": ["b"], "additionalProperties": False}]},
-    "allOf-ref": {"$defs": {"base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
-                  "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"tag": {"enum": ["x", "y"]}}, "required": ["tag"]}]},
+    "allOf-ref": {"$defs": {"base": {"type": "object", "properties": {"id": {"type": "integer"}},
+                                     "required": ["id"]}},
+                  "allOf": [{"$ref": "#/$defs/base"},
+                            {"properties": {"tag": {"enum": ["x", "y"]}}, "required": ["tag"]}]},
     "uniqueItems-enum": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True, "minItems": 1},
     "uniqueItems-bool": {"type": "array", "items": {"type": "boolean"}, "uniqueItems": True},
     "min-maxProperties-closed": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
@@ -126,6 +130,9 @@ ENFORCED = {
     "hostname": {"type": "string", "format": "hostname"},
     "uri-reference": {"type": "string", "format": "uri-reference"},
     "optional-group-pattern": {"type": "string", "pattern": "^a(x[0-9]{1,3})?$"},
+    "pattern-with-lengths": {"type": "string", "pattern": "^[a-z0-9_.]+$", "minLength": 3, "maxLength": 5},
+    "date-with-lengths": {"type": "string", "format": "date", "maxLength": 10},
+    "number-multipleOf": {"type": "number", "multipleOf": 5, "minimum": 0, "maximum": 40},
     "recursive-ref": {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"},
                                                                           "next": {"$ref": "#/$defs/node"}},
                                          "required": ["v"], "additionalProperties": False}},
@@ -195,6 +202,9 @@ def test_each_ignored_keyword_is_logged_once(caplog):
     ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["b"]}}, "dependentRequired ('a')"),
     ({"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}, "two different 'pattern' values"),
     ({"type": "array", "items": {"unevaluatedProperties": False}}, "#/items/unevaluatedProperties"),
+    ({"type": "string", "pattern": "^(ab)+$", "maxLength": 6}, "pattern with minLength/maxLength at #"),
+    ({"type": "string", "format": "email", "maxLength": 30}, "format 'email' at # with minLength/maxLength"),
+    ({"type": "number", "multipleOf": 0.01}, "multipleOf 0.01 at #/multipleOf"),
 ])
 def test_unenforceable_keywords_are_refused_by_name_anywhere(schema, word):
     with pytest.raises(ValueError, match=re.escape(word)):
@@ -240,6 +250,17 @@ def test_deep_nesting_is_refused_quickly():
         json_schema_spec(deep)
     with pytest.raises(ValueError, match="nests deeper|not valid JSON"):
         json_schema_spec("[" * 100_000 + "]" * 100_000)
+
+
+def test_lengths_fold_into_a_repeated_class():
+    from namazu.structured.schema_normalize import fold_lengths
+
+    assert fold_lengths("^[a-z]+$", 2, 4) == "^[a-z]{2,4}$"
+    assert fold_lengths("[a-z]*", 0, 9) == "^[a-z]{0,9}$"
+    assert fold_lengths("^\\d{3}$", 1, 5) == "^\\d{3}$"          # implied
+    assert fold_lengths("^\\d{3}$", 4, 5) is False
+    assert fold_lengths("^[a-z]+?$", 2, 4) is None          # lazy: left alone
+    assert fold_lengths("^(ab)+$", 2, 4) is None
 
 
 def test_xgrammar_optional_group_workaround():

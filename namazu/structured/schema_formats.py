@@ -23,16 +23,18 @@ _TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?"
 _OFFSET = "([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
 _LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+# xgrammar cannot bound a patterned string's length, so the 253-character limit of a host name is kept
+# by the shape: a first label of up to 63 characters and up to 7 more of up to 23 (63 + 7 * 24 = 231).
+_SHORT_LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,21}[A-Za-z0-9])?"
 
-# Enforced by a pattern (and, for host names, a length bound the pattern cannot say).
+# Enforced by a pattern.
 FORMAT_PATTERNS = {
     "date": f"^{_DATE}$",
     "date-time": f"^{_DATE}[Tt]{_TIME}{_OFFSET}$",
     "time": f"^{_TIME}{_OFFSET}$",
     "ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$",
-    "hostname": f"^{_LABEL}(\\.{_LABEL})*$",
+    "hostname": f"^{_LABEL}(\\.{_SHORT_LABEL}){{0,7}}$",
 }
-FORMAT_MAX_LENGTH = {"hostname": 253}
 
 ENFORCED_FORMATS = NATIVE_FORMATS | set(FORMAT_PATTERNS)
 

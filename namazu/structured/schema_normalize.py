@@ -36,7 +36,6 @@ from urllib.parse import unquote
 
 from namazu.structured.schema_formats import (
     ENFORCED_FORMATS,
-    FORMAT_MAX_LENGTH,
     FORMAT_PATTERNS,
     KNOWN_FORMATS,
 )
@@ -635,6 +634,20 @@ class SchemaNormalizer:
                 s["maximum"] = min(s.get("maximum", math.inf), math.ceil(s.pop("exclusiveMaximum")) - 1)
             if "minimum" in s and "maximum" in s and s["minimum"] > s["maximum"]:
                 return False
+        if "multipleOf" in s and "number" in kinds:
+            # xgrammar enforces multipleOf on integers only; a multiple of a whole number is whole
+            m = s["multipleOf"]
+            if isinstance(m, int) or (isinstance(m, float) and m.is_integer()):
+                if kinds - {"number", "integer"}:
+                    self.refuse(f"multipleOf at {where}/multipleOf beside types other than numbers, which namazu "
+                                "cannot enforce")
+                    s.pop("multipleOf")
+                else:
+                    s["type"], s["multipleOf"] = "integer", int(m)
+            else:
+                s.pop("multipleOf")
+                self.refuse(f"multipleOf {m} at {where}/multipleOf is not a whole number, which namazu cannot "
+                            "enforce")
         fmt = s.get("format")
         if fmt in FORMAT_PATTERNS:
             if "pattern" in s:
@@ -643,12 +656,34 @@ class SchemaNormalizer:
                 s.pop("pattern")
             del s["format"]
             s["pattern"] = xgrammar_pattern(FORMAT_PATTERNS[fmt])
-            if fmt in FORMAT_MAX_LENGTH:
-                s["maxLength"] = min(s.get("maxLength", FORMAT_MAX_LENGTH[fmt]), FORMAT_MAX_LENGTH[fmt])
+        if "format" in s and ({"minLength", "maxLength"} & set(s)):
+            for key in ("minLength", "maxLength"):
+                s.pop(key, None)
+            self.refuse(f"format {fmt!r} at {where} with minLength/maxLength, which xgrammar cannot enforce "
+                        "together (it drops the lengths)")
+        if "pattern" in s and ({"minLength", "maxLength"} & set(s)):
+            self._pattern_lengths(s, where)
         if "object" in kinds and ({"properties", "required", "additionalProperties", "patternProperties",
                                    "minProperties", "maxProperties", "propertyNames"} & set(s)):
             return self._object(s, where)
         return s
+
+    def _pattern_lengths(self, s: dict, where: str) -> None:
+        """xgrammar drops minLength/maxLength beside a pattern: fold them into the pattern where it is
+        one repeated character class (`^[a-z]+$`), drop them where the pattern implies them."""
+        lo, hi = s.get("minLength", 0), s.get("maxLength")
+        folded = fold_lengths(s["pattern"], lo, hi)
+        if folded is None:
+            s.pop("minLength", None)
+            s.pop("maxLength", None)
+            self.refuse(f"pattern with minLength/maxLength at {where}, which xgrammar cannot enforce together "
+                        "(it drops the lengths); write the lengths into the pattern")
+        elif folded is False:
+            raise Unsatisfiable(f"the pattern at {where} allows no string of length {lo}..{hi}")
+        else:
+            s["pattern"] = folded
+            s.pop("minLength", None)
+            s.pop("maxLength", None)
 
     def _object(self, s: dict, where: str) -> Any:
         props = s.get("properties", {})
@@ -754,6 +789,44 @@ def _exact(v: Any) -> Any:
             return {"type": "array", "maxItems": 0}
         return {"type": "array", "prefixItems": [_exact(x) for x in v], "items": False, "minItems": len(v)}
     return {"const": v}
+
+
+def fold_lengths(pattern: str, lo: int, hi: int | None) -> str | bool | None:
+    """A pattern equal to `pattern` restricted to lengths lo..hi (as xgrammar reads it: a whole-string
+    match), False when no length fits, None when namazu cannot write one."""
+    try:
+        from re import _parser as sre  # type: ignore[attr-defined]
+    except ImportError:                 # Python < 3.11
+        import sre_parse as sre  # type: ignore[no-redef]
+    try:
+        parsed = sre.parse(pattern)
+    except Exception:   # noqa: BLE001 -- checked elsewhere; here only "cannot fold"
+        return None
+    width_lo, width_hi = parsed.getwidth()
+    top = hi if hi is not None else sre.MAXREPEAT
+    if width_lo >= lo and width_hi <= top:
+        return pattern                  # every match already has an allowed length
+    if width_hi < lo or width_lo > top:
+        return False
+    items = list(parsed)
+    core = [i for i in items if i[0] != sre.AT]
+    anchors = [i for i in items if i[0] == sre.AT]
+    if len(core) != 1 or len(anchors) != len(items) - 1 or core[0][0] != sre.MAX_REPEAT:
+        return None
+    rmin, rmax, body = core[0][1]
+    if body.getwidth() != (1, 1):
+        return None
+    start = max(rmin, lo)
+    end = min(rmax, top)
+    if start > end:
+        return False
+    # the repeated atom, as written: strip the pattern's own quantifier and anchors
+    text = pattern[1:] if pattern.startswith("^") else pattern
+    text = text[:-1] if text.endswith("$") and not text.endswith("\\$") else text
+    m = re.fullmatch(r"(.+?)(\*|\+|\?|\{\d+(?:,\d*)?\})", text, re.S)
+    if not m:
+        return None
+    return f"^{m.group(1)}{{{start},{end if end != sre.MAXREPEAT else ''}}}$"
 
 
 def _search(pattern: str, name: str, where: str) -> bool:
