@@ -53,6 +53,7 @@ class Tally:
     under: int = 0
     compile_s: list[float] = field(default_factory=list)
     reasons: dict[str, int] = field(default_factory=dict)
+    via: dict[str, int] = field(default_factory=dict)     # namazu: which compiler served the schema
     examples: list[str] = field(default_factory=list)
 
 
@@ -159,6 +160,9 @@ def run_subset(path: Path, engines: list[Any], tokenizer: Any, limit: int | None
                 continue
             tally.compile_s.append(time.perf_counter() - t0)
             tally.compiled += 1
+            if isinstance(e, NamazuEngine):
+                which = e.backend.compiler_for(compiled)
+                tally.via[which] = tally.via.get(which, 0) + 1
             right = True
             for valid, tokens in tests:
                 ok = e.accepts(compiled, tokens)
@@ -237,6 +241,8 @@ def run(data_dir: str, subsets: list[str] | None = None, limit: int | None = Non
             a.compile_s += t.compile_s
             for k, v in t.reasons.items():
                 a.reasons[k] = a.reasons.get(k, 0) + v
+            for k, v in t.via.items():
+                a.via[k] = a.via.get(k, 0) + v
             a.examples += t.examples[:2]
     for name in ENGINES:
         t = total[name]
@@ -247,5 +253,11 @@ def run(data_dir: str, subsets: list[str] | None = None, limit: int | None = Non
         top = sorted(total[name].reasons.items(), key=lambda kv: -kv[1])[:8]
         if top:
             notes.append(f"{name} refusals/errors by reason: " + ", ".join(f"{k}: {v}" for k, v in top))
+    via = total["namazu"].via
+    notes.append("namazu's compiled schemas by compiler (the rule in namazu/structured/llguidance_backend.py): "
+                 + ", ".join(f"{k}: {v}" for k, v in sorted(via.items())))
+    for name in ENGINES:
+        if total[name].examples:
+            notes.append(f"{name} examples: " + "; ".join(total[name].examples[:6]))
     text = "\n".join(lines) + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else "")
     return text, results

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from namazu.structured.grammar import StepwiseGrammar, ids_to_words, pack_allowed, token_mask_words
-from namazu.structured.xgrammar_backend import GrammarSpec, MatcherGrammar, XGrammarBackend
+from namazu.structured.xgrammar_backend import GrammarSpec, XGrammarBackend
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -80,7 +80,7 @@ class ToolCallGrammar(StepwiseGrammar):
         self.no_stop = pack_allowed(_all_but(vocab, self.stop_ids))
         self.state = "text" if spec.choice == "auto" else "expect_section"
         self.calls = 0
-        self.sub: MatcherGrammar | None = None
+        self.sub: StepwiseGrammar | None = None
         self.header: list[int] = []
         self.undo: list[tuple] = []
 

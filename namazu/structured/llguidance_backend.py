@@ -1,0 +1,99 @@
+"""llguidance behind the grammar seam, for the JSON schemas xgrammar is slow at.
+
+Which compiler a JSON schema gets (after `json_schema.prepare_json_schema` has normalized it) is one
+rule, `prefers_llguidance`: a schema with an object open to undeclared properties (no
+`additionalProperties: false`, as JSON Schema's default is) goes to llguidance, every other one to
+xgrammar. xgrammar builds, for each open object, a grammar for "any key but the declared ones" whose
+compile time grows with the declared properties (about 60 ms each on namazu-tiny's vocabulary: seconds
+for a Kubernetes object); llguidance compiles the same schema in milliseconds. Both enforce the
+normalized schema exactly (the instance harness, bench/structured_instances.py, checks both paths). If
+llguidance is not installed, or refuses a schema, xgrammar compiles it.
+
+The tokenizer is given to llguidance as its Hugging Face `tokenizer.json`; special tokens are never
+part of grammar text for it either, so a JSON string can never hold an end token or a tool-call marker.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from namazu.structured.grammar import StepwiseGrammar
+
+# namazu writes JSON as xgrammar does with fixed separators: ", " between items, ": " after keys.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def prefers_llguidance(schema: Any) -> bool:
+    """True when the (normalized) schema has an object open to undeclared properties."""
+    def walk(s: Any) -> bool:
+        if isinstance(s, list):
+            return any(walk(x) for x in s)
+        if not isinstance(s, dict):
+            return False
+        t = s.get("type")
+        is_object = t == "object" or (isinstance(t, list) and "object" in t) or (
+            t is None and ("properties" in s or "required" in s))
+        if is_object and s.get("additionalProperties", True) is not False:
+            return True
+        return any(walk(v) for k, v in s.items() if k not in ("enum", "const"))
+    return walk(schema)
+
+
+class LLGuidanceCompiler:
+    """One llguidance tokenizer; `compile` returns a matcher to copy per sequence."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int]):
+        import llguidance
+
+        self.llg = llguidance
+        backend = getattr(tokenizer, "_backend", None)
+        if getattr(tokenizer, "kind", None) != "hf" or not hasattr(backend, "to_str"):
+            raise ValueError("llguidance needs a Hugging Face tokenizer")
+        self.tok = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(stop_ids))
+
+    def compile(self, schema_text: str) -> Any:
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema_text, defaults=JSON_OPTIONS)
+        m = self.llg.LLMatcher(self.tok, grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(f"the JSON schema does not compile: {m.get_error()}")
+        return m
+
+
+class LLMatcherGrammar(StepwiseGrammar):
+    """The `Grammar` protocol over one llguidance matcher (one per sequence)."""
+
+    depends_on_values = True
+
+    def __init__(self, compiled: Any, end_ids: list[int], extra_words: np.ndarray | None = None):
+        self.m = compiled.deep_copy()
+        self.end_ids = set(end_ids)
+        self.extra_words = extra_words
+
+    def _accept_one(self, token: int) -> bool:
+        if token in self.end_ids:          # validate_tokens does not count an end token
+            if not self.m.is_accepting():
+                return False
+        elif self.m.validate_tokens([token]) != 1:
+            return False                   # refused: consuming it would leave the matcher in error for good
+        return bool(self.m.consume_token(token)) and not self.m.is_error()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and not self.m.rollback(num_tokens):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.m.get_error()}")
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        from llguidance.numpy import fill_next_token_bitmask
+
+        keep = bitmask[row].copy()
+        mine = np.zeros((1, bitmask.shape[1]), dtype=np.int32)
+        fill_next_token_bitmask(self.m, mine, 0)
+        bitmask[row] = keep & mine[0]
+        if self.extra_words is not None:
+            bitmask[row] &= self.extra_words
+
+    def is_terminated(self) -> bool:
+        return self.m.is_stopped()
+
+    def is_completed(self) -> bool:
+        return self.m.is_accepting()
