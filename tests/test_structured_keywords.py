@@ -205,6 +205,7 @@ def test_each_ignored_keyword_is_logged_once(caplog):
     ({"type": "string", "pattern": "^(ab)+$", "maxLength": 6}, "pattern with minLength/maxLength at #"),
     ({"type": "string", "format": "email", "maxLength": 30}, "format 'email' at # with minLength/maxLength"),
     ({"type": "number", "multipleOf": 0.01}, "multipleOf 0.01 at #/multipleOf"),
+    ({"type": "string", "allOf": [{"format": "uri"}, {"pattern": "^https?://"}]}, "format 'uri' with a pattern"),
 ])
 def test_unenforceable_keywords_are_refused_by_name_anywhere(schema, word):
     with pytest.raises(ValueError, match=re.escape(word)):

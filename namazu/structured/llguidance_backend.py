@@ -65,9 +65,15 @@ class LLMatcherGrammar(StepwiseGrammar):
 
     depends_on_values = True
 
-    def __init__(self, compiled: Any, end_ids: list[int], extra_words: np.ndarray | None = None):
+    def __init__(self, compiled: Any, end_ids: list[int], extra_words: np.ndarray | None = None,
+                 max_rollback: int = 64):
         self.m = compiled.deep_copy()
         self.end_ids = set(end_ids)
+        # Rollback restores a copy taken before each token: llguidance 1.9.1's own rollback, after a long
+        # run of accepts and rollbacks (speculative drafts checked every step), can leave masks that
+        # admit tokens a fresh matcher refuses (seen on namazu-tiny with n-gram drafts).
+        self.snapshots: list[Any] = []
+        self.max_rollback = max(max_rollback, 1)
         self.extra_words = extra_words
 
     def _accept_one(self, token: int) -> bool:
@@ -76,11 +82,40 @@ class LLMatcherGrammar(StepwiseGrammar):
                 return False
         elif self.m.validate_tokens([token]) != 1:
             return False                   # refused: consuming it would leave the matcher in error for good
-        return bool(self.m.consume_token(token)) and not self.m.is_error()
+        before = self.m.deep_copy()
+        if not self.m.consume_token(token) or self.m.is_error():
+            self.m = before
+            return False
+        self.snapshots.append(before)
+        if len(self.snapshots) > self.max_rollback:
+            del self.snapshots[0]
+        return True
+
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        start, kept = self.m.deep_copy(), list(self.snapshots)
+        for t in tokens:
+            if not self._accept_one(int(t)):
+                self.m, self.snapshots = start, kept      # no change, however long the run
+                return False
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        start, kept = self.m.deep_copy(), list(self.snapshots)
+        n = 0
+        for t in tokens:
+            if not self._accept_one(int(t)):
+                break
+            n += 1
+        self.m, self.snapshots = start, kept
+        return n
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens and not self.m.rollback(num_tokens):
-            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.m.get_error()}")
+        if not num_tokens:
+            return
+        if num_tokens > len(self.snapshots):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: only the last {len(self.snapshots)} are kept")
+        self.m = self.snapshots[-num_tokens]
+        del self.snapshots[-num_tokens:]
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         from llguidance.numpy import fill_next_token_bitmask

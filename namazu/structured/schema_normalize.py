@@ -656,6 +656,10 @@ class SchemaNormalizer:
                 s.pop("pattern")
             del s["format"]
             s["pattern"] = xgrammar_pattern(FORMAT_PATTERNS[fmt])
+        if "format" in s and "pattern" in s:
+            self.refuse(f"the JSON schema combines format {fmt!r} with a pattern at {where}; xgrammar enforces "
+                        "only one of them: drop the other")
+            s.pop("format")
         if "format" in s and ({"minLength", "maxLength"} & set(s)):
             for key in ("minLength", "maxLength"):
                 s.pop(key, None)

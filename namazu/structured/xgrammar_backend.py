@@ -124,7 +124,7 @@ class XGrammarBackend:
         if which == "llguidance":
             from namazu.structured.llguidance_backend import LLMatcherGrammar
 
-            return LLMatcherGrammar(compiled, self.stop_ids, words)
+            return LLMatcherGrammar(compiled, self.stop_ids, words, max_rollback)
         return MatcherGrammar(self.xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback,
                                                       terminate_without_stop_token=terminate_without_stop),
                               words)
