@@ -133,6 +133,9 @@ ENFORCED = {
     "pattern-with-lengths": {"type": "string", "pattern": "^[a-z0-9_.]+$", "minLength": 3, "maxLength": 5},
     "date-with-lengths": {"type": "string", "format": "date", "maxLength": 10},
     "number-multipleOf": {"type": "number", "multipleOf": 5, "minimum": 0, "maximum": 40},
+    # only llguidance enforces these (xgrammar drops the lengths): compiled by it
+    "pattern-lengths-llguidance": {"type": "string", "pattern": "^(ab)+$", "maxLength": 6},
+    "email-lengths-llguidance": {"type": "string", "format": "email", "maxLength": 12},
     "recursive-ref": {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"},
                                                                           "next": {"$ref": "#/$defs/node"}},
                                          "required": ["v"], "additionalProperties": False}},
@@ -202,8 +205,6 @@ def test_each_ignored_keyword_is_logged_once(caplog):
     ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["b"]}}, "dependentRequired ('a')"),
     ({"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}, "two different 'pattern' values"),
     ({"type": "array", "items": {"unevaluatedProperties": False}}, "#/items/unevaluatedProperties"),
-    ({"type": "string", "pattern": "^(ab)+$", "maxLength": 6}, "pattern with minLength/maxLength at #"),
-    ({"type": "string", "format": "email", "maxLength": 30}, "format 'email' at # with minLength/maxLength"),
     ({"type": "number", "multipleOf": 0.01}, "multipleOf 0.01 at #/multipleOf"),
     ({"type": "string", "allOf": [{"format": "uri"}, {"pattern": "^https?://"}]}, "format 'uri' with a pattern"),
 ])
@@ -251,6 +252,22 @@ def test_deep_nesting_is_refused_quickly():
         json_schema_spec(deep)
     with pytest.raises(ValueError, match="nests deeper|not valid JSON"):
         json_schema_spec("[" * 100_000 + "]" * 100_000)
+
+
+@pytest.mark.parametrize("schema, word", [
+    ({"type": "string", "pattern": "^(ab)+$", "maxLength": 6}, "pattern with minLength/maxLength at #"),
+    ({"type": "string", "format": "email", "maxLength": 30}, "format 'email' at # with minLength/maxLength"),
+])
+def test_what_only_llguidance_enforces(backend, schema, word):
+    """Lengths beside a pattern xgrammar cannot fold, or beside an email format: llguidance's (the spec
+    says so, so the backend compiles it there); refused by name where llguidance is not installed."""
+    from namazu.structured.schema_normalize import SchemaNormalizer
+
+    with pytest.raises(ValueError, match=re.escape(word)):
+        SchemaNormalizer(schema, strict=True, llguidance=False).run()
+    pytest.importorskip("llguidance")
+    spec = json_schema_spec(schema)
+    assert spec.compiler == "llguidance" and backend[0].compiler_for(spec) == "llguidance"
 
 
 def test_lengths_fold_into_a_repeated_class():

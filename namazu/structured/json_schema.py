@@ -16,15 +16,30 @@ from namazu.structured.schema_formats import ENFORCED_FORMATS
 from namazu.structured.schema_normalize import UNSUPPORTED, SchemaNormalizer
 
 FORMATS = ENFORCED_FORMATS
-__all__ = ["FORMATS", "UNSUPPORTED", "check_json_schema", "prepare_json_schema", "relax_json_schema"]
+__all__ = ["FORMATS", "UNSUPPORTED", "check_json_schema", "normalize_json_schema", "prepare_json_schema",
+           "relax_json_schema"]
+
+
+def llguidance_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llguidance") is not None
+
+
+def normalize_json_schema(schema: Any, strict: bool = True) -> tuple[Any, list[str], bool]:
+    """(the schema as namazu compiles it, the constraints dropped because not strict, whether only
+    llguidance enforces it); ValueError naming the first keyword namazu cannot enforce (strict) or a
+    malformed part."""
+    norm = SchemaNormalizer(schema, strict, llguidance=llguidance_available())
+    out = norm.run()
+    return out, list(dict.fromkeys(norm.relaxed)), norm.needs_llguidance
 
 
 def prepare_json_schema(schema: Any, strict: bool = True) -> tuple[Any, list[str]]:
     """(the schema as namazu compiles it, the constraints dropped because not strict); ValueError
     naming the first keyword namazu cannot enforce (strict) or a malformed part."""
-    norm = SchemaNormalizer(schema, strict)
-    out = norm.run()
-    return out, list(dict.fromkeys(norm.relaxed))
+    out, relaxed, _ = normalize_json_schema(schema, strict)
+    return out, relaxed
 
 
 def check_json_schema(schema: Any) -> None:

@@ -1,13 +1,18 @@
 """llguidance behind the grammar seam, for the JSON schemas xgrammar is slow at.
 
-Which compiler a JSON schema gets (after `json_schema.prepare_json_schema` has normalized it) is one
-rule, `prefers_llguidance`: a schema with an object open to undeclared properties (no
-`additionalProperties: false`, as JSON Schema's default is) goes to llguidance, every other one to
-xgrammar. xgrammar builds, for each open object, a grammar for "any key but the declared ones" whose
+Which compiler a JSON schema gets (after `json_schema.normalize_json_schema`) is one rule:
+
+1. a schema only llguidance enforces (lengths beside a pattern that cannot be folded into it, lengths
+   beside an email format: xgrammar drops the lengths) goes to llguidance; its refusal is final;
+2. a schema with an object open to undeclared properties (no `additionalProperties: false`, as JSON
+   Schema's default is; `prefers_llguidance`) goes to llguidance, or to xgrammar if llguidance refuses;
+3. every other schema, and every regex, EBNF grammar and tool-call header, goes to xgrammar.
+
+xgrammar builds, for each open object, a grammar for "any key but the declared ones" whose
 compile time grows with the declared properties (about 60 ms each on namazu-tiny's vocabulary: seconds
 for a Kubernetes object); llguidance compiles the same schema in milliseconds. Both enforce the
 normalized schema exactly (the instance harness, bench/structured_instances.py, checks both paths). If
-llguidance is not installed, or refuses a schema, xgrammar compiles it.
+llguidance is not installed, rule 1's schemas are refused by name and rule 2's go to xgrammar.
 
 The tokenizer is given to llguidance as its Hugging Face `tokenizer.json`; special tokens are never
 part of grammar text for it either, so a JSON string can never hold an end token or a tool-call marker.

@@ -159,8 +159,12 @@ def _values(s: Any) -> list[Any] | None:
 
 
 class SchemaNormalizer:
-    def __init__(self, root: Any, strict: bool = True):
+    def __init__(self, root: Any, strict: bool = True, llguidance: bool = False):
         self.root, self.strict = root, strict
+        # llguidance (when installed) enforces what xgrammar drops: lengths beside a pattern or an email
+        # format. A schema that needs it says so here, and the backend compiles it with llguidance.
+        self.llguidance = llguidance
+        self.needs_llguidance = False
         self.draft = _draft(root)
         self.relaxed: list[str] = []
         self.ref_names: dict[str, str] = {}
@@ -660,7 +664,9 @@ class SchemaNormalizer:
             self.refuse(f"the JSON schema combines format {fmt!r} with a pattern at {where}; xgrammar enforces "
                         "only one of them: drop the other")
             s.pop("format")
-        if "format" in s and ({"minLength", "maxLength"} & set(s)):
+        if "format" in s and ({"minLength", "maxLength"} & set(s)) and fmt == "email" and self.llguidance:
+            self.needs_llguidance = True
+        elif "format" in s and ({"minLength", "maxLength"} & set(s)):
             for key in ("minLength", "maxLength"):
                 s.pop(key, None)
             self.refuse(f"format {fmt!r} at {where} with minLength/maxLength, which xgrammar cannot enforce "
@@ -677,7 +683,9 @@ class SchemaNormalizer:
         one repeated character class (`^[a-z]+$`), drop them where the pattern implies them."""
         lo, hi = s.get("minLength", 0), s.get("maxLength")
         folded = fold_lengths(s["pattern"], lo, hi)
-        if folded is None:
+        if folded is None and self.llguidance:
+            self.needs_llguidance = True
+        elif folded is None:
             s.pop("minLength", None)
             s.pop("maxLength", None)
             self.refuse(f"pattern with minLength/maxLength at {where}, which xgrammar cannot enforce together "

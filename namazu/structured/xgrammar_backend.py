@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from namazu.structured.grammar import StepwiseGrammar, token_mask_words
-from namazu.structured.json_schema import prepare_json_schema
+from namazu.structured.json_schema import normalize_json_schema
 
 MAX_GRAMMAR_BYTES = 256 * 1024   # a bound on compile work per request
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ class GrammarSpec:
 
     kind: str
     text: str = ""
+    compiler: str = ""     # "llguidance" where only llguidance enforces the schema; "" = by the rule
 
 
 class XGrammarBackend:
@@ -83,11 +84,15 @@ class XGrammarBackend:
         if spec.kind == "json_schema" and self.llg is not None:
             from namazu.structured.llguidance_backend import prefers_llguidance
 
-            if prefers_llguidance(json.loads(spec.text)):
+            if spec.compiler == "llguidance":       # only llguidance enforces it: its refusal is final
+                compiled = ("llguidance", self.llg.compile(spec.text))
+            elif prefers_llguidance(json.loads(spec.text)):
                 try:
                     compiled = ("llguidance", self.llg.compile(spec.text))
                 except ValueError as err:           # xgrammar may still take it
                     log.debug("llguidance refused a schema, xgrammar compiles it: %s", err)
+        if compiled is None and spec.compiler == "llguidance":
+            raise ValueError("the JSON schema needs llguidance (lengths beside a pattern), which is not installed")
         if compiled is None:
             compiled = ("xgrammar", self._compile_xgrammar(spec))
         with self._lock:
@@ -148,8 +153,9 @@ def json_schema_spec(schema: Any, strict: bool = True) -> GrammarSpec:
             schema = json.loads(schema)
         except (json.JSONDecodeError, RecursionError) as err:
             raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
-    prepared, _relaxed = prepare_json_schema(schema, strict)
-    return GrammarSpec("json_schema", json.dumps(prepared, ensure_ascii=False))  # property order matters
+    prepared, _relaxed, needs_llguidance = normalize_json_schema(schema, strict)
+    return GrammarSpec("json_schema", json.dumps(prepared, ensure_ascii=False),   # property order matters
+                       "llguidance" if needs_llguidance else "")
 
 
 class MatcherGrammar(StepwiseGrammar):
