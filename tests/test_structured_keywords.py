@@ -320,3 +320,19 @@ def test_compiler_choice_rule_and_both_paths_agree_with_jsonschema(backend):
             ids = tok.encode(json.dumps(value, ensure_ascii=False), add_special_tokens=False)
             accepted = g.accept_tokens(ids) and g.accept_tokens([stops[0]])
             assert accepted == check.is_valid(value), (b.compiler_for(spec), schema, value)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"type": "integer"}}},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
+])
+def test_an_escaped_key_cannot_alias_a_declared_one(backend, schema):
+    """'{"\\u0061": "x"}' parses as {"a": "x"}: an open object's undeclared key must not be spelled so."""
+    b, tok, stops = backend
+    spec = json_schema_spec(schema)
+    for text in ['{"\\u0061": "x"}', '{"a": 1, "\\u0061": "x"}']:
+        g = b.matcher(spec, max_rollback=4)
+        ids = tok.encode(text, add_special_tokens=False)
+        assert not (g.accept_tokens(ids) and g.accept_tokens([stops[0]])), (b.compiler_for(spec), text)
+    g = b.matcher(spec, max_rollback=4)
+    assert g.accept_tokens(tok.encode('{"a": 1, "b": "x\\ny"}', add_special_tokens=False) + [stops[0]])

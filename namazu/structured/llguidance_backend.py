@@ -25,8 +25,11 @@ import numpy as np
 
 from namazu.structured.grammar import StepwiseGrammar
 
-# namazu writes JSON as xgrammar does with fixed separators: ", " between items, ": " after keys.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# namazu writes JSON as xgrammar does with fixed separators: ", " between items, ": " after keys. No
+# \u escapes: an undeclared key written "\u0061" would be the declared key "a" once parsed, with a value
+# its schema never checked (llguidance's default admits that).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                "json_allowed_escapes": 'nrbtf"\\'}
 
 
 def prefers_llguidance(schema: Any) -> bool:
@@ -43,6 +46,23 @@ def prefers_llguidance(schema: Any) -> bool:
             return True
         return any(walk(v) for k, v in s.items() if k not in ("enum", "const"))
     return walk(schema)
+
+
+def close_open_objects(schema: Any) -> Any:
+    """The schema with every object that leaves additionalProperties open closed (for xgrammar, whose
+    open objects admit an undeclared key written with \\u escapes that parses as a declared one):
+    sound, and narrower than the schema."""
+    if isinstance(schema, list):
+        return [close_open_objects(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const") else close_open_objects(v)) for k, v in schema.items()}
+    t = schema.get("type")
+    is_object = t == "object" or (isinstance(t, list) and "object" in t) or (
+        t is None and ("properties" in schema or "required" in schema))
+    if is_object and "additionalProperties" not in schema and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 class LLGuidanceCompiler:

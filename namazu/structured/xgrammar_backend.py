@@ -89,8 +89,8 @@ class XGrammarBackend:
             elif prefers_llguidance(json.loads(spec.text)):
                 try:
                     compiled = ("llguidance", self.llg.compile(spec.text))
-                except ValueError as err:           # xgrammar may still take it
-                    log.debug("llguidance refused a schema, xgrammar compiles it: %s", err)
+                except ValueError as err:           # xgrammar takes it, its open objects closed
+                    log.debug("llguidance refused a schema, xgrammar compiles it closed: %s", err)
         if compiled is None and spec.compiler == "llguidance":
             raise ValueError("the JSON schema needs llguidance (lengths beside a pattern), which is not installed")
         if compiled is None:
@@ -104,9 +104,13 @@ class XGrammarBackend:
     def _compile_xgrammar(self, spec: GrammarSpec) -> Any:
         try:
             if spec.kind == "json_schema":
-                # The schema is normalized (json_schema.py): JSON Schema's own defaults apply, so an
-                # object without additionalProperties admits other properties, as the schema says.
-                compiled = self.compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=False)
+                # The schema is normalized (json_schema.py). An object it leaves open goes to llguidance
+                # (llguidance_backend.py); one that reaches xgrammar is closed, as xgrammar's open objects
+                # admit an undeclared key spelled with \u escapes that parses as a declared one.
+                from namazu.structured.llguidance_backend import close_open_objects
+
+                text = json.dumps(close_open_objects(json.loads(spec.text)), ensure_ascii=False)
+                compiled = self.compiler.compile_json_schema(text, any_whitespace=False, strict_mode=False)
             elif spec.kind == "json_object":
                 compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
                                                              strict_mode=False)
