@@ -16,6 +16,7 @@ schema's own draft) first; an instance whose label `jsonschema` disagrees with i
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,6 +190,7 @@ def run_subset(path: Path, engines: list[Any], tokenizer: Any, limit: int | None
 
 def _reason(msg: str) -> str:
     """A short bucket for a refusal message (the keyword it names)."""
+    msg = re.sub(r"\[[0-9:]+\] \S+:\d+: ", "", msg)        # xgrammar's "[hh:mm:ss] file.cc:line: "
     for word in ("'not'", "contains", "oneOf", "if/then/else", "uniqueItems", "minProperties", "dependent",
                  "format", "allOf", "$ref", "pattern", "unevaluated", "accepts no", "accepts nothing", "nests",
                  "too large", "$dynamicRef", "$recursiveRef", "propert"):
