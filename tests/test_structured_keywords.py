@@ -336,3 +336,24 @@ def test_an_escaped_key_cannot_alias_a_declared_one(backend, schema):
         assert not (g.accept_tokens(ids) and g.accept_tokens([stops[0]])), (b.compiler_for(spec), text)
     g = b.matcher(spec, max_rollback=4)
     assert g.accept_tokens(tok.encode('{"a": 1, "b": "x\\ny"}', add_special_tokens=False) + [stops[0]])
+
+
+@pytest.mark.parametrize("schema, instances", [
+    # keywords beside anyOf go into each branch (xgrammar reads a branch alone)
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "additionalProperties": False, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+     [({}, False), ({"a": 1}, True), ({"b": 2}, True), ({"a": "x"}, False)]),
+    # a required name only a pattern admits is declared (xgrammar enforces required for declared ones)
+    ({"type": "object", "patternProperties": {"^x[0-9]$": {"type": "integer"}}, "additionalProperties": False,
+      "required": ["x1"]},
+     [({}, False), ({"x1": 1}, True), ({"x1": "s"}, False), ({"x2": 1}, False)]),
+])
+def test_xgrammar_path_is_exact(backend, schema, instances):
+    b, tok, stops = backend
+    spec = json_schema_spec(schema)
+    assert b.compiler_for(spec) == "xgrammar"
+    for value, valid in instances:
+        assert validator(schema).is_valid(value) == valid
+        g = b.matcher(spec, max_rollback=4)
+        ids = tok.encode(json.dumps(value), add_special_tokens=False)
+        assert (g.accept_tokens(ids) and g.accept_tokens([stops[0]])) == valid, value
