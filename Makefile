@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # C++/CUDA kernel sources: editing one rebuilds the extension (pip install -e . runs build_ext).
 CSRC := $(wildcard namazu/csrc/*.cu namazu/csrc/*.h namazu/csrc/*/*.cpp namazu/csrc/*/*.h)
 
-.PHONY: install test lint run bench bench-serve bench-structured bench-tools bench-nvfp4 bench-kernels gpu-check gpu-check-dry tiny-model drafter-model clean
+.PHONY: install test lint run bench bench-serve bench-structured bench-instances bench-tools bench-nvfp4 bench-kernels gpu-check gpu-check-dry tiny-model drafter-model clean
 
 $(STAMP): requirements.txt requirements-dev.txt setup.py $(CSRC)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,6 +39,10 @@ bench-serve: $(STAMP)
 # Structured output: constrained vs free decoding, speculation off/on, mask time, compile time (ARGS="--write").
 bench-structured: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) bench/structured.py $(ARGS)
+
+# JSONSchemaBench test instances through namazu's, xgrammar's and llguidance's JSON-schema compilers.
+bench-instances: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) bench/structured.py --instances bench/data/jsonschemabench $(ARGS)
 
 # Tool calls through the API on held-out schemas (trigger rate, schema-valid arguments, streaming check).
 bench-tools: $(STAMP)

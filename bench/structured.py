@@ -1,12 +1,16 @@
 """Structured output: constrained vs unconstrained decoding in one run, with speculation on and off.
 
     python bench/structured.py [--model DIR] [--batch 16] [--max-tokens 64] [--k 3] [--write] [--plot FILE]
+    python bench/structured.py --instances bench/data/jsonschemabench [--subsets A,B] [--limit N] [--write]
 
 The same prompts (JSON answers in Japanese business phrasing) run unconstrained and under their JSON
 schemas from namazu/eval/json_schemas.py, at the same sampling settings, with the n-gram drafter off
 and on. Reports decode tokens/s, mean acceptance length (accepted drafts + 1 per verify), the host time
 spent filling grammar bitmasks per step and per row, the share of constrained outputs that validate,
 and the compile time per schema cold (first compile) and cached.
+
+With --instances DIR it runs no model: JSONSchemaBench's test instances go token by token through
+namazu's, xgrammar's and llguidance's compiled grammars (bench/structured_instances.py says how).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from results_md import write_section  # bench/ is on sys.path when run as `pytho
 from tqdm import tqdm
 
 BEGIN, END = "<!-- structured:begin -->", "<!-- structured:end -->"
+INST_BEGIN, INST_END = "<!-- structured-instances:begin -->", "<!-- structured-instances:end -->"
 
 
 # A schema no output completes within the benchmark's max_tokens: constrained and free requests then run
@@ -90,7 +95,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--write", action="store_true")
     p.add_argument("--plot", default=None, help="write a bar chart of tokens/s to this PNG")
+    p.add_argument("--instances", default=None, metavar="DIR",
+                   help="run JSONSchemaBench test instances from DIR (<Subset>.jsonl files) instead; no model")
+    p.add_argument("--subsets", default=None, help="with --instances: comma-separated subset names")
+    p.add_argument("--limit", type=int, default=None, help="with --instances: at most N schemas per subset")
     args = p.parse_args(argv)
+    if args.instances:
+        return instances(args, argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
 
@@ -152,6 +163,27 @@ def main(argv: list[str] | None = None) -> None:
         write_section(BEGIN, END, f"## Structured output (CPU)\n\n`{command.strip()}` -- {args.batch} concurrent "
                                   f"requests, one JSON schema each, T={args.temperature}, max {args.max_tokens} "
                                   f"tokens, {args.threads} thread(s).\n\n{summary}")
+
+
+def instances(args, argv) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    from structured_instances import run as run_instances
+
+    t0 = time.perf_counter()
+    table, _ = run_instances(args.instances, args.subsets.split(",") if args.subsets else None, args.limit,
+                             args.model)
+    took = time.perf_counter() - t0
+    summary = (f"{table}\n\nCoverage: the schema compiled and every one of its test instances came out right "
+               "(valid ones accepted to the end token, invalid ones refused before it). Over-constrained: "
+               "valid instances refused; under-constrained: invalid instances accepted. Each compiler as its "
+               "library ships it: xgrammar's `compile_json_schema` defaults, llguidance's "
+               "`grammar_from_json_schema` defaults; namazu's is the path a request takes (strict). "
+               f"{took:.0f} s on {args.threads} thread(s), load average {os.getloadavg()[0]:.1f}.")
+    print(summary)
+    if args.write:
+        command = "python bench/structured.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        write_section(INST_BEGIN, INST_END, f"## Structured output: JSONSchemaBench test instances\n\n"
+                                            f"`{command.strip()}`\n\n{summary}")
 
 
 if __name__ == "__main__":

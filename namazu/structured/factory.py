@@ -7,7 +7,6 @@ ahead of time (the async front runs it off the step loop), `grammar_for` then on
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from namazu.sampling_params import SamplingParams
@@ -27,15 +26,11 @@ class StructuredOutputs:
 
     def spec(self, params: SamplingParams) -> Any:
         """The compile key of a request's grammar (GrammarSpec or ToolCallSpec), or None."""
-        from namazu.structured.json_schema import relax_json_schema
         from namazu.structured.tool_calls import ToolCallSpec
         from namazu.structured.xgrammar_backend import GrammarSpec, json_schema_spec
 
         if params.json_schema is not None:
-            schema = params.json_schema
-            if not params.json_schema_strict:
-                schema = relax_json_schema(json.loads(schema) if isinstance(schema, str) else schema)
-            return json_schema_spec(schema)
+            return json_schema_spec(params.json_schema, strict=params.json_schema_strict)
         if params.json_object:
             return GrammarSpec("json_object")
         if params.regex is not None:
@@ -47,8 +42,7 @@ class StructuredOutputs:
             functions = []
             for f in tc["functions"]:
                 schema = f.get("parameters") or {"type": "object"}
-                schema = schema if f.get("strict") else relax_json_schema(schema)
-                functions.append((f["name"], json_schema_spec(schema)))
+                functions.append((f["name"], json_schema_spec(schema, strict=bool(f.get("strict")))))
             names = [n for n, _ in functions]
             dup = sorted({n for n in names if names.count(n) > 1})
             if dup:

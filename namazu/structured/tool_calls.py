@@ -9,6 +9,10 @@ the header `functions.NAME:INDEX` to a regex over the declared names, the argume
 function's JSON schema. With tool_choice "required" or a named function the output must be a tool-call
 section; with "auto" text is free (markers other than the section start excluded) until the model
 opens a section, after which the same rules apply. parallel_tool_calls=False allows one call.
+
+Nothing in the grammar is free to run on: the call index is a number of at most `INDEX_DIGITS` digits
+without leading zeros (a model once wrote `functions.get_weather:0112011201...` for 250 tokens when
+it was `[0-9]+`), and a section holds at most `MAX_CALLS` calls. The arguments are bounded by their schema.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from namazu.structured.grammar import StepwiseGrammar, ids_to_words, pack_allowed, token_mask_words
-from namazu.structured.xgrammar_backend import GrammarSpec, MatcherGrammar, XGrammarBackend
+from namazu.structured.xgrammar_backend import GrammarSpec, XGrammarBackend
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -27,6 +31,8 @@ CALL_BEGIN = "<|tool_call_begin|>"
 ARG_BEGIN = "<|tool_call_argument_begin|>"
 CALL_END = "<|tool_call_end|>"
 MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARG_BEGIN, CALL_END)
+INDEX_DIGITS = 3          # call indices 0 .. 999
+MAX_CALLS = 32            # calls in one section
 
 
 @dataclass(frozen=True)
@@ -74,14 +80,15 @@ class ToolCallGrammar(StepwiseGrammar):
         self.no_stop = pack_allowed(_all_but(vocab, self.stop_ids))
         self.state = "text" if spec.choice == "auto" else "expect_section"
         self.calls = 0
-        self.sub: MatcherGrammar | None = None
+        self.sub: StepwiseGrammar | None = None
         self.header: list[int] = []
         self.undo: list[tuple] = []
 
     @staticmethod
     def header_spec_for(spec: ToolCallSpec) -> GrammarSpec:
         names = [spec.choice] if spec.choice not in ("auto", "required") else spec.names
-        return GrammarSpec("regex", r"functions\.(" + "|".join(re.escape(n) for n in names) + r"):\d+")
+        index = f"(0|[1-9][0-9]{{0,{INDEX_DIGITS - 1}}})"
+        return GrammarSpec("regex", r"functions\.(" + "|".join(re.escape(n) for n in names) + r"):" + index)
 
     # -- transitions ------------------------------------------------------------------------------------
     def _allowed_markers(self) -> list[int]:
@@ -91,7 +98,8 @@ class ToolCallGrammar(StepwiseGrammar):
         if st == "expect_section":
             return [mk.section_begin]
         if st == "section":
-            out = [mk.call_begin] if (self.spec.parallel or self.calls == 0) else []
+            more = self.calls < (MAX_CALLS if self.spec.parallel else 1)
+            out = [mk.call_begin] if more else []
             return out + ([mk.section_end] if self.calls else [])
         if st == "header" and self.sub.is_completed():
             return [mk.arg_begin]

@@ -1,5 +1,6 @@
 """xgrammar behind the grammar seam: one compiler per tokenizer, a bounded cache of compiled grammars,
-and `MatcherGrammar`, the `Grammar` protocol over one xgrammar matcher.
+and `MatcherGrammar`, the `Grammar` protocol over one xgrammar matcher. JSON schemas with objects
+open to undeclared properties go to llguidance instead, by the rule `llguidance_backend.py` states.
 
 The tokenizer is described to xgrammar by each token's raw bytes. Special tokens are given no bytes,
 which xgrammar reads as "never part of grammar text": a JSON string can then never contain an end
@@ -12,6 +13,7 @@ worker thread, so only that request waits).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -20,9 +22,10 @@ from typing import Any
 import numpy as np
 
 from namazu.structured.grammar import StepwiseGrammar, token_mask_words
-from namazu.structured.json_schema import check_json_schema, lower_formats
+from namazu.structured.json_schema import normalize_json_schema
 
 MAX_GRAMMAR_BYTES = 256 * 1024   # a bound on compile work per request
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class GrammarSpec:
 
     kind: str
     text: str = ""
+    compiler: str = ""     # "llguidance" where only llguidance enforces the schema; "" = by the rule
 
 
 class XGrammarBackend:
@@ -54,13 +58,20 @@ class XGrammarBackend:
         from namazu.structured.grammar import pack_allowed
 
         self.json_words = pack_allowed(allowed)
+        self.llg = None
+        try:
+            from namazu.structured.llguidance_backend import LLGuidanceCompiler
+
+            self.llg = LLGuidanceCompiler(tokenizer, vocab_size, self.stop_ids)
+        except (ImportError, ValueError) as err:      # not installed, or not a tokenizer it reads
+            log.info("llguidance not used (%s): every JSON schema goes to xgrammar", err)
         self.cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self.cache_size = cache_size
         self.hits = self.misses = 0
         self._lock = threading.Lock()
 
     def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar (cached by spec); ValueError naming the problem if it cannot compile."""
+        """(compiler, compiled grammar), cached by spec; ValueError naming the problem if it cannot compile."""
         with self._lock:
             if spec in self.cache:
                 self.cache.move_to_end(spec)
@@ -69,9 +80,37 @@ class XGrammarBackend:
             self.misses += 1
         if len(spec.text.encode("utf-8")) > MAX_GRAMMAR_BYTES:
             raise ValueError(f"the {spec.kind} is {len(spec.text)} characters; at most {MAX_GRAMMAR_BYTES} bytes")
+        compiled = None
+        if spec.kind == "json_schema" and self.llg is not None:
+            from namazu.structured.llguidance_backend import prefers_llguidance
+
+            if spec.compiler == "llguidance":       # only llguidance enforces it: its refusal is final
+                compiled = ("llguidance", self.llg.compile(spec.text))
+            elif prefers_llguidance(json.loads(spec.text)):
+                try:
+                    compiled = ("llguidance", self.llg.compile(spec.text))
+                except ValueError as err:           # xgrammar takes it, its open objects closed
+                    log.debug("llguidance refused a schema, xgrammar compiles it closed: %s", err)
+        if compiled is None and spec.compiler == "llguidance":
+            raise ValueError("the JSON schema needs llguidance (lengths beside a pattern), which is not installed")
+        if compiled is None:
+            compiled = ("xgrammar", self._compile_xgrammar(spec))
+        with self._lock:
+            self.cache[spec] = compiled
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        return compiled
+
+    def _compile_xgrammar(self, spec: GrammarSpec) -> Any:
         try:
             if spec.kind == "json_schema":
-                compiled = self.compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=True)
+                # The schema is normalized (json_schema.py). An object it leaves open goes to llguidance
+                # (llguidance_backend.py); one that reaches xgrammar is closed, as xgrammar's open objects
+                # admit an undeclared key spelled with \u escapes that parses as a declared one.
+                from namazu.structured.llguidance_backend import close_open_objects
+
+                text = json.dumps(close_open_objects(json.loads(spec.text)), ensure_ascii=False)
+                compiled = self.compiler.compile_json_schema(text, any_whitespace=False, strict_mode=False)
             elif spec.kind == "json_object":
                 compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
                                                              strict_mode=False)
@@ -85,19 +124,23 @@ class XGrammarBackend:
             raise
         except Exception as err:   # xgrammar raises RuntimeError (and its own types) for bad input
             raise ValueError(f"the {spec.kind.replace('_', ' ')} does not compile: {err}") from None
-        with self._lock:
-            self.cache[spec] = compiled
-            while len(self.cache) > self.cache_size:
-                self.cache.popitem(last=False)
         return compiled
 
     def matcher(self, spec: GrammarSpec, max_rollback: int, terminate_without_stop: bool = False
-                ) -> MatcherGrammar:
-        compiled = self.compile(spec)
+                ) -> StepwiseGrammar:
+        which, compiled = self.compile(spec)
         words = self.json_words if spec.kind in ("json_schema", "json_object") else None
+        if which == "llguidance":
+            from namazu.structured.llguidance_backend import LLMatcherGrammar
+
+            return LLMatcherGrammar(compiled, self.stop_ids, words, max_rollback)
         return MatcherGrammar(self.xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback,
                                                       terminate_without_stop_token=terminate_without_stop),
                               words)
+
+    def compiler_for(self, spec: GrammarSpec) -> str:
+        """Which compiler serves the spec ('xgrammar' or 'llguidance')."""
+        return self.compile(spec)[0]
 
     @property
     def stats(self) -> dict[str, int]:
@@ -106,14 +149,17 @@ class XGrammarBackend:
 
 
 def json_schema_spec(schema: Any, strict: bool = True) -> GrammarSpec:
-    """Checks a JSON schema (a dict or its JSON text) and returns its spec; ValueError says why not."""
+    """Checks a JSON schema (a dict or its JSON text) and returns the spec of the schema namazu compiles
+    for it (`json_schema.prepare_json_schema`); ValueError says why not. Not strict, constraints namazu
+    cannot enforce are dropped (and logged) instead of refused."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, RecursionError) as err:
             raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
-    check_json_schema(schema)
-    return GrammarSpec("json_schema", json.dumps(lower_formats(schema), ensure_ascii=False))  # order matters
+    prepared, _relaxed, needs_llguidance = normalize_json_schema(schema, strict)
+    return GrammarSpec("json_schema", json.dumps(prepared, ensure_ascii=False),   # property order matters
+                       "llguidance" if needs_llguidance else "")
 
 
 class MatcherGrammar(StepwiseGrammar):

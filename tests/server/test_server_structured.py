@@ -160,8 +160,12 @@ def test_a_call_cut_off_by_max_tokens_leaks_no_markers(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
         "type": "array", "uniqueItems": True}}}}, "response_format", "uniqueItems"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
-        "type": "object", "properties": {"a": {"type": "string", "format": "ipv4"}}}}}},
-     "response_format", "ipv4"),
+        "type": "object", "properties": {"a": {"type": "string", "format": "duration"}}}}}},
+     "response_format", "'duration' at #/properties/a/format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "array", "items": {"type": "string", "not": {"const": "a"}}}}}}, "response_format", "#/items/not"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "anyOf": [{"$ref": "#"}]}}}}, "response_format", "no finite JSON value"),
     ({"response_format": {"type": "yaml"}}, "response_format.type", "expected"),
     ({"tools": TOOLS + [TOOLS[0]]}, "tools[2].function.name", "declared twice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
@@ -181,7 +185,7 @@ def test_non_strict_schemas_are_best_effort(srv):
     """Without strict, a constraint namazu cannot enforce is dropped (OpenAI's contract there is best
     effort); with strict it is a 400 (above)."""
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "string", "format": "ipv4", "maxLength": 15}},
+        "type": "object", "properties": {"a": {"type": "string", "format": "duration", "maxLength": 15}},
         "required": ["a"], "additionalProperties": False}}}
     r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 40,
                                                            "response_format": rf}, timeout=60)
