@@ -31,14 +31,17 @@ def run():
 
 def test_replayed_decisions_are_the_engines(run):
     """Greedy and seeded rows, penalties, allowed ids, top-k/top-p/min-p, a second sequence's seed: the
-    argmax of every replayed decision is the token the engine emitted."""
+    argmax of every replayed decision is the token the engine emitted (the dense model's logits are the
+    engine's to rounding, so a near-tie may pick the other candidate; none is expected in these 60 decisions)."""
     batch, outs = run
     n = 0
     for prompt, params, seqs in zip(batch, PARAMS, outs):
         for index, tokens in enumerate(seqs):
             for i, token in enumerate(tokens):
                 scores = decision_scores(tiny_checkpoint(), prompt, tokens[:i], params, index)
-                assert scores is not None and int(scores.argmax()) == token, (params, index, i)
+                assert scores is not None, (params, index, i)
+                behind = float(scores.max() - scores[token]) * (params.temperature or 1.0)   # logit units
+                assert behind < engine_helpers.NEAR_TIE, (params, index, i, behind)
                 n += 1
     assert n == sum(len(t) for seqs in outs for t in seqs) > 50
     ref, gaps = dense_greedy(tiny_checkpoint(), batch[0], 8)
