@@ -11,7 +11,9 @@ mutation, so the compiler orders the two). Entries with few pairs per expert (`g
 trace the experts into the compiled graph instead and need no workspace.
 
 `moe_grouped_mm_into` computes what `graph_ops.moe_grouped_mm_eager` computes, bit for bit (same
-GEMMs per expert, same fp32 weighted sum): graph mode and eager mode give the same tokens.
+GEMMs per expert on the same slices, same fp32 weighted sum), so the MoE is not what makes graph mode's
+logits differ from eager's (the ladder padding, the traced attention and gathered experts do, to
+rounding: docs/engine.md, "What is bit-identical, and where").
 """
 from __future__ import annotations
 

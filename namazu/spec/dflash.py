@@ -104,7 +104,7 @@ class DraftLayer(nn.Module):
         m, b, _ = x.shape
         hn = self.conv_attn(self.attn_norm(x))
         if self.qkv_weight is not None:
-            # One product for q, k and v, and one rotation for q and k: the same values as below.
+            # One product for q, k and v, and one rotation for q and k: the values below, up to summation order.
             qkv = F.linear(hn, self.qkv_weight).view(m, b, 3, c.num_heads, c.head_dim).permute(0, 2, 3, 1, 4)
             qk = rope(qkv[:, :2], pos[:, None, None], c.rope_theta)                    # [M, 2, heads, B, D]
             q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
@@ -210,10 +210,11 @@ class DFlashDrafter(nn.Module):
 
     def fuse_for_serving(self) -> None:
         """Concatenates, for inference only, the weights applied to the same input: each layer's q/k/v and
-        gate/up, and all layers' context keys and values. Fewer, larger products (each row of a product
-        is the same dot products in the same order, so the values do not change: tests hold them equal);
-        on CPU the concatenations take the K-major layout the modules' weights have. Call it after the
-        weights are final: training updates the separate modules, never these copies."""
+        gate/up, and all layers' context keys and values. Fewer, larger products of the same dot products;
+        a product of another shape is blocked differently by BLAS, so the values equal the separate
+        modules' up to summation order (tests/spec/test_dflash_fused.py), and drafts only decide what is
+        verified; on CPU the concatenations take the K-major layout the modules' weights have. Call it
+        after the weights are final: training updates the separate modules, never these copies."""
         def fused(ws: list[torch.Tensor]) -> torch.Tensor:
             w = torch.cat([x.detach() for x in ws])
             return k_major(w) if wants_k_major(w) else w

@@ -1,11 +1,15 @@
-"""The drafter's serving shortcuts give the values of the plain forms they replace, bit for bit: the greedy
-walk over precomputed score tables equals the position-by-position walk, and the fused projections
-(`fuse_for_serving`: q/k/v, gate/up, every layer's context keys/values) equal the separate modules. The
-drafts served therefore do not depend on which form ran, and greedy acceptance is unchanged."""
+"""The drafter's serving shortcuts give the values of the plain forms they replace: the greedy walk over
+precomputed score tables equals the position-by-position walk bit for bit (the same row-wise argmax and
+softmax over the same score tensors), and the fused projections (`fuse_for_serving`: q/k/v, gate/up,
+every layer's context keys/values) equal the separate modules up to summation order (a product of
+another shape and layout is blocked differently by BLAS, so the low bits depend on the machine:
+tests/harness/numerics.py). Drafts only decide what is verified, so either way the output is the
+target's own; only the acceptance could move, on a near-tie of the drafter's scores."""
 import pytest
 import torch
 from dflash_fixtures import random_drafter, shortlisted_drafter
 from engine_helpers import tiny_checkpoint
+from numerics import assert_equal_up_to_reordering
 
 from namazu.assets import default_model_path
 from namazu.config import ModelConfig
@@ -54,7 +58,9 @@ def test_greedy_walk_equals_the_position_by_position_walk(kind):
 @pytest.mark.parametrize("kind", ["random", "shipped"])
 def test_fused_projections_equal_the_separate_modules(kind):
     """Context keys/values of a prefill chunk and of a verify step, and block hidden states over per-block
-    and over shared contexts (the two attention forms), with and without `fuse_for_serving`."""
+    and over shared contexts (the two attention forms), with and without `fuse_for_serving`: equal up
+    to summation order (the shared-context form multiplies q/k/v views of other strides, and on some
+    CPUs the fused product itself is blocked differently from the three separate ones)."""
     plain, fused = _load(kind), _load(kind)
     fused.fuse_for_serving()
     cfg = plain.cfg
@@ -67,8 +73,8 @@ def test_fused_projections_equal_the_separate_modules(kind):
             keys, values = fused.context_kv_all(feat, pos)                   # [layers, T, heads, D]
             for li, layer in enumerate(plain.layers):
                 k, v = layer.context_kv(feat, pos)                           # [heads, T, D]
-                assert torch.equal(keys[li], k.transpose(0, 1)), (t, li)
-                assert torch.equal(values[li], v.transpose(0, 1)), (t, li)
+                assert_equal_up_to_reordering(keys[li], k.transpose(0, 1), ("keys", t, li))
+                assert_equal_up_to_reordering(values[li], v.transpose(0, 1), ("values", t, li))
         ctx_len = 40
         feat = plain.fuse([torch.randn(ctx_len, cfg.hidden_size, generator=g) for _ in cfg.target_layers])
         ctx = [layer.context_kv(feat, torch.arange(ctx_len)) for layer in plain.layers]
@@ -80,4 +86,4 @@ def test_fused_projections_equal_the_separate_modules(kind):
                   (k.expand(m, -1, -1, -1), v.expand(m, -1, -1, -1)) for k, v in ctx]
             want = plain.forward_blocks(anchor, anchor_pos, kv, visible, embed)
             got = fused.forward_blocks(anchor, anchor_pos, kv, visible, embed)
-            assert torch.equal(got, want), (m, shared)
+            assert_equal_up_to_reordering(got, want, ("blocks", m, shared))
