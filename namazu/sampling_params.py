@@ -105,87 +105,105 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises ValueError naming the field that is out of range."""
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+        self._validate_types()
+        self._validate_ranges()
+        self._validate_constraints()
+        self._validate_token_ids()
 
+    def _bad(self, name: str, why: str) -> None:
+        raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+    def _validate_types(self) -> None:
+        """Numbers are numbers (finite) and counts are integers (a bool is neither)."""
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                bad(name, "must be a finite number")
+                self._bad(name, "must be a finite number")
         for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                bad(name, "must be an integer")
+                self._bad(name, "must be an integer")
+
+    def _validate_ranges(self) -> None:
+        """Every number within what the sampler and the scheduler serve."""
         if self.n < 1 or self.n > MAX_N:
-            bad("n", f"must be in [1, {MAX_N}]")
+            self._bad("n", f"must be in [1, {MAX_N}]")
         if self.seed is not None and not 0 <= self.seed <= INT64_MAX:
-            bad("seed", f"must be in [0, {INT64_MAX}] (it seeds an int64 generator)")
+            self._bad("seed", f"must be in [0, {INT64_MAX}] (it seeds an int64 generator)")
         if self.temperature < 0:
-            bad("temperature", "must be >= 0 (0 means greedy)")
+            self._bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
+            self._bad("top_p", "must be in (0, 1]")
         if not -1 <= self.top_k <= TOP_K_MAX:
-            bad("top_k", f"must be -1 or 0 (disabled) or a count up to {TOP_K_MAX} (a count at or "
+            self._bad("top_k", f"must be -1 or 0 (disabled) or a count up to {TOP_K_MAX} (a count at or "
                          "above the vocabulary size keeps every token)")
         if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be in [0, 1]")
+            self._bad("min_p", "must be in [0, 1]")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", "must be in [-2, 2]")
+            self._bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", "must be in [-2, 2]")
+            self._bad("frequency_penalty", "must be in [-2, 2]")
         if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0 (1 disables it)")
+            self._bad("repetition_penalty", "must be > 0 (1 disables it)")
         if self.max_tokens is not None and not 1 <= self.max_tokens <= INT64_MAX:
-            bad("max_tokens", "must be at least 1")
+            self._bad("max_tokens", "must be at least 1")
         upper = INT64_MAX if self.max_tokens is None else self.max_tokens
         if not 0 <= self.min_tokens <= upper:
-            bad("min_tokens", "must be in [0, max_tokens]")
+            self._bad("min_tokens", "must be in [0, max_tokens]")
         if self.logprobs is not None and not 0 <= self.logprobs <= INT64_MAX:
-            bad("logprobs", "must be >= 0")
+            self._bad("logprobs", "must be >= 0")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= INT64_MAX:
-            bad("prompt_logprobs", "must be >= 0")
+            self._bad("prompt_logprobs", "must be >= 0")
+
+    def _validate_constraints(self) -> None:
+        """Stop strings, and at most one well-formed structured-output constraint."""
         if any(not isinstance(s, str) or not s for s in self._stop_list):
-            bad("stop", "every stop string must be a non-empty string")
+            self._bad("stop", "every stop string must be a non-empty string")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
-            bad("num_speculative_tokens", "must be >= 0 (0 turns speculation off for this request)")
+            self._bad("num_speculative_tokens", "must be >= 0 (0 turns speculation off for this request)")
         structured = [n for n in ("json_schema", "regex", "grammar", "tool_calls") if getattr(self, n) is not None]
         structured += ["json_object"] if self.json_object else []
         if len(structured) > 1:
-            bad(structured[1], f"only one structured-output constraint per request (also {structured[0]})")
+            self._bad(structured[1], f"only one structured-output constraint per request (also {structured[0]})")
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
-            bad("json_schema", "must be a JSON-schema object or its JSON text")
+            self._bad("json_schema", "must be a JSON-schema object or its JSON text")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
-                bad(name, "must be a non-empty string")
+                self._bad(name, "must be a non-empty string")
         if self.tool_calls is not None and not (isinstance(self.tool_calls, dict)
                                                 and isinstance(self.tool_calls.get("functions"), list)
                                                 and self.tool_calls["functions"]):
-            bad("tool_calls", "must be {'functions': [...], 'tool_choice': ...} with at least one function")
+            self._bad("tool_calls", "must be {'functions': [...], 'tool_choice': ...} with at least one function")
         if self.grammar_factory is not None and not callable(self.grammar_factory):
-            bad("grammar_factory", "must be a callable returning a new grammar")
+            self._bad("grammar_factory", "must be a callable returning a new grammar")
+
+    def _validate_token_ids(self) -> None:
+        """Token-id lists, logit bias and bad words are well-formed (`check_vocab` checks their ids against
+        the vocabulary)."""
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
-            bad("allowed_token_ids", "must not be empty")
+            self._bad("allowed_token_ids", "must not be empty")
         for name in ("stop_token_ids", "allowed_token_ids"):
             ids = getattr(self, name) or []
             if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-                bad(name, "must be a list of integer token ids")
+                self._bad(name, "must be a list of integer token ids")
         if self.logit_bias is not None:
             lb = self.logit_bias
             if not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS:
-                bad("logit_bias", f"must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries")
+                self._bad("logit_bias", f"must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries")
             for t, v in lb.items():
                 if isinstance(t, bool) or not isinstance(t, int):
-                    bad("logit_bias", "keys must be integer token ids")
+                    self._bad("logit_bias", "keys must be integer token ids")
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                         or abs(v) > LOGIT_BIAS_MAX:
-                    bad("logit_bias", f"values must be finite numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+                    self._bad("logit_bias",
+                              f"values must be finite numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
         if self.bad_words_ids is not None:
             if not isinstance(self.bad_words_ids, list) or any(
                     not isinstance(w, list) or not w or any(isinstance(t, bool) or not isinstance(t, int) for t in w)
                     for w in self.bad_words_ids):
-                bad("bad_words_ids", "must be a list of non-empty lists of integer token ids")
+                self._bad("bad_words_ids", "must be a list of non-empty lists of integer token ids")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids given by the client must exist in the model's vocabulary. (top_k beyond the
