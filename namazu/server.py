@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "long (default: 30)")
     g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
                    help="close an idle keep-alive connection after this long (default: 5)")
+    from server.front_door import add_front_door_args
+    add_front_door_args(g)
     r = p.add_argument_group("replicas (Ray Serve; needs `pip install ray[serve]`)")
     r.add_argument("--replicas", default=None, metavar="MIN:MAX",
                    help="serve MIN..MAX engine replicas as a Ray Serve application behind namazu's KV-aware "
@@ -108,16 +110,18 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
     from namazu.async_engine import AsyncEngine
     from server.app import build_app
-    from server.timeouts import header_timeout_protocol
+    from server.front_door import allowed_hosts
+    from server.timeouts import guarded_protocol
 
     engine = AsyncEngine(config)
     exit_code = 0
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                         max_request_bytes=parse_bytes(args.max_request_bytes), body_timeout=args.body_timeout,
-                        write_timeout=args.write_timeout)
+                        write_timeout=args.write_timeout,
+                        allowed_hosts=allowed_hosts(args.host, args.allowed_hosts))
         uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="none",
-                            http=header_timeout_protocol(args.header_timeout),
+                            http=guarded_protocol(args.header_timeout, args.body_timeout, args.max_connections),
                             timeout_keep_alive=args.keep_alive_timeout,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
         server = _uvicorn_server(uv)
@@ -173,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("shutdown_timeout", "header_timeout", "body_timeout", "write_timeout", "keep_alive_timeout"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")
+        from server.front_door import check_front_door_args
+        check_front_door_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -75,11 +75,12 @@ def split_open(requests: Sequence[tuple[int, int, float, float | None]], now: fl
 
 def decode_steps(body: object) -> int | None:
     """A request body's max_tokens (max_completion_tokens first): its decode length at most, the exact one
-    for most clients; None when it sets neither."""
+    for most clients; None when it sets neither, or a value no replica accepts (past 2^31: the replica
+    answers its own 400, and a 3000-digit integer must not reach float arithmetic here)."""
     if not isinstance(body, dict):
         return None
     n = body.get("max_completion_tokens", body.get("max_tokens"))
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and 0 < n < 1 << 31 else None
 
 
 def slot_wait_steps(running: Sequence[float], waiting: Sequence[float], capacity: int) -> float:
