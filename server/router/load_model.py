@@ -121,9 +121,15 @@ def first_token_ms(rates: Rates, wait_ms: float, uncached: int) -> float:
     return wait_ms + rates.overhead_ms + rates.ms_per_block * uncached
 
 
+# A reported rate above this is not a rate but a broken measurement (a replica once reported 1.6e83 ms per
+# prefill block): it is ignored like a missing one, and the replica is priced at its twins' or the prior.
+MAX_REPORTED_MS = 60_000.0
+
+
 def _measured(report: Mapping[str, object], key: str) -> float:
     value = report.get(key)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and 0 < value <= MAX_REPORTED_MS)
     return float(value) if ok else 0.0     # type: ignore[arg-type]
 
 
