@@ -190,8 +190,8 @@ def test_prefix_cache_reported_in_usage(client):
 
 
 def test_invalid_inputs_get_4xx_and_server_keeps_serving(srv, client):
-    h = srv.headers()
-    post = lambda path, **kw: httpx.post(srv.url + path, headers={**h, "Content-Type": "application/json"}, timeout=30, **kw)  # noqa: E731
+    h = {**srv.headers(), "Content-Type": "application/json"}
+    post = lambda path, **kw: httpx.post(srv.url + path, headers=h, timeout=30, **kw)  # noqa: E731
     cases = [
         (post("/v1/completions", json={"model": "tiny", "prompt": "x", "suffix": "y"}), 400, "suffix"),
         (post("/v1/completions", json={"prompt": "x", "temperature": -1}), 400, "temperature"),
