@@ -38,6 +38,7 @@ from namazu.config import ModelConfig
 from namazu.distributed.health import HANG_SECONDS, stale_seconds
 from namazu.engine import EngineStats, LLMEngine
 from namazu.engine_config import EngineConfig
+from namazu.grammar_compiles import GrammarCompiles
 from namazu.outputs import RequestOutput
 from namazu.sampling_params import SamplingParams
 from namazu.spec.capture import CaptureWriter, record_from_output
@@ -121,8 +122,12 @@ class AsyncEngine:
     checked in the caller (a bad request raises ValueError there and never reaches the engine).
     """
 
-    def __init__(self, config: EngineConfig | None = None, drafter: Proposer | None = None):
+    def __init__(self, config: EngineConfig | None = None, drafter: Proposer | None = None,
+                 grammar_threads: int = 1, max_grammar_compiles: int = 8):
         self.engine = LLMEngine(config, drafter)
+        # Grammar compiles on a pool of their own, deduplicated and bounded (namazu/grammar_compiles.py).
+        self.grammars = GrammarCompiles(self.compile_grammar, grammar_threads, max_grammar_compiles,
+                                        overloaded=EngineOverloadedError)
         self._drafter = drafter
         cfg = self.engine.config
         self.capture = CaptureWriter(cfg.capture_dir, cfg.capture_shard_bytes) if cfg.capture_dir else None
@@ -215,6 +220,13 @@ class AsyncEngine:
         makes only its own request wait and never the step loop)."""
         self.engine.compile_grammar(params)
 
+    async def compile_grammar_async(self, params: SamplingParams) -> None:
+        """`compile_grammar` on the grammar pool: identical grammars compiled once, at most
+        `max_grammar_compiles` distinct ones at a time (past that EngineOverloadedError), and a compile
+        nobody waits for any more dropped before it starts."""
+        if needs_compiler(params):
+            await self.grammars.compile(params)
+
     @property
     def error(self) -> BaseException | None:
         """What stopped the engine (a worker rank died or hung, a step failed); None while it runs."""
@@ -279,8 +291,7 @@ class AsyncEngine:
         self.check_admission(params.n)
         request_id = request_id or f"req-{next(self._ids)}"
         ids = self.validate_request(request_id, prompt, params, prompt_token_ids)
-        if needs_compiler(params):
-            await asyncio.to_thread(self.compile_grammar, params)
+        await self.compile_grammar_async(params)
         timeout = self.config.request_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         slot = _Slot(asyncio.get_running_loop(), asyncio.Event(), params.n)
@@ -528,6 +539,7 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._stop_watch.set()
+        self.grammars.shutdown()
         for thread in (self._thread, self._watchdog):
             if thread.is_alive() and threading.current_thread() is not thread:
                 thread.join(timeout=30)

@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close an idle keep-alive connection after this long (default: 5)")
     from server.front_door import add_front_door_args
     add_front_door_args(g)
+    g.add_argument("--grammar-threads", type=int, default=1, metavar="N",
+                   help="threads that compile structured-output grammars, apart from request preparation: a "
+                        "storm of schemas keeps at most this many cores busy (default: 1)")
+    g.add_argument("--max-grammar-compiles", type=int, default=8, metavar="N",
+                   help="distinct grammar compiles queued or running at once; one more is a 429 (identical "
+                        "grammars share one compile) (default: 8)")
     r = p.add_argument_group("replicas (Ray Serve; needs `pip install ray[serve]`)")
     r.add_argument("--replicas", default=None, metavar="MIN:MAX",
                    help="serve MIN..MAX engine replicas as a Ray Serve application behind namazu's KV-aware "
@@ -113,7 +119,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     from server.front_door import allowed_hosts
     from server.timeouts import guarded_protocol
 
-    engine = AsyncEngine(config)
+    engine = AsyncEngine(config, grammar_threads=args.grammar_threads, max_grammar_compiles=args.max_grammar_compiles)
     exit_code = 0
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
@@ -179,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")
         from server.front_door import check_front_door_args
         check_front_door_args(args)
+        if args.grammar_threads < 1 or args.max_grammar_compiles < 1:
+            raise ValueError("--grammar-threads and --max-grammar-compiles must be at least 1")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -81,6 +81,7 @@ class Tokenizer:
                            for i in self.special_ids} - {""}, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._plain_backend: Any = None          # the HF tokenizer with special tokens read as text
+        self._max_token_chars: int | None = None
         self._plain_lock = threading.Lock()
 
     # -- loading ----------------------------------------------------------------------------------------
@@ -154,6 +155,22 @@ class Tokenizer:
         ids |= {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
         return ids
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its bytes, or a special token's text)."""
+        if self._max_token_chars is None:
+            n = self.vocab_size
+            longest = max((len(self.token_bytes(i)) for i in range(n) if i not in self.special_ids), default=1)
+            specials = (len(self.id_to_token(i)) if self.kind == "hf" else len(self.token_bytes(i))
+                        for i in self.special_ids)
+            self._max_token_chars = max(1, longest, *specials)
+        return self._max_token_chars
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to, without encoding it (no token covers more than
+        `max_token_chars` characters): an over-long prompt is refused before it is tokenized."""
+        return -(-len(text) // self.max_token_chars)
+
     # -- text <-> ids -----------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special-token text (e.g. from a chat template) becomes the special token. With
@@ -196,21 +213,28 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, special_tokens_in_content: bool = False,
-                    **kwargs: Any) -> list[int]:
+                    max_tokens: int | None = None, **kwargs: Any) -> list[int]:
         """The conversation's token ids. Only the template's own markers become special tokens: text in
         the messages and tools that spells a special token (`<|im_end|><|im_system|>system...` inside a
         user message, which would otherwise forge a system turn) is tokenized as the text it is.
         `special_tokens_in_content=True` reads it as control tokens (for trusted callers that build
-        turns themselves). The template writes BOS itself when the model wants one."""
+        turns themselves). With `max_tokens`, a rendering that must encode to more raises PromptTooLong
+        before it is tokenized. The template writes BOS itself when the model wants one."""
         if special_tokens_in_content or self._special_re is None:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs),
-                               add_special_tokens=False)
+            text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+            self._check_fits(text, max_tokens)
+            return self.encode(text, add_special_tokens=False)
         guard = _ContentGuard(self._special_re)
         messages, tools = guard.wrap(messages), guard.wrap(tools)
         text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+        self._check_fits(text, max_tokens)
         if not guard.placeholders:          # nothing in the content spells a special token
             return self.encode(text, add_special_tokens=False)
         return self._encode_guarded(text, guard)
+
+    def _check_fits(self, text: str, max_tokens: int | None) -> None:
+        if max_tokens is not None and self.min_tokens(text) > max_tokens:
+            raise PromptTooLong(len(text), self.min_tokens(text))
 
     def _encode_guarded(self, text: str, guard: _ContentGuard) -> list[int]:
         """`text` split at the real special tokens (the template's: the content's were replaced by
@@ -242,6 +266,14 @@ class Tokenizer:
         enc = (self._plain_backend.encode(text, add_special_tokens=False) if len(text) < _GIL_FREE_CHARS
                else self._plain_backend.encode_batch([text], add_special_tokens=False)[0])
         return list(enc.ids)
+
+
+class PromptTooLong(ValueError):
+    """A text that encodes to more tokens than allowed, found before encoding it."""
+
+    def __init__(self, chars: int, at_least: int):
+        super().__init__(f"{chars} characters, at least {at_least} tokens")
+        self.chars, self.at_least = chars, at_least
 
 
 class _ContentGuard:

@@ -10,11 +10,11 @@ Large bodies are parsed off the event loop, so one request cannot stall every ot
 """
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 from server.api_error import APIError
+from server.prepare_pool import run_prepare
 
 MAX_DEPTH = 64                      # the deepest real request (tool schemas) is far shallower
 OFF_LOOP_BYTES = 64 * 1024          # parsing more than this takes long enough to matter to other clients
@@ -81,4 +81,4 @@ def parse_json(raw: bytes) -> Any:
 async def parse_json_async(raw: bytes) -> Any:
     if len(raw) <= OFF_LOOP_BYTES:
         return parse_json(raw)
-    return await asyncio.to_thread(parse_json, raw)
+    return await run_prepare(parse_json, raw)

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from namazu.structured.tool_calls import tool_call_constraint
+from namazu.tokenizer import PromptTooLong
 from server.common import (
     SSE_DONE,
     GenerationJob,
@@ -53,6 +54,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     param = "max_completion_tokens" if isinstance(body, dict) and "max_completion_tokens" in body else "max_tokens"
     # Rendering the template and tokenizing are proportional to the body: off the event loop.
     prompt_ids, params, rid = await off_loop(_prepare, state, req, param)
+    await state.compile_grammar(request, params)
     job = _ChatJob(state, req, prompt_ids, params, rid, tracker)
     if req.sampling.stream:
         return StreamingResponse(job.stream(), media_type="text/event-stream",
@@ -65,7 +67,12 @@ def _prepare(state: ServerState, req: ChatRequest, param: str) -> tuple[list[int
     calls = req.tool_choice != "none"
     try:
         prompt_ids = engine.tokenizer.encode_chat(req.messages, add_generation_prompt=True,
-                                                  tools=req.tools if calls else None)
+                                                  tools=req.tools if calls else None,
+                                                  max_tokens=engine.max_model_len)   # checked before tokenizing
+    except PromptTooLong as e:
+        raise invalid(f"This model's maximum context length is {engine.max_model_len} tokens. However, your "
+                      f"messages are at least {e.at_least} tokens ({e.chars} characters). Please reduce the "
+                      "length of the messages.", "messages", code="context_length_exceeded") from None
     except (ValueError, TypeError, TemplateError) as e:     # the template refused these messages
         raise invalid(f"'messages' cannot be rendered by the model's chat template: {e}", "messages") from None
     max_tokens = resolve_max_tokens(len(prompt_ids), req.max_tokens, engine.max_model_len, param, "messages")

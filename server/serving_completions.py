@@ -20,6 +20,7 @@ from server.common import (
     OffsetCounter,
     ServerState,
     TokenText,
+    check_fits,
     new_id,
     off_loop,
     resolve_max_tokens,
@@ -79,6 +80,7 @@ async def create_completion(request: Request, state: ServerState, body: Any,
     state.check_num_seqs(len(req.prompts) * req.sampling.n, "prompt" if len(req.prompts) > 1 else "n")
     # Tokenizing (and detokenizing token-id prompts) is proportional to the body: off the event loop.
     prompts, params, rid = await off_loop(_prepare, state, req)
+    await state.compile_grammar(request, params)
     job = _Job(state, req, prompts, params, rid, tracker)
     if req.sampling.stream:
         return StreamingResponse(job.stream(), media_type="text/event-stream",
@@ -94,6 +96,7 @@ def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[_Prompt],
     for i, p in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
+            check_fits(tok, p, engine.max_model_len, param)     # before tokenizing a text that cannot fit
             ids = tok.encode(p, add_special_tokens=True)
             if not ids:
                 raise APIError(400, f"'{param}' encodes to no tokens", param=param)
