@@ -133,8 +133,11 @@ def _chat_request(vocab_size: int, max_logprobs: int) -> dict[str, Any]:
     # say per role), and every optional field may be null, which counts as absent.
     string = _nullable({"type": "string"})
     message = {
-        "type": "object", "required": ["role"],
+        "type": "object", "required": ["role"], "additionalProperties": False,
         "properties": {
+            # Accepted and ignored (an assistant message echoed back from an earlier answer).
+            **{k: {} for k in ("refusal", "audio", "annotations", "function_call", "reasoning_content",
+                               "reasoning")},
             "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
             "content": _nullable({"oneOf": [{"type": "string"}, {"type": "array", "items": part}]}),
             "name": string,

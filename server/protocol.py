@@ -153,9 +153,11 @@ class SamplingFields:
 
 
 def _read_sampling(f: Fields) -> SamplingFields:
-    if f.has("logit_bias") and f.raw("logit_bias"):
+    bias = f.raw("logit_bias")
+    if bias is not None and not isinstance(bias, dict):      # false, 0, "" and [] are not a bias map either
+        raise wrong_type("logit_bias", "an object mapping token ids to biases", bias)
+    if bias:
         raise invalid("'logit_bias' is not supported by this server", "logit_bias")
-    f.raw("logit_bias")
     if f.has("best_of") and f.int("best_of", lo=1) != f.int("n", 1):
         raise invalid("'best_of' is not supported (only best_of == n)", "best_of")
     n = f.int("n", 1, lo=1, hi=MAX_N)
@@ -345,6 +347,12 @@ def _read_response_format(v: Any) -> dict[str, Any]:
     return {"json_schema": schema, "json_schema_strict": strict}
 
 
+# The fields of a chat message; those the template does not use (an assistant message's `refusal`,
+# `audio`, `annotations`, `reasoning_content` echoed back from an earlier answer) are accepted and ignored.
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio",
+                           "annotations", "function_call", "reasoning_content", "reasoning"})
+
+
 def _read_messages(v: Any) -> list[dict[str, Any]]:
     if v is None:
         raise APIError(422, "'messages' is required", param="messages", code="missing_required_parameter")
@@ -357,6 +365,10 @@ def _read_messages(v: Any) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise wrong_type(where, "an object", m)
+        unknown = sorted(set(m) - _MESSAGE_KEYS)
+        if unknown:         # refused as unknown top-level fields are, not silently dropped
+            raise invalid(f"'{where}' has unknown field(s) {unknown[:5]}; a message has {sorted(_MESSAGE_KEYS)}",
+                          f"{where}.{unknown[0]}")
         role = m.get("role")
         if role not in _ROLES:
             raise invalid(f"'{where}.role' = {role!r}; expected one of {list(_ROLES)}", f"{where}.role")
