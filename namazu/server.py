@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close an idle keep-alive connection after this long (default: 5)")
     from server.front_door import add_front_door_args
     add_front_door_args(g)
+    g.add_argument("--kv-events-key", default=os.environ.get("NAMAZU_KV_EVENTS_KEY"), metavar="SECRET",
+                   help="publish /kv/events block hashes keyed with this secret (give the router the same "
+                        "--kv-events-key), so a reader without it cannot confirm a guessed prompt from them "
+                        "(default: $NAMAZU_KV_EVENTS_KEY, else unkeyed)")
     g.add_argument("--grammar-threads", type=int, default=1, metavar="N",
                    help="threads that compile structured-output grammars, apart from request preparation: a "
                         "storm of schemas keeps at most this many cores busy (default: 1)")
@@ -117,6 +121,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     from namazu.async_engine import AsyncEngine
     from server.app import build_app
     from server.front_door import allowed_hosts
+    from server.kv_event_keys import parse_key
     from server.timeouts import guarded_protocol
 
     engine = AsyncEngine(config, grammar_threads=args.grammar_threads, max_grammar_compiles=args.max_grammar_compiles)
@@ -125,7 +130,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                         max_request_bytes=parse_bytes(args.max_request_bytes), body_timeout=args.body_timeout,
                         write_timeout=args.write_timeout,
-                        allowed_hosts=allowed_hosts(args.host, args.allowed_hosts))
+                        allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
+                        kv_events_key=parse_key(args.kv_events_key))
         uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="none",
                             http=guarded_protocol(args.header_timeout, args.body_timeout, args.max_connections),
                             timeout_keep_alive=args.keep_alive_timeout,
@@ -185,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")
         from server.front_door import check_front_door_args
         check_front_door_args(args)
+        from server.kv_event_keys import parse_key
+        parse_key(args.kv_events_key)
         if args.grammar_threads < 1 or args.max_grammar_compiles < 1:
             raise ValueError("--grammar-threads and --max-grammar-compiles must be at least 1")
     except ValueError as e:

@@ -38,7 +38,8 @@ CLIENT_CLOSED = 499         # nginx's status for a request whose client went awa
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, body_timeout: float = 30.0,
-              write_timeout: float = 30.0, allowed_hosts: Iterable[str] | None = None) -> Starlette:
+              write_timeout: float = 30.0, allowed_hosts: Iterable[str] | None = None,
+              kv_events_key: bytes | None = None) -> Starlette:
     """The app around a started engine. `api_key` None: no authentication (an empty key is refused:
     it would look like authentication while letting anyone in). `allowed_hosts`: the names a request's
     Host header may carry (None: any; see server.front_door.allowed_hosts)."""
@@ -46,7 +47,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
         raise ValueError("the API key is empty; give a non-empty --api-key (or none, for no authentication)")
     state = ServerState(engine=engine, served_model_name=served_model_name or engine.model_name,
                         max_logprobs=engine.config.max_logprobs, metrics=None,  # type: ignore[arg-type]
-                        max_request_bytes=max_request_bytes, body_timeout=body_timeout)
+                        max_request_bytes=max_request_bytes, body_timeout=body_timeout,
+                        kv_events_key=kv_events_key)
     metrics = state.metrics = ServerMetrics(state.stats)
     routes = [
         Route("/health", health, methods=["GET"]),

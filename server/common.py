@@ -38,6 +38,7 @@ class ServerState:
     metrics: ServerMetrics
     max_request_bytes: int
     body_timeout: float = 30.0
+    kv_events_key: bytes | None = None      # --kv-events-key: /kv/events publishes keyed hashes
     in_flight: int = 0              # engine requests started and not yet finished
     peak_in_flight: int = 0
 

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-api-key", default=os.environ.get("NAMAZU_REPLICA_API_KEY"),
                    help="API key the replicas were started with; the router sends it on every request it "
                         "forwards (default: $NAMAZU_REPLICA_API_KEY)")
+    p.add_argument("--kv-events-key", default=os.environ.get("NAMAZU_KV_EVENTS_KEY"), metavar="SECRET",
+                   help="the replicas' --kv-events-key: their events carry keyed hashes, and the router keys "
+                        "its prompts' hashes the same way (default: $NAMAZU_KV_EVENTS_KEY, else unkeyed)")
     f = p.add_argument_group("front door (the clients' side; the server's flags of the same names)")
     f.add_argument("--api-key", default=os.environ.get("NAMAZU_API_KEY"),
                    help="require 'Authorization: Bearer KEY' from clients on every route but /health "
@@ -72,6 +75,7 @@ async def serve(args: argparse.Namespace) -> None:
     from namazu.engine_config import parse_bytes
     from namazu.tokenizer import Tokenizer
     from server.front_door import allowed_hosts
+    from server.kv_event_keys import parse_key
     from server.router.policy import make_policy
     from server.router.pool import ReplicaPool
     from server.router.proxy import FrontDoor, Router
@@ -88,7 +92,8 @@ async def serve(args: argparse.Namespace) -> None:
                                              args.spill_factor),
                         tokenizer, client, headers, args.block_size,
                         FrontDoor(args.api_key, parse_bytes(args.max_request_bytes), args.body_timeout,
-                                  allowed_hosts(args.host, args.allowed_hosts)))
+                                  allowed_hosts(args.host, args.allowed_hosts),
+                                  kv_events_key=parse_key(args.kv_events_key)))
         await pool.start()
         try:
             config = uvicorn.Config(router.app(), host=args.host, port=args.port, log_level=args.log_level,
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         from server.front_door import check_front_door_args
 
         parse_bytes(args.max_request_bytes)
+        from server.kv_event_keys import parse_key
+        parse_key(args.kv_events_key)
         for key, flag in ((args.api_key, "--api-key"), (args.replica_api_key, "--replica-api-key")):
             if key is not None and not key.strip():
                 raise ValueError(f"{flag} is empty, which would turn authentication off unnoticed")

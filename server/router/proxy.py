@@ -37,6 +37,7 @@ from namazu.scheduler.kv_events import PromptHasher
 from server.api_error import APIError
 from server.front_door import AuthMiddleware, BrowserGuardMiddleware, read_body
 from server.json_body import parse_json
+from server.kv_event_keys import keyed
 from server.router.load_model import DEFAULT_STEPS, decode_steps
 from server.router.metrics import RouterMetrics
 from server.router.policy import Policy
@@ -67,6 +68,7 @@ class FrontDoor:
     body_timeout: float = 30.0
     allowed_hosts: Iterable[str] | None = None  # None: any Host header
     prepare_threads: int = 2                    # parsing + tokenizing pool
+    kv_events_key: bytes | None = None          # the replicas' --kv-events-key: their events are keyed
 
 
 class Router:
@@ -117,6 +119,8 @@ class Router:
         ids = self.prompt_ids(path, body)
         hasher = self.hasher()
         hashes = hasher.hashes(ids) if hasher else []
+        if self.front.kv_events_key is not None:    # compared with the replicas' keyed events
+            hashes = keyed(self.front.kv_events_key, hashes)
         return body, ids, hashes, hasher.block_size if hasher else 16
 
     # -- forwarding -------------------------------------------------------------------------------------
