@@ -112,11 +112,6 @@ def guarded_protocol(header_timeout: float, body_timeout: float | None = None,
     return GuardedProtocol
 
 
-def header_timeout_protocol(header_timeout: float) -> type:
-    """The guarded protocol with the header deadline alone."""
-    return guarded_protocol(header_timeout)
-
-
 class _ClientStalled(Exception):
     pass
 
