@@ -120,7 +120,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
     from namazu.async_engine import AsyncEngine
     from server.app import build_app
-    from server.front_door import allowed_hosts
+    from server.front_door import allowed_hosts, fit_connection_cap
     from server.kv_event_keys import parse_key
     from server.timeouts import guarded_protocol
 
@@ -133,7 +133,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                         allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
                         kv_events_key=parse_key(args.kv_events_key))
         uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="none",
-                            http=guarded_protocol(args.header_timeout, args.body_timeout, args.max_connections),
+                            http=guarded_protocol(args.header_timeout, args.body_timeout,
+                                                 fit_connection_cap(args.max_connections)),
                             timeout_keep_alive=args.keep_alive_timeout,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
         server = _uvicorn_server(uv)

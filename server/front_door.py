@@ -172,3 +172,31 @@ def check_front_door_args(args: argparse.Namespace) -> None:
     if args.max_connections < 1:
         raise ValueError("--max-connections must be at least 1")
     allowed_hosts(args.host, args.allowed_hosts)
+
+
+_FD_RESERVE = 128       # descriptors kept for the server's own work: upstream connections, files, pipes
+
+
+def fit_connection_cap(max_connections: int) -> int:
+    """The connection cap the process's descriptor limit allows: the soft limit is raised toward the
+    hard one when the cap needs it, and the cap lowered (with a warning) when even that is short, so
+    that connections run out before descriptors do (past the descriptor limit /health fails too)."""
+    import logging
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + _FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < want:
+        cap = max(1, soft - _FD_RESERVE)
+        logging.getLogger(__name__).warning(
+            "--max-connections %d lowered to %d: the descriptor limit is %d", max_connections, cap, soft)
+        return cap
+    return max_connections
+

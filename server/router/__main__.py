@@ -74,7 +74,7 @@ async def serve(args: argparse.Namespace) -> None:
     from namazu.assets import default_model_path
     from namazu.engine_config import parse_bytes
     from namazu.tokenizer import Tokenizer
-    from server.front_door import allowed_hosts
+    from server.front_door import allowed_hosts, fit_connection_cap
     from server.kv_event_keys import parse_key
     from server.router.policy import make_policy
     from server.router.pool import ReplicaPool
@@ -99,7 +99,7 @@ async def serve(args: argparse.Namespace) -> None:
             config = uvicorn.Config(router.app(), host=args.host, port=args.port, log_level=args.log_level,
                                     loop="none", timeout_graceful_shutdown=5,
                                     http=guarded_protocol(args.header_timeout, args.body_timeout,
-                                                          args.max_connections),
+                                                          fit_connection_cap(args.max_connections)),
                                     timeout_keep_alive=args.keep_alive_timeout)
             server = uvicorn.Server(config)
             started = asyncio.ensure_future(server.serve())
