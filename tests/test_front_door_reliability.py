@@ -300,11 +300,15 @@ def test_a_stalled_stream_closes_its_generator_at_once():
 
 def test_the_connection_cap_fits_the_descriptor_limit():
     # Past the descriptor limit /health failed too: the cap must run out first.
+    import os
     import subprocess
     import sys
+    from pathlib import Path
 
+    repo = str(Path(__file__).resolve().parent.parent)
     code = ("import resource; from server.front_door import fit_connection_cap;"
             "resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200)); print(fit_connection_cap(512));"
             "print(fit_connection_cap(50))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         cwd=repo, env={**os.environ, "PYTHONPATH": repo})
     assert out.stdout.split() == ["72", "50"], out
