@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api_error import APIError
 from server.json_body import parse_json_async
+from server.prepare_pool import body_size
 
 OPEN_PATHS = frozenset({"/health"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -150,6 +151,7 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     except TimeoutError:
         raise APIError(408, f"the request body was not received within {timeout:g} s (--body-timeout)",
                        code="request_timeout") from None
+    body_size.set(size)         # the rest of this request's preparation picks its pool by it
     return b"".join(chunks)
 
 

@@ -81,4 +81,4 @@ def parse_json(raw: bytes) -> Any:
 async def parse_json_async(raw: bytes) -> Any:
     if len(raw) <= OFF_LOOP_BYTES:
         return parse_json(raw)
-    return await run_prepare(parse_json, raw)
+    return await run_prepare(parse_json, raw, size=len(raw))

@@ -176,3 +176,16 @@ def test_a_storm_of_schemas_does_not_hold_up_a_plain_request(tmp_path):
         assert max(lat) < alone + 1.5, (alone, lat)
         assert "namazu_engine" in httpx.get(srv.url + "/metrics", timeout=10).text
         json.dumps(results)
+
+
+def test_large_requests_are_prepared_apart_from_small_ones():
+    from server.prepare_pool import LARGE_BYTES, body_size, run_prepare
+
+    async def go():
+        name = lambda: threading.current_thread().name  # noqa: E731
+        small = await run_prepare(name)
+        body_size.set(LARGE_BYTES + 1)
+        large = await run_prepare(name)
+        return small, large
+    small, large = asyncio.run(go())
+    assert small.startswith("namazu-prepare_") and large.startswith("namazu-prepare-large")
