@@ -1,8 +1,10 @@
 """`python -m namazu.server`: the OpenAI-compatible HTTP server.
 
 Engine flags come from EngineConfig (one definition each, shared with `LLM(...)`); the server adds
---host, --port, --api-key, --served-model-name, --max-request-bytes, --log-level and its time limits
-(--shutdown-timeout, --header-timeout, --body-timeout, --write-timeout, --keep-alive-timeout). The engine (and its
+--host, --port, --api-key, --served-model-name, --max-request-bytes, --log-level, its time limits
+(--shutdown-timeout, --header-timeout, --body-timeout, --write-timeout, --keep-alive-timeout) and front-door
+limits (--max-connections, --allowed-hosts, --grammar-threads, --max-grammar-compiles, --kv-events-key). The
+engine (and its
 model-runner worker) starts before the port opens, so a bad checkpoint or an impossible --max-model-len
 fails here with its own message instead of on the first request.
 """
