@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -28,7 +27,7 @@ from server.openapi import build_openapi
 from server.replica_routes import kv_events, load
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
-from server.timeouts import WriteTimeoutMiddleware
+from server.timeouts import ClosingStream, WriteTimeoutMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -109,32 +108,15 @@ async def get_model(request: Request) -> Response:
 
 
 def _generation(handler: Any) -> Any:
-    async def endpoint(request: Request) -> Response:
+    async def endpoint(request: Request) -> Response | ClosingStream:
         state = _state(request)
         body = await read_json(request, state.max_request_bytes, state.body_timeout)
         try:
             response = await handler(request, state, body, state.metrics.tracker())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)     # not sent: the connection is gone
-        return _ClosingStream(response) if isinstance(response, StreamingResponse) else response
+        return ClosingStream(response) if isinstance(response, StreamingResponse) else response
     return endpoint
-
-
-class _ClosingStream:
-    """A streamed response whose body generator is closed however the response ends. Starlette leaves
-    it suspended when a send fails (a client cut off by --write-timeout): its `finally`, which aborts the
-    engine requests and lowers the in-flight gauge, would then wait for garbage collection."""
-
-    def __init__(self, response: StreamingResponse):
-        self.response = response
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = self.response.body_iterator
-        if hasattr(body, "aclose"):
-            async with aclosing(body):
-                await self.response(scope, receive, send)
-        else:
-            await self.response(scope, receive, send)
 
 
 # -- errors -----------------------------------------------------------------------------------------------

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 from typing import Any
 
+from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
@@ -138,9 +140,26 @@ class WriteTimeoutMiddleware:
         except _ClientStalled:
             # The connection is dropped (under uvicorn's plain protocol, returning without finishing the
             # response closes it); the response's body generator was closed on the way out, which aborted
-            # its engine requests (server.app._ClosingStream).
+            # its engine requests (ClosingStream).
             abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
             if abort is not None:
                 abort()
             logger.warning("%s: the client read nothing for %g s; response abandoned and request aborted",
                            scope.get("path"), self.timeout)
+
+
+class ClosingStream:
+    """A streamed response whose body generator is closed however the response ends. Starlette leaves
+    it suspended when a send fails (a client cut off by --write-timeout): its `finally`, which aborts the
+    engine requests and lowers the in-flight gauge, would then wait for garbage collection."""
+
+    def __init__(self, response: StreamingResponse):
+        self.response = response
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.response.body_iterator
+        if hasattr(body, "aclose"):
+            async with aclosing(body):
+                await self.response(scope, receive, send)
+        else:
+            await self.response(scope, receive, send)

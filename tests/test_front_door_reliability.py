@@ -264,8 +264,7 @@ def test_connections_past_the_cap_get_503_and_are_closed():
 def test_a_stalled_stream_closes_its_generator_at_once():
     # A client that stops reading: the write timeout gives up on the response. The body generator's
     # `finally` (which aborts the engine requests) must run then, not when the garbage collector finds it.
-    from server.app import _ClosingStream
-    from server.timeouts import WriteTimeoutMiddleware
+    from server.timeouts import ClosingStream, WriteTimeoutMiddleware
 
     closed = []
 
@@ -284,7 +283,7 @@ def test_a_stalled_stream_closes_its_generator_at_once():
         await asyncio.Event().wait()
 
     async def app(scope, receive, send):
-        await _ClosingStream(StreamingResponse(body(), media_type="text/event-stream"))(scope, receive, send)
+        await ClosingStream(StreamingResponse(body(), media_type="text/event-stream"))(scope, receive, send)
 
     async def go() -> list:
         await WriteTimeoutMiddleware(app, timeout=0.2)({"type": "http", "path": "/x"}, receive, never)
@@ -312,3 +311,52 @@ def test_the_connection_cap_fits_the_descriptor_limit():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
                          cwd=repo, env={**os.environ, "PYTHONPATH": repo})
     assert out.stdout.split() == ["72", "50"], out
+
+
+def test_router_cuts_a_stalled_reader_and_closes_its_upstream_stream(tiny_tokenizer):
+    # Before, the router had no write timeout: a client that stopped reading held its connection, and the
+    # relay generator (which closes the upstream stream, aborting the request on the replica) stayed open.
+    async def sse():
+        for _ in range(10_000):
+            yield b'data: {"choices": [{"text": "x"}]}\n\n'
+
+    def replica(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=sse())
+        return FakeReplica()(request)
+
+    async def go():
+        client = httpx.AsyncClient(transport=httpx.MockTransport(replica))
+        headers = {"Authorization": f"Bearer {REPLICA_KEY}"}
+        pool = ReplicaPool([REPLICA], client, headers=headers)
+        await pool.check(pool.replicas[REPLICA])
+        r = Router(pool, make_policy("round_robin", 4.0, 1.0, 0, 2.0), tiny_tokenizer, client, headers, None,
+                   FrontDoor(write_timeout=0.3))
+        body = _json({"prompt": "x", "stream": True})
+        sent = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if sent:
+                return sent.pop()
+            await asyncio.Event().wait()
+
+        async def stalled_send(message):
+            if message["type"] == "http.response.body":
+                await asyncio.Event().wait()        # the client reads nothing
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "scheme": "http", "server": ("127.0.0.1", 8080),
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                             (b"host", b"127.0.0.1:8080")], "http_version": "1.1"}
+        await asyncio.wait_for(r.app()(scope, receive, stalled_send), 10)
+        await asyncio.sleep(0.05)
+        in_flight = pool.replicas[REPLICA].in_flight
+        r.close()
+        return in_flight
+
+    gc.disable()
+    try:
+        in_flight = asyncio.run(go())
+    finally:
+        gc.enable()
+    assert in_flight == 0, "the relay was left open (its finally closes the upstream stream)"

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
                    help="408 (then the connection is closed) when a body is not received in this long "
                         "(default: 30)")
+    f.add_argument("--write-timeout", type=float, default=30.0, metavar="S",
+                   help="cut off a client that has not read for this long, and close its upstream stream "
+                        "(the replica then aborts the request) (default: 30)")
     f.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
                    help="close an idle keep-alive connection after this long (default: 5)")
     from server.front_door import add_front_door_args
@@ -93,7 +96,7 @@ async def serve(args: argparse.Namespace) -> None:
                         tokenizer, client, headers, args.block_size,
                         FrontDoor(args.api_key, parse_bytes(args.max_request_bytes), args.body_timeout,
                                   allowed_hosts(args.host, args.allowed_hosts),
-                                  kv_events_key=parse_key(args.kv_events_key)))
+                                  kv_events_key=parse_key(args.kv_events_key), write_timeout=args.write_timeout))
         await pool.start()
         try:
             config = uvicorn.Config(router.app(), host=args.host, port=args.port, log_level=args.log_level,
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, flag in ((args.api_key, "--api-key"), (args.replica_api_key, "--replica-api-key")):
             if key is not None and not key.strip():
                 raise ValueError(f"{flag} is empty, which would turn authentication off unnoticed")
-        for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "write_timeout"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")
         check_front_door_args(args)

@@ -42,6 +42,7 @@ from server.router.load_model import DEFAULT_STEPS, decode_steps
 from server.router.metrics import RouterMetrics
 from server.router.policy import Policy
 from server.router.pool import Replica, ReplicaPool
+from server.timeouts import ClosingStream, WriteTimeoutMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class FrontDoor:
     body_timeout: float = 30.0
     allowed_hosts: Iterable[str] | None = None  # None: any Host header
     prepare_threads: int = 2                    # parsing + tokenizing pool
+    write_timeout: float = 30.0                 # a client that reads nothing this long is cut off
     kv_events_key: bytes | None = None          # the replicas' --kv-events-key: their events are keyed
 
 
@@ -124,7 +126,7 @@ class Router:
         return body, ids, hashes, hasher.block_size if hasher else 16
 
     # -- forwarding -------------------------------------------------------------------------------------
-    async def forward(self, request: Request, path: str) -> Response:
+    async def forward(self, request: Request, path: str) -> Response | ClosingStream:
         t0 = time.perf_counter()
         raw = await read_body(request, self.front.max_request_bytes, self.front.body_timeout)
         loop = asyncio.get_running_loop()
@@ -162,7 +164,7 @@ class Router:
                 logger.warning("request re-routed: %s", e)
 
     async def _send(self, request: Request, replica: Replica, path: str, raw: bytes, ticket: int,
-                    t0: float) -> Response:
+                    t0: float) -> Response | ClosingStream:
         t_sent = time.perf_counter()
         headers = {"content-type": "application/json", **self.replica_headers}
         upstream_req = self.client.build_request("POST", replica.url + path, content=raw, headers=headers,
@@ -208,8 +210,10 @@ class Router:
             return Response(status_code=499)
         replica.first_token(ticket)
         timing()
-        return StreamingResponse(self._relay(replica, ticket, upstream, first, chunks),
-                                 status_code=upstream.status_code, headers=out_headers)
+        # Closed however the response ends (a client cut off by the write timeout included): closing the
+        # relay closes the upstream stream, which aborts the request on the replica.
+        return ClosingStream(StreamingResponse(self._relay(replica, ticket, upstream, first, chunks),
+                                               status_code=upstream.status_code, headers=out_headers))
 
     async def _relay(self, replica: Replica, ticket: int, upstream: httpx.Response, first: bytes,
                      chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -243,10 +247,10 @@ class Router:
             for r in self.pool.replicas.values()]}
 
     def app(self) -> Starlette:
-        async def completions(request: Request) -> Response:
+        async def completions(request: Request) -> Response | ClosingStream:
             return await self.forward(request, "/v1/completions")
 
-        async def chat(request: Request) -> Response:
+        async def chat(request: Request) -> Response | ClosingStream:
             return await self.forward(request, "/v1/chat/completions")
 
         async def models(request: Request) -> Response:
@@ -282,6 +286,7 @@ class Router:
         ], exception_handlers={APIError: api_error})
         app.add_middleware(AuthMiddleware, api_key=self.front.api_key)
         app.add_middleware(BrowserGuardMiddleware, hosts=self.front.allowed_hosts)
+        app.add_middleware(WriteTimeoutMiddleware, timeout=self.front.write_timeout)
         return app
 
     def close(self) -> None:
