@@ -366,14 +366,16 @@ def main(argv: list[str] | None = None) -> int:
         table.append(f"| {name} | {wall:.0f} | {t.total} | {t.completed} | {t.disconnected} | {t.clean_errors} | "
                      f"{t.lost} | {leaked} | {r0:.0f} | {r1:.0f} |")
     text = "\n".join(table)
-    print(text)
+    if rows:
+        print(text)
     htext = _hostile_table(hostile_rows) if hostile_rows else ""
     print(htext)
     print(f"server healthy after the soak: {alive}; exit code after SIGTERM: {code}")
     if args.write and hostile_rows:
         write_section(HOSTILE_BEGIN, HOSTILE_END, (
             f"## Soak, hostile mix (`python bench/soak.py --burst 0 --duration 0 --hostile-duration "
-            f"{args.hostile_duration:g}`, {time.strftime('%Y-%m-%d')})\n\n"
+            f"{args.hostile_duration:g} --max-out {args.max_out} --hostile-concurrency {args.hostile_concurrency}`, "
+            f"{time.strftime('%Y-%m-%d')})\n\n"
             f"Server flags: `{args.server_args}`; model: {args.model or 'embedded namazu-tiny'}. Normal traffic: "
             f"{args.hostile_concurrency} users, the steady mix without hang-ups. Hostile: 2 slow readers (a "
             "4-sequence stream of 400 tokens with logprobs whose socket is never read, held 8 s), 8 dribblers "
