@@ -6,6 +6,8 @@ parsing, eight concurrent schemas took a plain request from 0.06 s to 30 s. Here
 - compiles run on `threads` threads of their own (default 1: on a small machine a storm of schemas
   keeps one core busy, never all of them), so requests without a grammar never queue behind one;
 - identical grammars (the same compile key) share one compile, however many requests ask at once;
+- the compile threads run at a lower CPU priority (nice + NICE, Linux sets it per thread), so on a
+  machine with few cores the engine thread and the event loop get a core first when they need one;
 - at most `max_pending` distinct compiles are queued or running; one more is refused at once
   (EngineOverloadedError: 429 with Retry-After) instead of queueing for minutes;
 - a compile whose every requester left (client disconnect, timeout) is dropped if it has not started
@@ -17,12 +19,23 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from namazu.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+NICE = 10
+
+
+def _lower_priority() -> None:
+    """Runs in each compile thread as it starts: on Linux a thread's niceness is its own."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + NICE)
+    except (AttributeError, OSError):       # not Linux, or not permitted: compiles run at normal priority
+        pass
 
 
 def compile_key(params: SamplingParams) -> str:
@@ -37,7 +50,8 @@ class GrammarCompiles:
         if threads < 1 or max_pending < 1:
             raise ValueError("want threads >= 1 and max_pending >= 1")
         self._fn = compile_fn
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="namazu-grammar")
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="namazu-grammar",
+                                                           initializer=_lower_priority)
         self.max_pending = max_pending
         self._overloaded = overloaded
         # key -> [the compile's future, its asyncio view, requests waiting]; touched on the event loop only.

@@ -189,3 +189,19 @@ def test_large_requests_are_prepared_apart_from_small_ones():
         return small, large
     small, large = asyncio.run(go())
     assert small.startswith("namazu-prepare_") and large.startswith("namazu-prepare-large")
+
+
+def test_compile_threads_run_at_a_lower_priority():
+    import os
+
+    from namazu.grammar_compiles import NICE
+
+    seen = []
+
+    async def go():
+        g = GrammarCompiles(lambda p: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        await g.compile(_params(0))
+        g.shutdown()
+    asyncio.run(go())
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert seen == [min(19, base + NICE)]
