@@ -13,9 +13,10 @@ What keeps one request (or one fault) from taking the server down:
 - bounded output buffers: outputs are cumulative, so a slot keeps only the newest; a client that stops
   reading costs one output, not one per step;
 - a step that raises fails only the requests that were in it (RequestFailedError); the engine serves on;
-- supervision: a dead worker process is noticed within a second even while idle, a hung one (alive but
-  silent) when it does not answer a ping within `step_timeout` while idle or a step runs past it; a hung
-  worker is killed; either way every request in flight fails with
+- supervision: a dead worker process is noticed within a second even while idle; a hung one (alive but
+  silent) when its heartbeat is older than HANG_SECONDS (8 s: /health turns 503 at once, and the
+  watchdog kills it), when it does not answer a ping within `step_timeout` while idle, or when a step
+  runs past `step_timeout`; a hung worker is killed; either way every request in flight fails with
   EngineUnavailableError (503), the engine is rebuilt (up to `max_worker_restarts` times), and when it
   cannot be, `failed` is set so the server exits non-zero for its supervisor to restart it;
 - deadlines: with `request_timeout`, a request still running past it is aborted (RequestTimeoutError).
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from namazu.config import ModelConfig
+from namazu.distributed.health import HANG_SECONDS, stale_seconds
+from namazu.engine.grammar_compiles import GrammarCompiles
 from namazu.engine.llm_engine import EngineStats, LLMEngine
 from namazu.engine_config import EngineConfig
 from namazu.outputs import RequestOutput
@@ -119,8 +122,12 @@ class AsyncEngine:
     checked in the caller (a bad request raises ValueError there and never reaches the engine).
     """
 
-    def __init__(self, config: EngineConfig | None = None, drafter: Proposer | None = None):
+    def __init__(self, config: EngineConfig | None = None, drafter: Proposer | None = None,
+                 grammar_threads: int = 1, max_grammar_compiles: int = 8):
         self.engine = LLMEngine(config, drafter)
+        # Grammar compiles on a pool of their own, deduplicated and bounded (namazu/engine/grammar_compiles.py).
+        self.grammars = GrammarCompiles(self.compile_grammar, grammar_threads, max_grammar_compiles,
+                                        overloaded=EngineOverloadedError)
         self._drafter = drafter
         cfg = self.engine.config
         self.capture = CaptureWriter(cfg.capture_dir, cfg.capture_shard_bytes) if cfg.capture_dir else None
@@ -213,6 +220,13 @@ class AsyncEngine:
         makes only its own request wait and never the step loop)."""
         self.engine.compile_grammar(params)
 
+    async def compile_grammar_async(self, params: SamplingParams) -> None:
+        """`compile_grammar` on the grammar pool: identical grammars compiled once, at most
+        `max_grammar_compiles` distinct ones at a time (past that EngineOverloadedError), and a compile
+        nobody waits for any more dropped before it starts."""
+        if needs_compiler(params):
+            await self.grammars.compile(params)
+
     @property
     def error(self) -> BaseException | None:
         """What stopped the engine (a worker rank died or hung, a step failed); None while it runs."""
@@ -220,9 +234,17 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        """True while requests are accepted: not stopped, draining, restarting or failed."""
+        """True while requests are accepted: not stopped, draining, restarting, failed, or with a worker
+        whose heartbeat stopped."""
         return (not self._stopped and not self._draining and self._error is None
-                and self._unavailable is None)
+                and self._unavailable is None and self.heartbeat_age() <= HANG_SECONDS)
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the least recent worker heartbeat (0.0 for workers in this process). A stopped or
+        wedged worker stops beating; reading the shared timestamps never waits for the engine thread,
+        which may be blocked on that very worker (an idle ping waits up to --step-timeout)."""
+        beats = getattr(getattr(self.engine, "executor", None), "beats", None) or ()
+        return max((stale_seconds(b) for b in beats if b.value), default=0.0)
 
     @property
     def status(self) -> str:
@@ -235,6 +257,9 @@ class AsyncEngine:
             return "shutting down"
         if self._unavailable is not None:
             return self._unavailable
+        age = self.heartbeat_age()
+        if age > HANG_SECONDS:
+            return f"the model-runner worker is hung: no heartbeat for {age:.0f} s; restarting it"
         return "ok"
 
     def check_admission(self, num_seqs: int) -> None:
@@ -266,8 +291,7 @@ class AsyncEngine:
         self.check_admission(params.n)
         request_id = request_id or f"req-{next(self._ids)}"
         ids = self.validate_request(request_id, prompt, params, prompt_token_ids)
-        if needs_compiler(params):
-            await asyncio.to_thread(self.compile_grammar, params)
+        await self.compile_grammar_async(params)
         timeout = self.config.request_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         slot = _Slot(asyncio.get_running_loop(), asyncio.Event(), params.n)
@@ -490,12 +514,19 @@ class AsyncEngine:
         return True
 
     def _watch(self) -> None:
-        """Kills the workers of a step running past --step-timeout (a hung worker); the step then
-        fails as if the worker had died, and the engine restarts."""
+        """Kills the workers of a step running past --step-timeout, or whose heartbeat stopped (a hung
+        worker); the step or idle ping waiting on them then fails as if the worker had died, and the
+        engine restarts."""
         timeout = self.config.step_timeout
         while not self._stopped and not self.failed.is_set():
             if self._stop_watch.wait(min(1.0, timeout / 4)):
                 return
+            age = self.heartbeat_age()
+            if age > HANG_SECONDS and self._unavailable is None:
+                logger.error("the worker has not beaten for %.0f s (hung); killing it", age)
+                self._unavailable = f"the model-runner worker was hung (no heartbeat for {age:.0f} s)"
+                self.engine.kill_workers()
+                continue
             started = self._step_started
             if started is not None and time.monotonic() - started > timeout:
                 logger.error("a step has run for more than %g s (--step-timeout); killing its worker", timeout)
@@ -508,6 +539,7 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._stop_watch.set()
+        self.grammars.shutdown()
         for thread in (self._thread, self._watchdog):
             if thread.is_alive() and threading.current_thread() is not thread:
                 thread.join(timeout=30)

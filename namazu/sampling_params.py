@@ -19,6 +19,15 @@ MAX_N = 1024
 # (each biased row costs one device scatter entry per step; OpenAI itself caps the map at 300 keys).
 LOGIT_BIAS_MAX = 100.0
 MAX_LOGIT_BIAS = 1024
+# The sampler computes in float32, where a positive value below these vanishes or overflows what it
+# divides (top_p 1e-300 became 0 and kept no token; temperature 1e-45 made the logits inf): a
+# temperature below MIN_TEMPERATURE is greedy (the distribution is one-hot at any representable
+# temperature that small), a top_p below MIN_TOP_P is MIN_TOP_P (both keep exactly the most likely
+# token for any vocabulary under a million tokens), and a repetition_penalty below
+# MIN_REPETITION_PENALTY is refused (it divides logits).
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
+MIN_REPETITION_PENALTY = 1e-6
 
 
 @dataclass
@@ -85,6 +94,10 @@ class SamplingParams:
         else:
             self._stop_list = list(self.stop or [])
         self.validate()
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
+        if self.top_p < MIN_TOP_P:
+            self.top_p = MIN_TOP_P
 
     def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """`logit_bias` as (token ids int64, biases float32), built once per request."""
@@ -144,8 +157,8 @@ class SamplingParams:
             self._bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             self._bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            self._bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if not self.repetition_penalty >= MIN_REPETITION_PENALTY:
+            self._bad("repetition_penalty", f"must be at least {MIN_REPETITION_PENALTY:g} (1 disables it)")
         if self.max_tokens is not None and not 1 <= self.max_tokens <= INT64_MAX:
             self._bad("max_tokens", "must be at least 1")
         upper = INT64_MAX if self.max_tokens is None else self.max_tokens

@@ -1,8 +1,10 @@
 """`python -m namazu.server`: the OpenAI-compatible HTTP server.
 
 Engine flags come from EngineConfig (one definition each, shared with `LLM(...)`); the server adds
---host, --port, --api-key, --served-model-name, --max-request-bytes, --log-level and its time limits
-(--shutdown-timeout, --header-timeout, --body-timeout, --write-timeout, --keep-alive-timeout). The engine (and its
+--host, --port, --api-key, --served-model-name, --max-request-bytes, --log-level, its time limits
+(--shutdown-timeout, --header-timeout, --body-timeout, --write-timeout, --keep-alive-timeout) and front-door
+limits (--max-connections, --allowed-hosts, --grammar-threads, --max-grammar-compiles, --kv-events-key). The
+engine (and its
 model-runner worker) starts before the port opens, so a bad checkpoint or an impossible --max-model-len
 fails here with its own message instead of on the first request.
 """
@@ -55,6 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "long (default: 30)")
     g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
                    help="close an idle keep-alive connection after this long (default: 5)")
+    from server.front_door import add_front_door_args
+    add_front_door_args(g)
+    g.add_argument("--kv-events-key", default=os.environ.get("NAMAZU_KV_EVENTS_KEY"), metavar="SECRET",
+                   help="publish /kv/events block hashes keyed with this secret (give the router the same "
+                        "--kv-events-key), so a reader without it cannot confirm a guessed prompt from them "
+                        "(default: $NAMAZU_KV_EVENTS_KEY, else unkeyed)")
+    g.add_argument("--grammar-threads", type=int, default=1, metavar="N",
+                   help="threads that compile structured-output grammars, apart from request preparation: a "
+                        "storm of schemas keeps at most this many cores busy (default: 1)")
+    g.add_argument("--max-grammar-compiles", type=int, default=8, metavar="N",
+                   help="distinct grammar compiles queued or running at once; one more is a 429 (identical "
+                        "grammars share one compile) (default: 8)")
     r = p.add_argument_group("replicas (Ray Serve; needs `pip install ray[serve]`)")
     r.add_argument("--replicas", default=None, metavar="MIN:MAX",
                    help="serve MIN..MAX engine replicas as a Ray Serve application behind namazu's KV-aware "
@@ -111,16 +125,21 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
     from namazu.async_engine import AsyncEngine
     from server.app import build_app
-    from server.timeouts import header_timeout_protocol
+    from server.front_door import allowed_hosts, fit_connection_cap
+    from server.kv_event_keys import parse_key
+    from server.timeouts import guarded_protocol
 
-    engine = AsyncEngine(config)
+    engine = AsyncEngine(config, grammar_threads=args.grammar_threads, max_grammar_compiles=args.max_grammar_compiles)
     exit_code = 0
     try:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                         max_request_bytes=parse_bytes(args.max_request_bytes), body_timeout=args.body_timeout,
-                        write_timeout=args.write_timeout, strict_fields=args.strict_fields)
+                        write_timeout=args.write_timeout, strict_fields=args.strict_fields,
+                        allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
+                        kv_events_key=parse_key(args.kv_events_key))
         uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="none",
-                            http=header_timeout_protocol(args.header_timeout),
+                            http=guarded_protocol(args.header_timeout, args.body_timeout,
+                                                 fit_connection_cap(args.max_connections)),
                             timeout_keep_alive=args.keep_alive_timeout,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
         server = _uvicorn_server(uv)
@@ -176,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("shutdown_timeout", "header_timeout", "body_timeout", "write_timeout", "keep_alive_timeout"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")
+        from server.front_door import check_front_door_args
+        check_front_door_args(args)
+        from server.kv_event_keys import parse_key
+        parse_key(args.kv_events_key)
+        if args.grammar_threads < 1 or args.max_grammar_compiles < 1:
+            raise ValueError("--grammar-threads and --max-grammar-compiles must be at least 1")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

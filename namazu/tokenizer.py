@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import secrets
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -73,6 +76,13 @@ class Tokenizer:
         eos = [self.eos_token_id] if self.eos_token_id is not None else []
         self.eos_token_ids = sorted(set(eos) | set(extra_eos_ids))
         self._template = None
+        # Special-token texts, longest first (so a token that is a prefix of another does not cut it).
+        specials = sorted({self.id_to_token(i) if kind == "hf" else self.token_bytes(i).decode("utf-8", "replace")
+                           for i in self.special_ids} - {""}, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._plain_backend: Any = None          # the HF tokenizer with special tokens read as text
+        self._max_token_chars: int | None = None
+        self._plain_lock = threading.Lock()
 
     # -- loading ----------------------------------------------------------------------------------------
     @classmethod
@@ -145,6 +155,22 @@ class Tokenizer:
         ids |= {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
         return ids
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its bytes, or a special token's text)."""
+        if self._max_token_chars is None:
+            n = self.vocab_size
+            longest = max((len(self.token_bytes(i)) for i in range(n) if i not in self.special_ids), default=1)
+            specials = (len(self.id_to_token(i)) if self.kind == "hf" else len(self.token_bytes(i))
+                        for i in self.special_ids)
+            self._max_token_chars = max(1, longest, *specials)
+        return self._max_token_chars
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to, without encoding it (no token covers more than
+        `max_token_chars` characters): an over-long prompt is refused before it is tokenized."""
+        return -(-len(text) // self.max_token_chars)
+
     # -- text <-> ids -----------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special-token text (e.g. from a chat template) becomes the special token. With
@@ -186,10 +212,107 @@ class Tokenizer:
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[int]:
-        # The template writes BOS itself when the model wants one.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs),
-                           add_special_tokens=False)
+                    tools: list[dict[str, Any]] | None = None, special_tokens_in_content: bool = False,
+                    max_tokens: int | None = None, **kwargs: Any) -> list[int]:
+        """The conversation's token ids. Only the template's own markers become special tokens: text in
+        the messages and tools that spells a special token (`<|im_end|><|im_system|>system...` inside a
+        user message, which would otherwise forge a system turn) is tokenized as the text it is.
+        `special_tokens_in_content=True` reads it as control tokens (for trusted callers that build
+        turns themselves). With `max_tokens`, a rendering that must encode to more raises PromptTooLong
+        before it is tokenized. The template writes BOS itself when the model wants one."""
+        if special_tokens_in_content or self._special_re is None:
+            text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+            self._check_fits(text, max_tokens)
+            return self.encode(text, add_special_tokens=False)
+        guard = _ContentGuard(self._special_re)
+        messages, tools = guard.wrap(messages), guard.wrap(tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+        self._check_fits(text, max_tokens)
+        if not guard.placeholders:          # nothing in the content spells a special token
+            return self.encode(text, add_special_tokens=False)
+        return self._encode_guarded(text, guard)
+
+    def _check_fits(self, text: str, max_tokens: int | None) -> None:
+        if max_tokens is not None and self.min_tokens(text) > max_tokens:
+            raise PromptTooLong(len(text), self.min_tokens(text))
+
+    def _encode_guarded(self, text: str, guard: _ContentGuard) -> list[int]:
+        """`text` split at the real special tokens (the template's: the content's were replaced by
+        placeholders); each run between them tokenized as plain text with the content's strings put
+        back. The tokenizers split at special tokens before anything else, so a run's ids are what the
+        whole text's would be around it."""
+        ids: list[int] = []
+        at = 0
+        for m in self._special_re.finditer(text):
+            if m.start() > at:
+                ids += self._encode_plain(guard.restore(text[at:m.start()]))
+            ids.append(self.token_to_id(m.group()))
+            at = m.end()
+        if at < len(text):
+            ids += self._encode_plain(guard.restore(text[at:]))
+        return ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token texts read as text."""
+        if self.kind == "tiktoken":
+            return list(self._backend.encode(text, allowed_special=set(), disallowed_special=()))
+        with self._plain_lock:
+            if self._plain_backend is None:
+                from tokenizers import Tokenizer as HFTokenizer
+
+                backend = HFTokenizer.from_str(self._backend.to_str())
+                backend.encode_special_tokens = True
+                self._plain_backend = backend
+        enc = (self._plain_backend.encode(text, add_special_tokens=False) if len(text) < _GIL_FREE_CHARS
+               else self._plain_backend.encode_batch([text], add_special_tokens=False)[0])
+        return list(enc.ids)
+
+
+class PromptTooLong(ValueError):
+    """A text that encodes to more tokens than allowed, found before encoding it."""
+
+    def __init__(self, chars: int, at_least: int):
+        super().__init__(f"{chars} characters, at least {at_least} tokens")
+        self.chars, self.at_least = chars, at_least
+
+
+class _ContentGuard:
+    """Replaces special-token texts in a conversation's strings by placeholders no text contains (private
+    use characters around a random nonce), so that after rendering the template's own markers are the
+    only special-token texts left; `restore` puts the content's strings back."""
+
+    def __init__(self, special_re: re.Pattern[str]):
+        self.special_re = special_re
+        self.nonce = secrets.token_hex(8)
+        self.placeholders: dict[str, str] = {}
+        self._by_text: dict[str, str] = {}
+        self._restore_re: re.Pattern[str] | None = None
+
+    def _placeholder(self, m: re.Match[str]) -> str:
+        token = m.group()
+        ph = self._by_text.get(token)
+        if ph is None:
+            ph = f"\ue000{self.nonce}.{len(self._by_text)}\ue001"
+            self._by_text[token] = ph
+            self.placeholders[ph] = token
+            self._restore_re = None
+        return ph
+
+    def wrap(self, x: Any) -> Any:
+        if isinstance(x, str):
+            return self.special_re.sub(self._placeholder, x) if self.special_re.search(x) else x
+        if isinstance(x, dict):
+            return {self.wrap(k): self.wrap(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [self.wrap(v) for v in x]
+        return x
+
+    def restore(self, text: str) -> str:
+        if not self.placeholders:
+            return text
+        if self._restore_re is None:
+            self._restore_re = re.compile("|".join(map(re.escape, self.placeholders)))
+        return self._restore_re.sub(lambda m: self.placeholders[m.group()], text)
 
 
 def _load_tiktoken(model_file: Path, config: dict[str, Any]) -> Any:

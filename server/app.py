@@ -5,15 +5,14 @@ thread and worker process, so nothing here can hold up a step.
 """
 from __future__ import annotations
 
-import asyncio
-import hmac
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -22,34 +21,35 @@ if TYPE_CHECKING:
 
 from server.common import ClientGone, ServerState, now
 from server.errors import ENGINE_ERRORS, APIError, as_api_error, http_error
-from server.json_body import parse_json_async
+from server.front_door import AuthMiddleware, BrowserGuardMiddleware, read_json
 from server.metrics import ServerMetrics
 from server.openapi import build_openapi
 from server.replica_routes import kv_events, load
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 from server.serving_responses import create_response, get_response
-from server.timeouts import WriteTimeoutMiddleware
+from server.timeouts import ClosingStream, WriteTimeoutMiddleware
 from server.tokenizer_routes import detokenize, tokenize, tokenizer_info, version
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
-OPEN_PATHS = frozenset({"/health"})
 CLIENT_CLOSED = 499         # nginx's status for a request whose client went away (counted in /metrics)
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, body_timeout: float = 30.0,
-              write_timeout: float = 30.0, strict_fields: bool = False) -> Starlette:
+              write_timeout: float = 30.0, strict_fields: bool = False, allowed_hosts: Iterable[str] | None = None,
+              kv_events_key: bytes | None = None) -> Starlette:
     """The app around a started engine. `api_key` None: no authentication (an empty key is refused:
-    it would look like authentication while letting anyone in)."""
+    it would look like authentication while letting anyone in). `allowed_hosts`: the names a request's
+    Host header may carry (None: any; see server.front_door.allowed_hosts)."""
     if api_key is not None and not api_key.strip():
         raise ValueError("the API key is empty; give a non-empty --api-key (or none, for no authentication)")
     state = ServerState(engine=engine, served_model_name=served_model_name or engine.model_name,
                         max_logprobs=engine.config.max_logprobs, metrics=None,  # type: ignore[arg-type]
                         max_request_bytes=max_request_bytes, body_timeout=body_timeout,
-                        strict_fields=strict_fields)
+                        strict_fields=strict_fields, kv_events_key=kv_events_key)
     metrics = state.metrics = ServerMetrics(state.stats, model_name=state.served_model_name)
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -74,7 +74,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     app.state.server = state
     app.state.openapi = build_openapi(state.vocab_size, state.max_logprobs, auth=api_key is not None,
                                       strict=strict_fields)
-    app.add_middleware(_AuthMiddleware, api_key=api_key)
+    app.add_middleware(AuthMiddleware, api_key=api_key)
+    app.add_middleware(BrowserGuardMiddleware, hosts=allowed_hosts)
     app.add_middleware(_StatusCounter, metrics=metrics, paths={r.path for r in routes})
     app.add_middleware(WriteTimeoutMiddleware, timeout=write_timeout)
     return app
@@ -116,37 +117,15 @@ async def get_model(request: Request) -> Response:
 
 
 def _generation(handler: Any) -> Any:
-    async def endpoint(request: Request) -> Response:
+    async def endpoint(request: Request) -> Response | ClosingStream:
         state = _state(request)
+        body = await read_json(request, state.max_request_bytes, state.body_timeout)
         try:
-            async with asyncio.timeout(state.body_timeout):
-                body = await _read_json(request, state.max_request_bytes)
-        except TimeoutError:
-            raise APIError(408, f"the request body was not received within {state.body_timeout:g} s "
-                                "(--body-timeout)", code="request_timeout") from None
-        try:
-            return await handler(request, state, body, state.metrics.tracker())
+            response = await handler(request, state, body, state.metrics.tracker())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)     # not sent: the connection is gone
+        return ClosingStream(response) if isinstance(response, StreamingResponse) else response
     return endpoint
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise _too_large(int(length), limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
-    return await parse_json_async(b"".join(chunks))
-
-
-def _too_large(size: int, limit: int) -> APIError:
-    return APIError(413, f"the request body ({size} bytes or more) exceeds the server's limit of {limit} "
-                         "bytes (--max-request-bytes)", code="request_too_large")
 
 
 # -- errors -----------------------------------------------------------------------------------------------
@@ -179,32 +158,6 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 # -- middleware -------------------------------------------------------------------------------------------
-class _AuthMiddleware:
-    """Exactly one `Authorization: Bearer KEY` on every path but /health (constant-time compare)."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None):
-        self.app = app
-        self.key = api_key.encode() if api_key else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        headers = [v for k, v in scope["headers"] if k == b"authorization"]
-        header = headers[0] if len(headers) == 1 else b""
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
-            await self.app(scope, receive, send)
-            return
-        # Several Authorization headers are refused whatever they hold: which one a proxy in front of
-        # us checked is unknowable.
-        what = ("several Authorization headers sent; send exactly one" if len(headers) > 1
-                else "no API key provided" if not header else "incorrect API key provided")
-        resp = APIError(401, f"{what}; send 'Authorization: Bearer <key>' with the key the server was "
-                             "started with (--api-key)", code="invalid_api_key").response()
-        await resp(scope, receive, send)
-
-
 class _StatusCounter:
     """Counts responses by route and status code (unknown paths are one label, 'other')."""
 

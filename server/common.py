@@ -18,6 +18,7 @@ from starlette.requests import Request
 from namazu.sampling_params import SamplingParams
 from server.errors import APIError, invalid
 from server.metrics import RequestTracker, ServerMetrics
+from server.prepare_pool import run_prepare
 
 if TYPE_CHECKING:
     from namazu.async_engine import AsyncEngine
@@ -37,6 +38,7 @@ class ServerState:
     max_request_bytes: int
     body_timeout: float = 30.0
     strict_fields: bool = False     # --strict-fields: an unrecognized request field is a 400, not ignored
+    kv_events_key: bytes | None = None      # --kv-events-key: /kv/events publishes keyed hashes
     in_flight: int = 0              # engine requests started and not yet finished
     peak_in_flight: int = 0
 
@@ -57,17 +59,22 @@ class ServerState:
         except ValueError as e:
             raise invalid(str(e), param, code="too_many_sequences") from None
 
-    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, param: str,
-                 constraint_param: str | None = None) -> None:
-        """The engine's own admission checks, run before any response byte is sent, and the request's
-        grammar compiled (a bad schema, regex or grammar is a 400 naming the parameter). Blocking: the
-        endpoints call it off the event loop."""
+    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+        """The engine's own admission checks, run before any response byte is sent. Blocking: the
+        endpoints call it off the event loop. The grammar is compiled after (`compile_grammar`)."""
         try:
             self.engine.validate_request(request_id, None, params, prompt_ids)
         except ValueError as e:
             raise invalid(str(e), param) from None
+
+    async def compile_grammar(self, request: Request, params: SamplingParams,
+                              constraint_param: str | None = None) -> None:
+        """The request's grammar compiled before any response byte is sent (a bad schema, regex or
+        grammar is a 400 naming the parameter), on the engine's grammar pool: identical grammars share
+        one compile, too many at once is a 429, and a client that leaves stops waiting (ClientGone),
+        dropping a compile nobody else waits for before it starts."""
         try:
-            self.engine.compile_grammar(params)
+            await until_disconnect(request, self.engine.compile_grammar_async(params))
         except ValueError as e:
             raise invalid(str(e), constraint_param or _grammar_param(params)) from None
 
@@ -80,9 +87,20 @@ class ServerState:
 
 
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """Runs CPU work proportional to a request's size (tokenizing, rendering a chat template) in a
-    thread, so the event loop keeps answering other clients (and /health) meanwhile."""
-    return await asyncio.to_thread(fn, *args)
+    """Runs CPU work proportional to a request's size (tokenizing, rendering a chat template) on the
+    prepare pool (`server/prepare_pool.py`), so the event loop keeps answering other clients (and
+    /health) meanwhile."""
+    return await run_prepare(fn, *args)
+
+
+def check_fits(tokenizer: Any, text: str, max_model_len: int, what: str) -> None:
+    """A 400 for a text that cannot fit the context whatever it tokenizes to, before it is tokenized:
+    six over-long prompts, each tokenized in full only to be refused, held a plain request 13 s."""
+    at_least = tokenizer.min_tokens(text)
+    if at_least > max_model_len:
+        raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, your {what} "
+                      f"is {len(text)} characters, at least {at_least} tokens. Please reduce the length of "
+                      f"the {what}.", what, code="context_length_exceeded")
 
 
 def _grammar_param(params: SamplingParams) -> str:

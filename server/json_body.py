@@ -3,16 +3,18 @@
 `json.loads` alone accepts what the rest of the server cannot handle: NaN and Infinity (not JSON, but
 Python's parser takes them), integers past Python's digit limit (ValueError), nesting deep enough to hit
 the recursion limit (RecursionError), and lone UTF-16 surrogates such as "\\ud800" (a str that cannot be
-encoded, so the tokenizer fails on it later). Each is refused here with a 400 that says what was wrong.
+encoded, so the tokenizer fails on it later), and duplicate keys in an object (the last one wins, so a
+proxy or validator that reads the first sees another request than the engine). Each is refused here with
+a 400 that says what was wrong.
 Large bodies are parsed off the event loop, so one request cannot stall every other client.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
-from server.errors import APIError
+from server.api_error import APIError
+from server.prepare_pool import run_prepare
 
 MAX_DEPTH = 64                      # the deepest real request (tool schemas) is far shallower
 OFF_LOOP_BYTES = 64 * 1024          # parsing more than this takes long enough to matter to other clients
@@ -24,6 +26,15 @@ def _bad(message: str) -> APIError:
 
 def _no_constants(name: str) -> Any:
     raise _bad(f"{name} is not a JSON value")
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))     # type: ignore[func-returns-value]
+        raise _bad(f"the key {dup[:100]!r} appears more than once in an object")
+    return obj
 
 
 def _check_tree(root: Any) -> None:
@@ -56,7 +67,7 @@ def parse_json(raw: bytes) -> Any:
     if not raw:
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw, parse_constant=_no_constants)
+        body = json.loads(raw, parse_constant=_no_constants, object_pairs_hook=_object)
     except APIError:
         raise
     except RecursionError:
@@ -70,4 +81,4 @@ def parse_json(raw: bytes) -> Any:
 async def parse_json_async(raw: bytes) -> Any:
     if len(raw) <= OFF_LOOP_BYTES:
         return parse_json(raw)
-    return await asyncio.to_thread(parse_json, raw)
+    return await run_prepare(parse_json, raw, size=len(raw))

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from namazu.sampling_params import INT64_MAX, MAX_LOGIT_BIAS, TOP_K_MAX
-from server.protocol import IGNORED_FIELDS, MAX_N, MAX_STOP
+from server.fields import IGNORED_FIELDS, MAX_STOP
+from server.protocol import MAX_N
 from server.vllm_fields import MAX_BAD_WORDS, MAX_REQUEST_ID, REASONING_EFFORTS
 
 _INT64 = {"type": "integer", "minimum": -(2**63), "maximum": INT64_MAX}
@@ -176,8 +177,11 @@ def _chat_request(vocab_size: int, max_logprobs: int) -> dict[str, Any]:
     # say per role), and every optional field may be null, which counts as absent.
     string = _nullable({"type": "string"})
     message = {
-        "type": "object", "required": ["role"],
+        "type": "object", "required": ["role"], "additionalProperties": False,
         "properties": {
+            # Accepted and ignored (an assistant message echoed back from an earlier answer).
+            **{k: {} for k in ("refusal", "audio", "annotations", "function_call", "reasoning_content",
+                               "reasoning")},
             "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
             "content": _nullable({"oneOf": [{"type": "string"}, {"type": "array", "items": part}]}),
             "name": string,

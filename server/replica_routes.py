@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.errors import APIError
+from server.kv_event_keys import key_events
 
 
 def _int_param(request: Request, name: str, default: int, low: int) -> int:
@@ -30,7 +31,9 @@ async def kv_events(request: Request) -> Response:
     engine = request.app.state.server.engine
     after = _int_param(request, "after", 0, 0)
     limit = _int_param(request, "limit", 1024, 1)
-    return JSONResponse(engine.kv_events(after, min(limit, 16384), request.query_params.get("replica_id")))
+    answer = engine.kv_events(after, min(limit, 16384), request.query_params.get("replica_id"))
+    key = request.app.state.server.kv_events_key
+    return JSONResponse(answer if key is None else key_events(answer, key))
 
 
 async def load(request: Request) -> Response:

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from namazu.structured.tool_calls import tool_call_constraint
+from namazu.tokenizer import PromptTooLong
 from server.common import (
     GenerationJob,
     ServerState,
@@ -58,6 +59,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     param = "max_completion_tokens" if isinstance(body, dict) and "max_completion_tokens" in body else "max_tokens"
     # Rendering the template and tokenizing are proportional to the body: off the event loop.
     prompt_ids, params, rid = await off_loop(_prepare, state, req, param)
+    await state.compile_grammar(request, params, req.sampling.constraint_param)
     job = _ChatJob(state, req, prompt_ids, params, rid, tracker)
     headers = ignored_header(req.ignored)
     if req.sampling.stream:
@@ -68,13 +70,15 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                   add_generation_prompt: bool = True, continue_final_message: bool = False,
-                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """The prompt's token ids: the template rendered with the request's options. With
+                  template_kwargs: dict[str, Any] | None = None, max_tokens: int | None = None) -> list[int]:
+    """The prompt's token ids: the template rendered with the request's options (the messages' text
+    tokenized as text, `Tokenizer.encode_chat`; PromptTooLong past `max_tokens`). With
     `continue_final_message` the text is cut right after the last message's content, so the model goes
     on writing that message (vLLM's and transformers' rule) instead of closing it."""
     kw = template_kwargs or {}
     if not continue_final_message:
-        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kw)
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                     max_tokens=max_tokens, **kw)
     text = tokenizer.apply_chat_template(messages, False, tools, **kw)
     final = messages[-1]["content"]
     at = text.rfind(final) if final else -1
@@ -90,8 +94,16 @@ def _prepare(state: ServerState, req: ChatRequest, param: str) -> tuple[list[int
     engine = state.engine
     calls = req.tool_choice != "none"
     try:
+        # A prompt that must be longer than the context is refused before it is tokenized, unless the client
+        # asked for it to be truncated.
+        truncating = req.sampling.extras is not None and req.sampling.extras.truncate_prompt_tokens is not None
         prompt_ids = render_prompt(engine.tokenizer, req.messages, req.tools if calls else None,
-                                   req.add_generation_prompt, req.continue_final_message, req.template_kwargs)
+                                   req.add_generation_prompt, req.continue_final_message, req.template_kwargs,
+                                   max_tokens=None if truncating else engine.max_model_len)
+    except PromptTooLong as e:
+        raise invalid(f"This model's maximum context length is {engine.max_model_len} tokens. However, your "
+                      f"messages are at least {e.at_least} tokens ({e.chars} characters). Please reduce the "
+                      "length of the messages.", "messages", code="context_length_exceeded") from None
     except (ValueError, TypeError, TemplateError) as e:     # the template refused these messages
         raise invalid(f"'messages' cannot be rendered by the model's chat template: {e}", "messages") from None
     extras = req.sampling.extras
@@ -108,7 +120,7 @@ def _prepare(state: ServerState, req: ChatRequest, param: str) -> tuple[list[int
     params = make_sampling_params(sampling, max_tokens, req.top_logprobs, extras.prompt_logprobs if extras else None,
                                   state.vocab_size)
     rid = new_id("chatcmpl")
-    state.validate(f"{rid}-0", prompt_ids, params, "messages", sampling.constraint_param)
+    state.validate(f"{rid}-0", prompt_ids, params, "messages")
     return prompt_ids, params, rid
 
 

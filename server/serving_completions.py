@@ -22,6 +22,7 @@ from server.common import (
     OffsetCounter,
     ServerState,
     TokenText,
+    check_fits,
     ignored_header,
     new_id,
     off_loop,
@@ -81,6 +82,7 @@ async def create_completion(request: Request, state: ServerState, body: Any,
     state.check_num_seqs(len(req.prompts) * req.sampling.n, "prompt" if len(req.prompts) > 1 else "n")
     # Tokenizing (and detokenizing token-id prompts) is proportional to the body: off the event loop.
     prompts, params, rid = await off_loop(_prepare, state, req)
+    await state.compile_grammar(request, params, req.sampling.constraint_param)
     job = _Job(state, req, prompts, params, rid, tracker)
     headers = ignored_header(req.ignored)
     if req.sampling.stream:
@@ -99,6 +101,8 @@ def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[_Prompt],
     for i, p in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
+            if extras is None or extras.truncate_prompt_tokens is None:
+                check_fits(tok, p, engine.max_model_len, param)     # before tokenizing a text that cannot fit
             ids = tok.encode(p, add_special_tokens=add_special)
             if not ids:
                 raise APIError(400, f"'{param}' encodes to no tokens", param=param)
@@ -117,8 +121,7 @@ def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[_Prompt],
     params = make_sampling_params(req.sampling, gen_tokens, req.logprobs, prompt_lp, state.vocab_size)
     rid = new_id("cmpl")
     for i, p in enumerate(prompts):
-        state.validate(f"{rid}-{i}", p.ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]",
-                       req.sampling.constraint_param)
+        state.validate(f"{rid}-{i}", p.ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
         if p.text is None:
             p.text = tok.decode(p.ids, skip_special_tokens=False)
     return prompts, params, rid

@@ -31,8 +31,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from server.common import ServerState, ignored_header, off_loop, until_disconnect, usage
 from server.errors import APIError, invalid, wrong_type
+from server.fields import Fields
 from server.metrics import RequestTracker
-from server.protocol import Fields, parse_chat
+from server.protocol import parse_chat
 from server.serving_chat import _ChatJob, _prepare
 from server.sse import sse_event, stream_error
 from server.tool_parser import ToolCallParser
@@ -338,6 +339,7 @@ async def create_response(request: Request, state: ServerState, body: Any, track
     param = "max_completion_tokens" if "max_completion_tokens" in chat_body else "max_tokens"
     try:
         prompt_ids, params, rid = await off_loop(_prepare, state, req, param)
+        await state.compile_grammar(request, params, req.sampling.constraint_param)
     except APIError as e:
         e.param = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                    "response_format": "text.format"}.get(e.param or "", e.param)

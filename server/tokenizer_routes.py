@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, Response
 import namazu
 from server.common import ServerState, off_loop
 from server.errors import APIError, invalid, wrong_type
-from server.protocol import Fields, _read_messages, _read_tools
+from server.fields import Fields
+from server.protocol import _read_messages, _read_tools
 from server.serving_chat import render_prompt
 from server.vllm_fields import read_template_kwargs
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from server.errors import APIError, invalid, wrong_type
 
 if TYPE_CHECKING:
-    from server.protocol import Fields
+    from server.fields import Fields
 
 # vLLM fields namazu cannot honour, with why, and the value that means "off" (sending that is accepted).
 _OFF = object()
@@ -70,7 +70,7 @@ def read_constraints(f: Fields) -> list[tuple[str, dict[str, Any]]]:
             out.append((name, _constraint(kind, v, name)))
     so = f.raw("structured_outputs")
     if so is not None:
-        from server.protocol import Fields
+        from server.fields import Fields
 
         s = Fields(so, "'structured_outputs' object", strict=True)
         for kind in ("json", "regex", "choice", "grammar"):

@@ -59,6 +59,22 @@ class DecayedLinearFit:
         slope = (w * sxy - sx * sy) / var
         return (sy - slope * sx) / w, slope
 
+    def solve_nonnegative(self) -> tuple[float, float | None]:
+        """The least-squares fit with intercept >= 0 and slope >= 0 (a step's time is a fixed cost plus
+        a cost per block, neither negative): where the free fit breaks a bound, the best fit on that
+        bound. A concave cost (prefill steps cheaper per block the more they hold) fits a negative
+        intercept freely; left so, the outlier cap below fed negative times back and the fit grew
+        geometrically."""
+        intercept, slope = self.solve()
+        if slope is None:
+            return max(0.0, intercept), None
+        w, sx, sy, sxx, sxy = (a + b for a, b in zip(self._sums, self._prior))
+        if slope < 0:
+            return max(0.0, sy / w), 0.0
+        if intercept < 0:
+            return 0.0, max(0.0, sxy / sxx) if sxx > 0 else 0.0
+        return intercept, slope
+
     def intercept_at(self, slope: float) -> float:
         """The least-squares intercept once the slope is fixed at `slope` (a clamped fit's)."""
         w, sx, sy = (a + b for a, b in zip(self._sums[:3], self._prior[:3]))
@@ -91,9 +107,9 @@ class StepRates:
         if self._seen <= self.WARM_STEPS or not ms >= 0 or prompt_tokens < 0:
             return
         blocks = prompt_tokens / self.block_size
-        intercept, slope = self._fit.solve()
+        intercept, slope = self._fit.solve_nonnegative()
         # Without a slope yet (only decodes so far) a prefill step's time is the first news of it, not an
-        # outlier of a fit that cannot predict it.
+        # outlier of a fit that cannot predict it. The cap is at least 1 ms: never below a real time.
         if self._fit.count >= 10 and (slope is not None or blocks == 0):
             ms = min(ms, self.OUTLIER * (intercept + (slope or 0.0) * blocks) + 1.0)
         self._fit.add(blocks, ms)
@@ -101,10 +117,10 @@ class StepRates:
     @property
     def ms_per_decode_step(self) -> float:
         """0.0 until a step was measured."""
-        return max(0.0, self._fit.solve()[0]) if self._fit.count else 0.0
+        return self._fit.solve_nonnegative()[0] if self._fit.count else 0.0
 
     @property
     def ms_per_prefill_block(self) -> float:
         """0.0 until steps with and without prompt tokens were measured."""
-        slope = self._fit.solve()[1] if self._fit.count else None
-        return max(0.0, slope) if slope is not None else 0.0
+        slope = self._fit.solve_nonnegative()[1] if self._fit.count else None
+        return slope if slope is not None else 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from server.router.policy import DEFAULT_PREFIX_WEIGHT, DEFAULT_QUEUE_WEIGHT, DEFAULT_SPILL_FACTOR, POLICIES
@@ -40,7 +41,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--history-ttl", type=float, default=120.0,
                    help="seconds the router remembers what it sent where, used when a replica's events "
                         "are missing (default 120)")
-    p.add_argument("--replica-api-key", default=None, help="API key the replicas were started with")
+    p.add_argument("--replica-api-key", default=os.environ.get("NAMAZU_REPLICA_API_KEY"),
+                   help="API key the replicas were started with; the router sends it on every request it "
+                        "forwards (default: $NAMAZU_REPLICA_API_KEY)")
+    p.add_argument("--kv-events-key", default=os.environ.get("NAMAZU_KV_EVENTS_KEY"), metavar="SECRET",
+                   help="the replicas' --kv-events-key: their events carry keyed hashes, and the router keys "
+                        "its prompts' hashes the same way (default: $NAMAZU_KV_EVENTS_KEY, else unkeyed)")
+    f = p.add_argument_group("front door (the clients' side; the server's flags of the same names)")
+    f.add_argument("--api-key", default=os.environ.get("NAMAZU_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' from clients on every route but /health "
+                        "(default: $NAMAZU_API_KEY, else none); distinct from --replica-api-key")
+    f.add_argument("--max-request-bytes", default="8MiB", metavar="SIZE",
+                   help="largest request body; larger ones get 413 (default: 8MiB)")
+    f.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request headers are not complete in this long (default: 10)")
+    f.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="408 (then the connection is closed) when a body is not received in this long "
+                        "(default: 30)")
+    f.add_argument("--write-timeout", type=float, default=30.0, metavar="S",
+                   help="cut off a client that has not read for this long, and close its upstream stream "
+                        "(the replica then aborts the request) (default: 30)")
+    f.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                   help="close an idle keep-alive connection after this long (default: 5)")
+    from server.front_door import add_front_door_args
+    add_front_door_args(f)
     p.add_argument("--seed", type=int, default=None, help="tie-breaking seed")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
@@ -51,10 +75,14 @@ async def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from namazu.assets import default_model_path
+    from namazu.engine_config import parse_bytes
     from namazu.tokenizer import Tokenizer
+    from server.front_door import allowed_hosts, fit_connection_cap
+    from server.kv_event_keys import parse_key
     from server.router.policy import make_policy
     from server.router.pool import ReplicaPool
-    from server.router.proxy import Router
+    from server.router.proxy import FrontDoor, Router
+    from server.timeouts import guarded_protocol
 
     headers = {"Authorization": f"Bearer {args.replica_api_key}"} if args.replica_api_key else {}
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
@@ -65,11 +93,17 @@ async def serve(args: argparse.Namespace) -> None:
         tokenizer = Tokenizer.from_pretrained(args.tokenizer or default_model_path())
         router = Router(pool, make_policy(args.policy, args.prefix_weight, args.queue_weight, args.seed,
                                              args.spill_factor),
-                        tokenizer, client, headers, args.block_size)
+                        tokenizer, client, headers, args.block_size,
+                        FrontDoor(args.api_key, parse_bytes(args.max_request_bytes), args.body_timeout,
+                                  allowed_hosts(args.host, args.allowed_hosts),
+                                  kv_events_key=parse_key(args.kv_events_key), write_timeout=args.write_timeout))
         await pool.start()
         try:
             config = uvicorn.Config(router.app(), host=args.host, port=args.port, log_level=args.log_level,
-                                    loop="none", timeout_graceful_shutdown=5)
+                                    loop="none", timeout_graceful_shutdown=5,
+                                    http=guarded_protocol(args.header_timeout, args.body_timeout,
+                                                          fit_connection_cap(args.max_connections)),
+                                    timeout_keep_alive=args.keep_alive_timeout)
             server = uvicorn.Server(config)
             started = asyncio.ensure_future(server.serve())
             while not server.started and not started.done():
@@ -81,6 +115,7 @@ async def serve(args: argparse.Namespace) -> None:
             await started
         finally:
             await pool.stop()
+            router.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +123,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.block_size is not None and (args.block_size < 1 or args.block_size & (args.block_size - 1)):
         print(f"error: --block-size={args.block_size} must be a power of two", file=sys.stderr)
+        return 2
+    try:
+        from namazu.engine_config import parse_bytes
+        from server.front_door import check_front_door_args
+
+        parse_bytes(args.max_request_bytes)
+        from server.kv_event_keys import parse_key
+        parse_key(args.kv_events_key)
+        for key, flag in ((args.api_key, "--api-key"), (args.replica_api_key, "--replica-api-key")):
+            if key is not None and not key.strip():
+                raise ValueError(f"{flag} is empty, which would turn authentication off unnoticed")
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "write_timeout"):
+            if not getattr(args, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")
+        check_front_door_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     import uvloop
 

@@ -75,11 +75,12 @@ def split_open(requests: Sequence[tuple[int, int, float, float | None]], now: fl
 
 def decode_steps(body: object) -> int | None:
     """A request body's max_tokens (max_completion_tokens first): its decode length at most, the exact one
-    for most clients; None when it sets neither."""
+    for most clients; None when it sets neither, or a value no replica accepts (past 2^31: the replica
+    answers its own 400, and a 3000-digit integer must not reach float arithmetic here)."""
     if not isinstance(body, dict):
         return None
     n = body.get("max_completion_tokens", body.get("max_tokens"))
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and 0 < n < 1 << 31 else None
 
 
 def slot_wait_steps(running: Sequence[float], waiting: Sequence[float], capacity: int) -> float:
@@ -120,9 +121,15 @@ def first_token_ms(rates: Rates, wait_ms: float, uncached: int) -> float:
     return wait_ms + rates.overhead_ms + rates.ms_per_block * uncached
 
 
+# A reported rate above this is not a rate but a broken measurement (a replica once reported 1.6e83 ms per
+# prefill block): it is ignored like a missing one, and the replica is priced at its twins' or the prior.
+MAX_REPORTED_MS = 60_000.0
+
+
 def _measured(report: Mapping[str, object], key: str) -> float:
     value = report.get(key)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and 0 < value <= MAX_REPORTED_MS)
     return float(value) if ok else 0.0     # type: ignore[arg-type]
 
 

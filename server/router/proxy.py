@@ -7,6 +7,12 @@ only once its first response bytes arrived: a replica that refuses the connectio
 best one. After the first
 streamed byte a failure ends the stream with an in-band error (the client already has tokens). A client
 that disconnects closes the upstream connection, which aborts the request on the replica.
+
+The front door is the server's (`server/front_door.py`, `server/timeouts.py`): the clients' API key
+(distinct from the replicas' key the router forwards with) on every route but /health, JSON bodies only,
+a Host check, the body size limit and the JSON depth, digit and duplicate-key limits; parsing a large
+body and tokenizing a prompt run on a small thread pool of their own, so /health and cheap requests are
+answered while a large prompt is tokenized.
 """
 from __future__ import annotations
 
@@ -17,7 +23,8 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -27,10 +34,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from namazu.scheduler.kv_events import PromptHasher
+from server.api_error import APIError
+from server.front_door import AuthMiddleware, BrowserGuardMiddleware, read_body
+from server.json_body import parse_json
+from server.kv_event_keys import keyed
 from server.router.load_model import DEFAULT_STEPS, decode_steps
 from server.router.policy import Policy
 from server.router.pool import Replica, ReplicaPool
 from server.router.router_metrics import RouterMetrics
+from server.timeouts import ClosingStream, WriteTimeoutMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +60,31 @@ class _Retry(Exception):
     """The replica failed before anything was sent to the client."""
 
 
+@dataclasses.dataclass
+class FrontDoor:
+    """The client-facing limits (the server's flags of the same names)."""
+
+    api_key: str | None = None                  # clients' key (--api-key); None: no authentication
+    max_request_bytes: int = 8 * 1024 * 1024
+    body_timeout: float = 30.0
+    allowed_hosts: Iterable[str] | None = None  # None: any Host header
+    prepare_threads: int = 2                    # parsing + tokenizing pool
+    write_timeout: float = 30.0                 # a client that reads nothing this long is cut off
+    kv_events_key: bytes | None = None          # the replicas' --kv-events-key: their events are keyed
+
+
 class Router:
     def __init__(self, pool: ReplicaPool, policy: Policy, tokenizer: Any, client: httpx.AsyncClient,
-                 replica_headers: dict[str, str] | None = None, block_size: int | None = None):
+                 replica_headers: dict[str, str] | None = None, block_size: int | None = None,
+                 front: FrontDoor | None = None):
         self.pool, self.policy, self.tokenizer, self.client = pool, policy, tokenizer, client
         self.replica_headers = replica_headers or {}
         self.fixed_block_size = block_size
+        self.front = front or FrontDoor()
         self.metrics = RouterMetrics(pool, policy.name)
         self._hashers: dict[int, PromptHasher] = {}
+        # Its own small pool: asyncio's default one is shared with everything else on the loop.
+        self._prepare_pool = ThreadPoolExecutor(max(1, self.front.prepare_threads), "router-prepare")
 
     # -- prompts ----------------------------------------------------------------------------------------
     def hasher(self) -> PromptHasher | None:
@@ -86,18 +115,22 @@ class Router:
             logger.debug("cannot tokenize the request for routing: %s", e)
         return []
 
-    # -- forwarding -------------------------------------------------------------------------------------
-    async def forward(self, request: Request, path: str) -> Response:
-        t0 = time.perf_counter()
-        raw = await request.body()
-        try:
-            body = json.loads(raw) if raw else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            body = None
+    def prepare(self, path: str, raw: bytes) -> tuple[Any, list[int], list[int], int]:
+        """Body, prompt ids, block hashes and block size of a request: blocking, on the prepare pool."""
+        body = parse_json(raw)          # an APIError (400) for what a replica would refuse as JSON too
         ids = self.prompt_ids(path, body)
         hasher = self.hasher()
         hashes = hasher.hashes(ids) if hasher else []
-        bs = hasher.block_size if hasher else 16
+        if self.front.kv_events_key is not None:    # compared with the replicas' keyed events
+            hashes = keyed(self.front.kv_events_key, hashes)
+        return body, ids, hashes, hasher.block_size if hasher else 16
+
+    # -- forwarding -------------------------------------------------------------------------------------
+    async def forward(self, request: Request, path: str) -> Response | ClosingStream:
+        t0 = time.perf_counter()
+        raw = await read_body(request, self.front.max_request_bytes, self.front.body_timeout)
+        loop = asyncio.get_running_loop()
+        body, ids, hashes, bs = await loop.run_in_executor(self._prepare_pool, self.prepare, path, raw)
         prompt_blocks = -(-len(ids) // bs)
         steps, stream = decode_steps(body), isinstance(body, dict) and body.get("stream") is True
         n = body.get("n") if isinstance(body, dict) else None
@@ -131,7 +164,7 @@ class Router:
                 logger.warning("request re-routed: %s", e)
 
     async def _send(self, request: Request, replica: Replica, path: str, raw: bytes, ticket: int,
-                    t0: float) -> Response:
+                    t0: float) -> Response | ClosingStream:
         t_sent = time.perf_counter()
         headers = {"content-type": "application/json", **self.replica_headers}
         upstream_req = self.client.build_request("POST", replica.url + path, content=raw, headers=headers,
@@ -177,8 +210,10 @@ class Router:
             return Response(status_code=499)
         replica.first_token(ticket)
         timing()
-        return StreamingResponse(self._relay(replica, ticket, upstream, first, chunks),
-                                 status_code=upstream.status_code, headers=out_headers)
+        # Closed however the response ends (a client cut off by the write timeout included): closing the
+        # relay closes the upstream stream, which aborts the request on the replica.
+        return ClosingStream(StreamingResponse(self._relay(replica, ticket, upstream, first, chunks),
+                                               status_code=upstream.status_code, headers=out_headers))
 
     async def _relay(self, replica: Replica, ticket: int, upstream: httpx.Response, first: bytes,
                      chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -212,10 +247,10 @@ class Router:
             for r in self.pool.replicas.values()]}
 
     def app(self) -> Starlette:
-        async def completions(request: Request) -> Response:
+        async def completions(request: Request) -> Response | ClosingStream:
             return await self.forward(request, "/v1/completions")
 
-        async def chat(request: Request) -> Response:
+        async def chat(request: Request) -> Response | ClosingStream:
             return await self.forward(request, "/v1/chat/completions")
 
         async def models(request: Request) -> Response:
@@ -237,14 +272,25 @@ class Router:
         async def state(request: Request) -> Response:
             return JSONResponse(self.state())
 
-        return Starlette(routes=[
+        async def api_error(request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, APIError)
+            return exc.response()
+
+        app = Starlette(routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/router/state", state, methods=["GET"]),
-        ])
+        ], exception_handlers={APIError: api_error})
+        app.add_middleware(AuthMiddleware, api_key=self.front.api_key)
+        app.add_middleware(BrowserGuardMiddleware, hosts=self.front.allowed_hosts)
+        app.add_middleware(WriteTimeoutMiddleware, timeout=self.front.write_timeout)
+        return app
+
+    def close(self) -> None:
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _completion_tokens(tail: bytes) -> int | None:

@@ -190,7 +190,7 @@ def test_prefix_cache_reported_in_usage(client):
 
 
 def test_invalid_inputs_get_4xx_and_server_keeps_serving(srv, client):
-    h = srv.headers()
+    h = {**srv.headers(), "Content-Type": "application/json"}
     post = lambda path, **kw: httpx.post(srv.url + path, headers=h, timeout=30, **kw)  # noqa: E731
     cases = [
         (post("/v1/completions", json={"model": "tiny", "prompt": "x", "suffix": "y"}), 400, "suffix"),
@@ -304,7 +304,7 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(srv):
     # The client goes away once the server has the request running (not after a fixed read timeout, which
     # a fast machine could outlast).
     with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         deadline = time.monotonic() + 30
         while srv.metrics()["namazu_num_requests_running"] < 1 and time.monotonic() < deadline:

@@ -197,7 +197,7 @@ def test_silent_connections_are_closed(model):
             assert time.monotonic() - t0 < 5
         with socket.create_connection(("127.0.0.1", srv.port)) as s:      # headers, then no body
             s.settimeout(10)
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100\r\n\r\n{")
             reply = s.recv(65536)
             assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
@@ -249,13 +249,16 @@ def test_a_client_that_stops_reading_is_cut_and_its_request_aborted(model):
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.connect(("127.0.0.1", srv.port))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             wait_for(ended, 180, 0.2)
         m = srv.metrics()
         assert m.get(aborted, 0) - before.get(aborted, 0) == 64, "the request ended by itself, not cut"
         assert m.get(length, 0) == before.get(length, 0)
         wait_for(lambda: srv.metrics()["namazu_kv_cache_usage_ratio"] == 0.0, 10)
+        # The response generator was closed when the client was cut, not when garbage collection found it.
+        assert srv.metrics()["namazu_requests_in_flight"] == 0
+        assert "without completing response" not in srv.output()
         assert served(srv)
 
 
