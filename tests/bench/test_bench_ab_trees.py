@@ -32,6 +32,6 @@ def test_child_that_imports_another_tree_is_refused(tmp_path):
                     reason="not a git checkout")
 def test_export_of_a_commit_has_the_package_and_built_extensions(tmp_path):
     tree = ab_trees.export_tree("HEAD", tmp_path)
-    assert (tree / "namazu" / "engine.py").is_file()
+    assert (tree / "namazu" / "engine" / "llm_engine.py").is_file()
     for so in (ROOT / "namazu").glob("*.so"):
         assert (tree / "namazu" / so.name).is_file()
