@@ -55,7 +55,10 @@ def test_distinct_compiles_past_the_bound_are_refused_and_errors_reach_every_wai
         g = GrammarCompiles(blocked, threads=1, max_pending=2, overloaded=_Overloaded)
         first = asyncio.ensure_future(g.compile(_params(0)))
         second = [asyncio.ensure_future(g.compile(_params(1))) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        for _ in range(500):                  # both distinct compiles registered (a loaded machine is slow)
+            if g.num_pending == 2:
+                break
+            await asyncio.sleep(0.01)
         with pytest.raises(_Overloaded):
             await g.compile(_params(2))
         release.set()
