@@ -110,11 +110,11 @@ def test_unenforceable_keywords_are_refused_by_name(schema, word):
 
 
 ITEM_SCHEMAS = [
-    ({"type": "array", "items": {"type": "array", "uniqueItems": True}}, "'uniqueItems' at #/items/uniqueItems"),
+    ({"type": "array", "items": {"type": "array", "uniqueItems": True}}, "uniqueItems at #/items/uniqueItems"),
     ({"type": "object", "properties": {"xs": {"type": "array", "items": {"not": {"const": 3}}}}},
      "'not' at #/properties/xs/items/not"),
-    ({"type": "array", "items": {"type": "object", "properties": {"ip": {"type": "string", "format": "ipv4"}}}},
-     "format 'ipv4' at #/items/properties/ip/format"),
+    ({"type": "array", "items": {"type": "object", "properties": {"d": {"type": "string", "format": "duration"}}}},
+     "format 'duration' at #/items/properties/d/format"),
 ]
 
 
@@ -129,7 +129,7 @@ def test_a_strict_schemas_unenforceable_keyword_under_items_is_refused_by_name(b
     # Not strict: best effort, the keyword is dropped and the rest of the schema still compiles.
     spec = structured.spec(SamplingParams(json_schema=schema, json_schema_strict=False))
     b.compile(spec)
-    assert word.split("'")[1] not in spec.text
+    assert word.split(" at ")[0].split("'")[-2 if "'" in word else 0] not in spec.text
 
 
 def test_bad_grammars_are_clear_errors(backend):
