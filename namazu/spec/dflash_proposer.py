@@ -67,17 +67,27 @@ class DFlashProposer:
         self.model.fuse_for_serving()
         c = self.cfg
         self.block_size = block_size
-        self.cache = torch.zeros(c.num_layers, 2, num_blocks * block_size, c.num_heads, c.head_dim,
+        # One block past the engine's, as the target's cache has: graph-mode padding rows write there.
+        self.cache = torch.zeros(c.num_layers, 2, (num_blocks + 1) * block_size, c.num_heads, c.head_dim,
                                  dtype=w.dtype, device=w.device)
 
     # -- the step -------------------------------------------------------------------------------------
     def extend_context(self, inp: ProposerInput) -> None:
         """Writes the context entries of every position this forward computed."""
         t0 = time.perf_counter()
-        k, v = self.model.context_kv_all(self.model.fuse(inp.hidden), inp.positions)   # [layers, N, heads, D]
-        self.cache[:, 0, inp.slot_mapping] = k
-        self.cache[:, 1, inp.slot_mapping] = v
+        self.write_context(inp.hidden, inp.positions, inp.slot_mapping)
         self.draft_seconds += time.perf_counter() - t0
+
+    def write_context(self, hidden: dict[int, torch.Tensor], positions: torch.Tensor, slot_mapping: torch.Tensor
+                      ) -> None:
+        """The context keys and values of positions [N] at their cache slots [N], from the target's hidden
+        states of this forward. The write indexes the cache tensor itself (layer, key or value, slot): in a
+        compiled graph a write through a view of it would be turned into a copy of the whole cache."""
+        k, v = self.model.context_kv_all(self.model.fuse(hidden), positions)   # [layers, N, heads, D]
+        layers = torch.arange(k.shape[0], device=k.device).unsqueeze(-1)
+        slots = slot_mapping.unsqueeze(0)
+        self.cache.index_put_((layers, torch.zeros_like(layers), slots), k.to(self.cache.dtype))
+        self.cache.index_put_((layers, torch.ones_like(layers), slots), v.to(self.cache.dtype))
 
     def draft_block(self, inp: ProposerInput, k: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,6 +111,14 @@ class DFlashProposer:
 
     def propose(self, inp: ProposerInput, k: int) -> Proposal:
         t0 = time.perf_counter()
+        proposal = self.draft(inp, k)
+        self.draft_seconds += time.perf_counter() - t0
+        self.draft_calls += 1
+        return proposal
+
+    def draft(self, inp: ProposerInput, k: int) -> Proposal:
+        """The next block of every sampling sequence (device tensors, static shapes, no host read): what
+        `propose` returns, without its host clock, so that a compiled drafted step can trace it."""
         k = min(k, self.cfg.num_draft_tokens)
         anchor, _, h, logits = self.draft_block(inp, k)
         if inp.all_greedy or not self.sample_drafts:
@@ -113,8 +131,6 @@ class DFlashProposer:
         # Where the block ends depends on the drafter's own values only, never on the target's: the
         # verify stays lossless whatever the threshold.
         counts = draft_counts(walk.confidence, self.min_confidence) if self.min_confidence > 0 else None
-        self.draft_seconds += time.perf_counter() - t0
-        self.draft_calls += 1
         return Proposal(walk.ids, counts=counts, probs=walk.q)
 
 

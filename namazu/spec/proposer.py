@@ -201,17 +201,17 @@ class DraftBuffer:
         return self.ids.view(-1)[src]
 
     def distributions(self, slots: np.ndarray, slot_index: torch.Tensor, draft_ids: torch.Tensor
-                      ) -> torch.Tensor | None:
-        """q [S, K, V] of the sequences in `slots` when any of their drafts came with a distribution; a
-        sequence whose drafts did not gets the one-hot of its ids (a deterministic draft). None: all
-        deterministic."""
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q [S, K, V], has_q [S] bool) of the sequences in `slots` when any of their drafts came with a
+        distribution; a sequence whose drafts did not gets the one-hot of its ids and has_q False (the
+        acceptance rule treats it as a deterministic draft). None: all deterministic."""
         flags = [self.has_probs.get(int(slot), False) for slot in slots]
         if not any(flags) or draft_ids.shape[1] == 0 or self.probs is None:
             return None
         q = self.probs[slot_index, :draft_ids.shape[1]]
         onehot = torch.nn.functional.one_hot(draft_ids, self.vocab_size).float()
-        has = torch.as_tensor(flags, device=q.device).view(-1, 1, 1)
-        return torch.where(has, q, onehot)
+        has = torch.as_tensor(flags, device=q.device)
+        return torch.where(has.view(-1, 1, 1), q, onehot), has
 
     def forget(self, slot: int) -> None:
         self.counts.pop(slot, None)

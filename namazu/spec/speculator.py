@@ -25,7 +25,7 @@ import torch
 
 from namazu.distributed.decisions import share_decision, share_device_proposal
 from namazu.layers.sampler import SamplingTensors
-from namazu.spec.proposer import DraftBuffer, Proposer, ProposerInput, check_proposer
+from namazu.spec.proposer import DraftBuffer, Proposal, Proposer, ProposerInput, check_proposer
 from namazu.spec.verify import verify_deterministic, verify_stochastic
 from namazu.step.batch import StepBatch, StepResult, trim_drafts
 
@@ -129,13 +129,16 @@ class Speculator:
         """(tokens [S, K+1], accepted [S]) by the acceptance rule: exact match where drafts are
         deterministic, the lossless rule with the drafter's q where it drew them. `target` [S, K+1] holds
         the target's own sample at every row."""
-        q = self.drafts.distributions(prep.slots, slot_index, draft_ids)
-        if q is None:
+        held = self.drafts.distributions(prep.slots, slot_index, draft_ids)
+        if held is None:
             tokens, accepted = verify_deterministic(target, draft_ids, num_drafts)
         else:
+            # Per row: a greedy row, or one whose drafts came without q, takes the deterministic rule (the
+            # same decision the compiled drafted step makes, `drafted_step.py`).
+            q, has_q = held
             first = row_layout[:, 0]
             tokens, accepted = verify_stochastic(processed[row_layout], target, draft_ids, q, num_drafts,
-                                                 st.temperature[first] == 0, st.seeds[first],
+                                                 (st.temperature[first] == 0) | ~has_q, st.seeds[first],
                                                  st.counters[row_layout])
         return self.shared(tokens, accepted)
 
@@ -161,12 +164,15 @@ class Speculator:
         proposal = self.proposer.propose(inp, self.k)
         if self.share_decisions:
             proposal = share_device_proposal(proposal, self.world_size)
+        return self.store_proposal(proposal, slot_index, b.spec.max_drafts_next)
+
+    def store_proposal(self, proposal: Proposal, slot_index: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
+        """A device proposal into the draft buffer, by slot; the result's values of it (counts and ids)."""
         self._stochastic = proposal.probs is not None
         ids = proposal.ids
         counts = proposal.counts if proposal.counts is not None else torch.full(
             (ids.shape[0],), ids.shape[1], dtype=torch.long, device=self.device)
         self.drafts.write_device(slot_index, proposal)
-        width = b.spec.max_drafts_next
         if ids.shape[1] != width:       # the result declares [S, max_drafts_next]
             padded = torch.zeros(ids.shape[0], width, dtype=torch.long, device=self.device)
             padded[:, :ids.shape[1]] = ids[:, :width]

@@ -207,23 +207,7 @@ class StepGraphs:
 
     def _compile(self, e: GraphEntry) -> None:
         compiled: list[tuple[Callable, list]] = []
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-            inputs = list(example_inputs)   # (before compiling: the compiler may consume the list)
-            if self.backend == "inductor":
-                from torch._inductor import config as inductor_config
-                from torch._inductor.compile_fx import compile_fx
-
-                # The C++ wrapper: the compiled step calls its ~50 kernels and GEMMs from generated C++
-                # instead of a Python function (batch 1: 1.68 vs 1.89 ms a step, CPU time, 1 thread); it
-                # costs a longer cold compile, which inductor's cache keeps for the next start.
-                with inductor_config.patch(cpp_wrapper=True):
-                    fn = compile_fx(gm, example_inputs)
-            else:
-                fn = torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
-            compiled.append((fn, inputs))
-            return fn
-
+        backend = compile_backend(self.backend, compiled)
         e.compiled = torch.compile(self._entry_forward(e), backend=backend, dynamic=False, fullgraph=True)
         table = e.block_tables[:, :2]
         ref = self._run_compiled(e, 2, table=table)   # the first call compiles; padding rows only
@@ -233,13 +217,8 @@ class StepGraphs:
                            "graph did not reproduce the traced call)", e.bp, e.tq)
 
     def _entry_forward(self, e: GraphEntry) -> Callable:
-        """`_forward` under a code object of the entry's own. torch.compile caches compiled code per code
-        object: with one shared by every entry, each call walked the whole ladder's cache entries (about
-        55 us a step at batch 1, even with guard evaluation skipped); one each, a call finds its own."""
-        name = f"_forward_b{e.bp}_q{e.tq}"
-        fwd = StepGraphs._forward
-        code = fwd.__code__.replace(co_name=name, co_qualname=f"StepGraphs.{name}")
-        return types.MethodType(types.FunctionType(code, fwd.__globals__, name), self)
+        """`_forward` under a code object of the entry's own (`own_code`)."""
+        return types.MethodType(own_code(StepGraphs._forward, f"_forward_b{e.bp}_q{e.tq}"), self)
 
     def _traces_attention(self, e: GraphEntry) -> bool:
         kv = self.cache.kv
@@ -325,6 +304,36 @@ class StepGraphs:
             outputs = self._run_compiled(e, width, check_guards=False)
         e.greedy = outputs[2]
         return outputs[0], outputs[1], dict(zip(self.capture_layers, outputs[3:]))
+
+
+def compile_backend(name: str, sink: list[tuple[Callable, list]]) -> Callable:
+    """A torch.compile backend that compiles with `name` ("inductor", or any dynamo backend such as the tests'
+    "eager") and appends (compiled graph, its example inputs) to `sink`."""
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        inputs = list(example_inputs)   # (before compiling: the compiler may consume the list)
+        if name == "inductor":
+            from torch._inductor import config as inductor_config
+            from torch._inductor.compile_fx import compile_fx
+
+            # The C++ wrapper: the compiled step calls its ~50 kernels and GEMMs from generated C++
+            # instead of a Python function (batch 1: 1.68 vs 1.89 ms a step, CPU time, 1 thread); it
+            # costs a longer cold compile, which inductor's cache keeps for the next start.
+            with inductor_config.patch(cpp_wrapper=True):
+                fn = compile_fx(gm, example_inputs)
+        else:
+            fn = torch._dynamo.lookup_backend(name)(gm, example_inputs)
+        sink.append((fn, inputs))
+        return fn
+
+    return backend
+
+
+def own_code(fn: Callable, name: str) -> types.FunctionType:
+    """`fn` under a code object of its own. torch.compile caches compiled code per code object: with one
+    shared by every ladder entry, each call walked the whole ladder's cache entries (about 55 us a step at
+    batch 1, even with guard evaluation skipped); one each, a call finds its own."""
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 class _DirectCall:

@@ -34,10 +34,11 @@ from namazu.layers.sampler import (
 from namazu.layers.weight_loading import TPShard
 from namazu.models.loader import load_model
 from namazu.quant import nvfp4_experts as _nvfp4_experts  # noqa: F401  (registers the NVFP4 experts format)
-from namazu.spec.proposer import Proposer
+from namazu.spec.proposer import Proposal, Proposer
 from namazu.spec.speculator import DraftSite, Speculator
 from namazu.step.batch import StepBatch, StepResult, pack, result_layout, unpack
 from namazu.worker.cpu_threads import apply_threads
+from namazu.worker.drafted_graph import DraftedTails
 from namazu.worker.graph_mode import GraphEntry, StepGraphs
 from namazu.worker.host_sync_guard import no_host_sync
 from namazu.worker.paged_kv_cache import (
@@ -92,6 +93,7 @@ class StepInputs:
     entry: GraphEntry | None = None              # graph mode
     pad: torch.Tensor | None = None              # [N] padded row of each flat token
     width: int | None = None
+    tail: bool = False                           # graph mode: the drafted step's compiled tail runs it
 
 
 @dataclass
@@ -142,6 +144,8 @@ class ModelRunner:
         # Per-step timestamps for bench/step_profile.py: a list turns recording on (None: off, free).
         self.profile: list[StepTiming] | None = None
         self.graphs: StepGraphs | None = None
+        self.tails: DraftedTails | None = None
+        self._eager_reasons: set[str] = set()
         self.graph_mode = not config.enforce_eager if config.enforce_eager is not None else self.device.type == "cuda"
 
     @property
@@ -182,6 +186,13 @@ class ModelRunner:
                                  self.spec.k, min(self.num_blocks, -(-longest // self.block_size)),
                                  want_hidden, backend=os.environ.get("NAMAZU_GRAPH_BACKEND", "inductor"))
         seconds = self.graphs.warm_up(progress=self.rank == 0)
+        if self.spec.kind is not None and self.spec.kind.has_context and not self.graphs.use_cuda_graphs:
+            limit = self.config.speculative_disable_batch_size or self.config.max_num_seqs
+            self.tails = DraftedTails(self.graphs, self.spec.proposer, self.model_config.vocab_size, limit)
+            tail_s = self.tails.warm_up(progress=self.rank == 0)
+            seconds += tail_s
+            logger.info("rank %d: graph mode: drafted steps (sampling, acceptance, drafter) compiled for batch "
+                        "sizes %s in %.1f s", self.rank, [e.bp for e in self.tails.entries], tail_s)
         what = "CUDA graphs captured" if self.graphs.use_cuda_graphs else f"forwards compiled ({self.graphs.backend})"
         mem = f", graph memory {self.graphs.graph_bytes / 2**20:.1f} MiB" if self.graphs.use_cuda_graphs else ""
         logger.info("rank %d: graph mode: %s for batch sizes %s x query tokens %s in %.1f s%s", self.rank, what,
@@ -304,12 +315,15 @@ class ModelRunner:
             events[0].record()
         drafter_t0 = self.spec.draft_seconds
         with no_host_sync(self.config.debug_no_host_sync):
-            st = self._sampling_tensors(b, prep)
             fwd = self._forward(inp)
-            site = self._draft_site(b, inp) if self.spec.on_device else None
-            self.spec.extend_context(b, fwd.hidden, fwd.captured, site)
-            values = self._sample_and_verify(b, prep, inp, fwd, st, site) if len(b.attn.logit_rows) else {}
-            values.update(self._prompt_logprobs(b, inp, fwd))
+            if inp.tail:
+                values = self._drafted_tail(b, prep, inp, fwd)
+            else:
+                st = self._sampling_tensors(b, prep)
+                site = self._draft_site(b, inp) if self.spec.on_device else None
+                self.spec.extend_context(b, fwd.hidden, fwd.captured, site)
+                values = self._sample_and_verify(b, prep, inp, fwd, st, site) if len(b.attn.logit_rows) else {}
+                values.update(self._prompt_logprobs(b, inp, fwd))
             layout_out = result_layout(b)
             flat_i, flat_f = pack(layout_out, values, torch.cat, self._empty_i, self._empty_f)
             flat_f = flat_f.float()
@@ -335,10 +349,11 @@ class ModelRunner:
         layout = self._graph_layout(b, prep)
         inp = StepInputs(logit_rows=T(a.logit_rows), row_layout=T(b.spec.row_layout),
                          slot_index=T(prep.slots) if self.spec.k else None)
+        inp.tail = layout is not None and self._tail_covers(b, layout[0])
         # Each input costs a host-to-device copy (on CPU, a tensor wrapper: still a few microseconds): a graph
         # step reads its inputs from the entry's buffers, so the flat ones are built only for an eager
         # forward or a device proposer; speculation-only inputs only when the step verifies.
-        if layout is None or self.spec.on_device:
+        if layout is None or (self.spec.on_device and not inp.tail):
             inp.meta = PagedAttentionMetadata(slot_mapping=T(prep.slot_mapping), block_tables=T(a.block_tables),
                                               q_index=T(a.q_index), q_pos=T(a.q_pos), out_index=T(a.out_index))
             inp.input_ids, inp.positions = T(a.input_ids), T(a.positions)
@@ -365,7 +380,7 @@ class ModelRunner:
             if drafts_in is not None:
                 entry.input_ids.index_put_((pad[inp.draft_flat],), drafts_in)
             all_logits, hidden, captured = self.graphs.launch(entry, inp.width)
-            if want_hidden:     # a device proposer reads the step's own rows, as positions and slots are
+            if want_hidden and not inp.tail:   # the eager drafter reads the step's own rows, as positions are
                 hidden, captured = hidden[pad], {i: h[pad] for i, h in captured.items()}
             return Forward(hidden, captured, entry.input_ids, pad[inp.logit_rows], all_logits, entry.greedy)
         input_ids = inp.input_ids
@@ -374,6 +389,30 @@ class ModelRunner:
         with forward_context(PagedAttentionContext(self.cache, inp.meta)):
             hidden, captured = self.model(input_ids, inp.positions, capture_layers=want_hidden)
         return Forward(hidden, captured, input_ids, inp.logit_rows)
+
+    def _tail_covers(self, b: StepBatch, entry: GraphEntry) -> bool:
+        """Whether this graph step runs the drafted step's compiled tail; a reason it does not is logged once."""
+        if self.tails is None:
+            return False
+        why = self.tails.eligible(b, entry, self.world_size)
+        if why is not None and why not in self._eager_reasons:
+            self._eager_reasons.add(why)
+            logger.info("rank %d: graph mode: steps with %s sample, verify and draft eagerly after the compiled "
+                        "forward", self.rank, why)
+        return why is None
+
+    def _drafted_tail(self, b: StepBatch, prep: PreparedStep, inp: StepInputs, fwd: Forward) -> dict[str, torch.Tensor]:
+        """Sampling, acceptance and the drafter's next block in the entry's compiled tail; the draft buffer's
+        gather (q) and write around it are the step's only other device ops."""
+        sampled = not b.sampling.all_greedy
+        t = self.tails.inputs(b, inp.entry, prep.num_drafts, prep.slots, self.spec.drafts, inp.slot_index, sampled)
+        tokens, accepted, ids, counts, probs = self.tails.run(inp.entry, inp.width, fwd.all_logits, fwd.greedy,
+                                                              fwd.captured, t, sampled)
+        s, k = len(prep.slots), b.spec.max_drafts
+        values = {"tokens": tokens[:s, :k + 1], "accepted": accepted[:s], "num_drafts": t.num_drafts[:s]}
+        proposal = Proposal(ids[:s], counts=counts[:s], probs=probs[:s] if probs is not None else None)
+        values.update(self.spec.store_proposal(proposal, inp.slot_index, b.spec.max_drafts_next))
+        return values
 
     def _draft_site(self, b: StepBatch, inp: StepInputs) -> DraftSite:
         return DraftSite(positions=inp.positions, slot_mapping=inp.meta.slot_mapping,

@@ -1,0 +1,142 @@
+"""Graph mode's drafted step: `spec/drafted_step.drafted_tail` compiled per verify entry of the ladder, run
+right after the entry's compiled forward, so that a step that verifies and drafts has no eager op between
+its inputs and its packed result but the draft buffer's gather and write.
+
+Per verify entry (Bp sequences x 1 + K rows) up to the batch size at which the engine still drafts, two
+compiled variants: every sequence greedy, and sampled (temperature, top-k, top-p, min-p and seeds as
+per-row tensors: masks, not recompiles). The block table's width is a dynamic dimension, as in the
+forward, so each variant compiles once. A step the tail does not cover runs the forward's graph and then
+the eager rest (`ModelRunner._sample_and_verify`): logprobs, penalties, logit bias, a grammar bitmask, a
+host proposer, tensor parallelism, or a batch above the drafting limit; `eligible` says which, and the
+runner logs each reason once.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from namazu.spec.drafted_step import TailInputs, drafted_tail
+from namazu.step.batch import StepBatch
+from namazu.worker.graph_mode import GraphEntry, StepGraphs, compile_backend, own_code
+
+logger = logging.getLogger(__name__)
+
+
+class DraftedTails:
+    """The compiled tails of one runner's verify entries."""
+
+    def __init__(self, graphs: StepGraphs, proposer, vocab_size: int, max_batch: int):
+        self.graphs, self.proposer, self.vocab_size = graphs, proposer, vocab_size
+        self.k = graphs.k
+        self.device = graphs.device
+        self.entries = [e for (bp, tq), e in graphs.entries.items() if tq == 1 + self.k and bp <= max_batch]
+        self.max_batch = max((e.bp for e in self.entries), default=0)
+        self.draws_q = bool(getattr(proposer, "sample_drafts", False))
+        self.fns: dict[tuple[int, bool], Callable] = {}
+        self._zero_q: dict[int, torch.Tensor] = {}
+        self._called: set[tuple[int, bool]] = set()
+
+    @torch.inference_mode()   # as the runner's steps: the compiled code is guarded on the grad mode
+    def warm_up(self, progress: bool = True) -> float:
+        from tqdm.auto import tqdm
+
+        t0 = time.perf_counter()
+        todo = [(e, sampled) for e in self.entries for sampled in (False, True)]
+        for e, sampled in tqdm(todo, desc="graph mode: compiling drafted steps", disable=not progress):
+            fn = own_code(_tail, f"_drafted_tail_b{e.bp}_{'sampled' if sampled else 'greedy'}")
+            self.fns[(e.bp, sampled)] = torch.compile(fn, backend=compile_backend(self.graphs.backend, []),
+                                                      dynamic=False, fullgraph=True)
+            n, v = e.bp * e.tq, self.vocab_size
+            logits = torch.zeros(n, v, device=self.device)
+            hidden = {i: torch.zeros(n, self.graphs.model.config.hidden_size, device=self.device,
+                                     dtype=self.graphs.model.dtype) for i in self.graphs.capture_layers}
+            self.run(e, 2, logits, logits.argmax(-1), hidden, self.padding_inputs(e.bp, sampled), sampled)
+        return time.perf_counter() - t0
+
+    def eligible(self, b: StepBatch, entry: GraphEntry, world_size: int) -> str | None:
+        """None when the tail covers this graph step, else why not (for a once-per-reason log line)."""
+        sp = b.sampling
+        if entry.tq != 1 + self.k or not b.spec.max_drafts_next:
+            return "a step that does not both verify and draft (a plain decode entry)"
+        if entry.bp > self.max_batch:
+            return f"batches above {self.max_batch} sequences (the engine stops drafting there)"
+        if world_size > 1:
+            return "tensor parallelism (the decision is broadcast between the graphs)"
+        if sp.num_logprobs >= 0:
+            return "logprobs"
+        if sp.any_penalty or sp.bias is not None:
+            return "penalties or logit bias"
+        if sp.bitmask is not None:
+            return "a grammar bitmask"
+        return None
+
+    def padding_inputs(self, bp: int, sampled: bool) -> TailInputs:
+        i64 = {"dtype": torch.long, "device": self.device}
+        q = self._q(bp) if sampled and self.draws_q else None
+        return TailInputs(
+            num_drafts=torch.zeros(bp, **i64), temperature=torch.zeros(bp, device=self.device),
+            top_k=torch.full((bp,), self.vocab_size, **i64), top_p=torch.ones(bp, device=self.device),
+            min_p=torch.zeros(bp, device=self.device), seeds=torch.zeros(bp, **i64),
+            counters=torch.zeros(bp, 1 + self.k, **i64),
+            has_q=torch.zeros(bp, dtype=torch.bool, device=self.device) if q is not None else None, q=q)
+
+    def inputs(self, b: StepBatch, entry: GraphEntry, num_drafts: np.ndarray, slots: np.ndarray, drafts,
+               slot_index: torch.Tensor, sampled: bool) -> TailInputs:
+        """The step's per-sequence values padded to the entry (host arrays, one copy each)."""
+        bp, s, tq = entry.bp, len(num_drafts), entry.tq
+        sp, first = b.sampling, b.spec.row_layout[:, 0]
+
+        def padded(values: np.ndarray, fill, dtype) -> torch.Tensor:
+            out = np.full(bp, fill, dtype=dtype)
+            out[:s] = values
+            return torch.from_numpy(out).to(self.device, non_blocking=True)
+
+        counters = np.zeros((bp, tq), dtype=np.int64)
+        # A sequence's rows take consecutive output indices from its first sampled row's.
+        counters[:s] = sp.counters[first][:, None] + np.arange(tq)
+        t = TailInputs(num_drafts=padded(num_drafts, 0, np.int64),
+                       temperature=padded(sp.temperature[first], 0.0, np.float32),
+                       top_k=padded(sp.top_k[first], self.vocab_size, np.int64),
+                       top_p=padded(sp.top_p[first], 1.0, np.float32), min_p=padded(sp.min_p[first], 0.0, np.float32),
+                       seeds=padded(sp.seeds[first], 0, np.int64),
+                       counters=torch.from_numpy(counters).to(self.device, non_blocking=True), has_q=None, q=None)
+        if sampled and self.draws_q:
+            flags = np.asarray([drafts.has_probs.get(int(slot), False) for slot in slots], dtype=bool)
+            t.has_q = padded(flags, False, bool)
+            if drafts.probs is None or not flags.any():
+                t.q = self._q(bp)
+            else:
+                index = torch.zeros(bp, dtype=torch.long, device=self.device)
+                index[:s] = slot_index
+                t.q = drafts.probs[index, :self.k]
+        return t
+
+    def run(self, e: GraphEntry, width: int, logits: torch.Tensor, greedy: torch.Tensor,
+            captured: dict[int, torch.Tensor], t: TailInputs, sampled: bool):
+        table = e.block_tables[:, :width]
+        torch._dynamo.mark_dynamic(table, 1, min=2, max=max(3, self.graphs.max_width))
+        # As the forward's calls: the tail was traced with fullgraph=True (no host read can hide in it),
+        # and after its first call its inputs differ only in values and the table's width.
+        stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if (e.bp, sampled) in \
+            self._called else contextlib.nullcontext()
+        with _disable_current_modes(), stance:
+            out = self.fns[(e.bp, sampled)](self.proposer, logits, greedy, captured, e.input_ids, e.positions,
+                                            e.slot_mapping, table, t, sampled)
+        self._called.add((e.bp, sampled))
+        return out
+
+    def _q(self, bp: int) -> torch.Tensor:
+        if bp not in self._zero_q:
+            self._zero_q[bp] = torch.zeros(bp, self.k, self.vocab_size, device=self.device)
+        return self._zero_q[bp]
+
+
+def _tail(proposer, logits, greedy, captured, input_ids, positions, slot_mapping, block_tables, t, sampled):
+    return drafted_tail(proposer, logits, greedy, captured, input_ids, positions, slot_mapping, block_tables, t,
+                        sampled)
