@@ -20,6 +20,17 @@ from typing import Any
 from namazu.sampling_params import SamplingParams
 
 
+def sequence_seed(request_seed: int | None, index: int, rng: Any) -> int:
+    """The sampler's seed for sequence `index` of a request. A request's own seed gives each of its n
+    sequences a seed in [0, 2^63); a request without one gets an engine-drawn seed, stored negative: the
+    sign is how the worker tells the two apart (`layers/sampler.seeded_rows`), because a seeded row must
+    be verified against its own seeded samples (`spec/verify.py`) to emit exactly the tokens of plain
+    decoding, while an unseeded one may take the lossless rule with the drafter's q."""
+    if request_seed is None:
+        return -1 - int(rng.integers(0, 2**62))
+    return (request_seed + 1_000_003 * index) % 2**63
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -36,7 +47,7 @@ class Sequence:
     index: int                       # which of the request's n continuations
     prompt_token_ids: list[int]
     params: SamplingParams
-    seed: int                        # the sampler's stream for this sequence (request seed or engine-drawn)
+    seed: int                        # the sampler's stream: >= 0 from the request's seed, < 0 engine-drawn
     priority: int = 0                # lower runs first under --scheduling-policy priority
     arrival: int = field(default_factory=lambda: next(_ARRIVAL))
     status: SequenceStatus = SequenceStatus.WAITING
