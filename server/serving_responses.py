@@ -29,7 +29,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from server.common import ServerState, ignored_header, off_loop, until_disconnect, usage
+from server.common import ServerState, ignored_header, off_loop, salt_by_tenant, until_disconnect, usage
 from server.errors import APIError, invalid, wrong_type
 from server.fields import Fields
 from server.metrics import RequestTracker
@@ -335,6 +335,7 @@ async def create_response(request: Request, state: ServerState, body: Any, track
     chat_body, conversation, s = to_chat_body(body, store)
     req = parse_chat(chat_body, state.max_logprobs, state.strict_fields)
     state.check_model(req.model)
+    salt_by_tenant(request, state, req.sampling.kwargs)
     state.check_num_seqs(1, "input")
     param = "max_completion_tokens" if "max_completion_tokens" in chat_body else "max_tokens"
     try:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from namazu.sampling_params import SamplingParams
+from namazu.scheduler.block_hash import root_hash
 
 
 def sequence_seed(request_seed: int | None, index: int, rng: Any) -> int:
@@ -55,6 +56,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # chained hash of each full block of token_ids
+    cache_root: int = field(init=False)   # the chain's first parent, from the request's cache salt
     num_committed_blocks: int = 0    # leading blocks registered in the prefix cache
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at the last admission
     num_preemptions: int = 0
@@ -74,6 +76,7 @@ class Sequence:
     drafts_requested: bool = False   # the last step that sampled for it asked the worker to draft
 
     def __post_init__(self) -> None:
+        self.cache_root = root_hash(self.params.cache_salt)
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 

@@ -1,12 +1,12 @@
 """The router's ASGI app: an OpenAI-compatible front that forwards each request to one replica.
 
-Per request: tokenize the prompt as a namazu server would (chat template for chat), hash its blocks,
-score every healthy replica (`policy.py`), forward the body unchanged. The router commits to a replica
-only once its first response bytes arrived: a replica that refuses the connection, drops it, answers
-503 or fails its health checks before that is taken out of rotation and the request goes to the next
-best one. After the first
-streamed byte a failure ends the stream with an in-band error (the client already has tokens). A client
-that disconnects closes the upstream connection, which aborts the request on the replica.
+Per request: tokenize the prompt as a namazu server would (chat template for chat), hash its blocks
+(from the root its `cache_salt` gives, as the replica does), score every healthy replica (`policy.py`),
+forward the body unchanged. The router commits to a replica only once its first response bytes arrived:
+a replica that refuses the connection, drops it, answers 503 or fails its health checks before that is
+taken out of rotation and the request goes to the next best one. After the first streamed byte a failure
+ends the stream with an in-band error (the client already has tokens). A client that disconnects closes
+the upstream connection, which aborts the request on the replica.
 
 The front door is the server's (`server/front_door.py`, `server/timeouts.py`): the clients' API key
 (distinct from the replicas' key the router forwards with) on every route but /health, JSON bodies only,
@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from namazu.scheduler.kv_events import PromptHasher
+from namazu.scheduler.kv_events import PromptHasher, request_cache_salt
 from server.api_error import APIError
 from server.front_door import AuthMiddleware, BrowserGuardMiddleware, read_body
 from server.json_body import parse_json
@@ -120,7 +120,7 @@ class Router:
         body = parse_json(raw)          # an APIError (400) for what a replica would refuse as JSON too
         ids = self.prompt_ids(path, body)
         hasher = self.hasher()
-        hashes = hasher.hashes(ids) if hasher else []
+        hashes = hasher.hashes(ids, request_cache_salt(body)) if hasher else []
         if self.front.kv_events_key is not None:    # compared with the replicas' keyed events
             hashes = keyed(self.front.kv_events_key, hashes)
         return body, ids, hashes, hasher.block_size if hasher else 16
