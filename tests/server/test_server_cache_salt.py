@@ -1,0 +1,82 @@
+"""`cache_salt` and `--cache-salt-per-key` over HTTP (issue 34, item 12), with the official `openai` client:
+`usage.prompt_tokens_details.cached_tokens` of a request is 0 when the same prompt was sent only under
+another salt or by another API key, and counts the shared blocks under the same salt and key, on
+/v1/completions, /v1/chat/completions and /v1/responses; a bad salt is a 4xx naming the field."""
+from __future__ import annotations
+
+import openai
+import pytest
+from server_harness import LiveServer, make_tiny_model
+
+KEYS = ("key-a", "key-b")
+LONG = "a system prompt long enough to fill several prefix-cache blocks of sixteen tokens. " * 2
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    with LiveServer(model, "--max-model-len", "512", "--kv-cache-memory", "32MiB", "--served-model-name", "tiny",
+                    "--api-key", ",".join(KEYS), "--cache-salt-per-key") as s:
+        yield s
+
+
+def client(srv, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def completion_cached(c: openai.OpenAI, prompt: str, **extra) -> int:
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def chat_cached(c: openai.OpenAI, content: str, **extra) -> int:
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=1,
+                                  temperature=0, extra_body=extra)
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_salts_and_keys_share_no_block_and_the_same_salt_and_key_share(srv):
+    a, b = client(srv, KEYS[0]), client(srv, KEYS[1])
+    for i, ask in enumerate((completion_cached, chat_cached)):
+        text = f"{i} {LONG}"
+        assert ask(a, text, cache_salt="s1") == 0
+        assert ask(a, text, cache_salt="s2") == 0           # another salt of the same key
+        assert ask(b, text, cache_salt="s1") == 0           # the same salt under another key
+        assert ask(a, text) == 0                            # the key's own unsalted namespace
+        assert ask(b, text) == 0
+        assert ask(a, text, cache_salt="s1") >= 64          # the same salt and key share
+        assert ask(b, text) >= 64
+
+
+def test_responses_take_the_salt(srv):
+    a = client(srv, KEYS[0])
+    text = "r " + LONG
+    first = a.responses.create(model="tiny", input=text, max_output_tokens=1, extra_body={"cache_salt": "s9"})
+    again = a.responses.create(model="tiny", input=text, max_output_tokens=1, extra_body={"cache_salt": "s9"})
+    other = a.responses.create(model="tiny", input=text, max_output_tokens=1, extra_body={"cache_salt": "s10"})
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert again.usage.input_tokens_details.cached_tokens >= 64
+    assert other.usage.input_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("salt, status", [(7, 422), (["a"], 422), ({"a": 1}, 422), (True, 422), ("", 400),
+                                          ("x" * 257, 400)])
+def test_a_bad_salt_is_refused_naming_the_field(srv, salt, status):
+    a = client(srv, KEYS[0])
+    calls = (lambda: a.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"cache_salt": salt}),
+             lambda: a.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=1, extra_body={"cache_salt": salt}),
+             lambda: a.responses.create(model="tiny", input="x", max_output_tokens=1,
+                                        extra_body={"cache_salt": salt}))
+    for call in calls:
+        with pytest.raises(openai.APIStatusError) as e:
+            call()
+        assert e.value.status_code == status and e.value.body["param"] == "cache_salt", e.value.body
+
+
+def test_every_key_is_admitted_and_a_wrong_one_is_not(srv):
+    for key in KEYS:
+        assert client(srv, key).models.list().data
+    for wrong in ("key-c", "key-a,key-b", "key"):
+        with pytest.raises(openai.AuthenticationError):
+            client(srv, wrong).models.list()
