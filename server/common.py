@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import dataclasses
-import hashlib
 import logging
 import time
 import uuid
@@ -18,7 +17,7 @@ from starlette.requests import Request
 
 from namazu.sampling_params import SamplingParams
 from server.errors import APIError, invalid
-from server.front_door import tenant_of
+from server.front_door import tenant_cache_salt, tenant_of
 from server.metrics import RequestTracker, ServerMetrics
 from server.prepare_pool import run_prepare
 
@@ -34,12 +33,8 @@ def salt_by_tenant(request: Request, state: ServerState, kwargs: dict[str, Any])
     `cache_salt`, hashed, within that tenant), so no request can reach another key's cached blocks:
     a salt naming another tenant is hashed under the sender's own."""
     tenant = tenant_of(request.scope) if state.cache_salt_per_key else None
-    if tenant is None:
-        return
-    own = kwargs.get("cache_salt")
-    inner = "" if own is None else ":" + hashlib.blake2b(own.encode("utf-8", "surrogatepass"),
-                                                         digest_size=16).hexdigest()
-    kwargs["cache_salt"] = f"key:{tenant}{inner}"
+    if tenant is not None:
+        kwargs["cache_salt"] = tenant_cache_salt(tenant, kwargs.get("cache_salt"))
 
 
 @dataclass

@@ -53,6 +53,15 @@ def tenant_id(key: bytes) -> str:
     return hashlib.blake2b(key, digest_size=16, person=b"namazu-tenant").hexdigest()
 
 
+def tenant_cache_salt(tenant: str, own: str | None) -> str:
+    """The prefix-cache salt of a request under `--cache-salt-per-key`: its key's tenant id, with the
+    request's own `cache_salt` hashed inside it (so no salt a client sends can name another tenant's
+    namespace). The server and the router compute it alike."""
+    if own is None:
+        return f"key:{tenant}"
+    return f"key:{tenant}:" + hashlib.blake2b(own.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
 def tenant_of(scope: Scope) -> str | None:
     """The tenant id of the key a request authenticated with (None: the server has no keys)."""
     return scope.get(TENANT_SCOPE_KEY)

@@ -67,7 +67,7 @@ def test_the_replica_publishes_what_the_router_computes_for_a_salted_prompt():
         with LLM(tiny_checkpoint(), executor="inline", block_size=BLOCK, num_speculative_tokens=0) as llm:
             for salt in ("tenant-a", None):
                 body = {"prompt": text} | ({"cache_salt": salt} if salt else {})
-                _, ids, hashes, _ = router.prepare("/v1/completions", httpx.Request("POST", "http://x", json=body)
+                _, ids, hashes, _, _ = router.prepare("/v1/completions", httpx.Request("POST", "http://x", json=body)
                                                    .content)
                 after = llm.engine.kv_events.last_id
                 llm.generate([text], dataclasses.replace(ONE, cache_salt=salt), use_tqdm=False)
