@@ -80,3 +80,19 @@ def test_every_key_is_admitted_and_a_wrong_one_is_not(srv):
     for wrong in ("key-c", "key-a,key-b", "key"):
         with pytest.raises(openai.AuthenticationError):
             client(srv, wrong).models.list()
+
+
+@pytest.mark.parametrize("module, argv, needle", [
+    ("namazu.server", ["--cache-salt-per-key"], "--cache-salt-per-key needs --api-key"),
+    ("namazu.server", ["--api-key", "key-a,,key-b"], "the API key is empty"),
+    ("namazu.server", ["--api-key", "key-a,key-b", "--replicas", "2"], "--replicas takes one --api-key"),
+    ("server.router", ["--replica", "http://r:1", "--cache-salt-per-key"], "--cache-salt-per-key needs --api-key"),
+    ("server.router", ["--replica", "http://r:1", "--api-key", "a, ,b"], "the API key is empty"),
+])
+def test_flags_that_cannot_isolate_are_refused_at_start_up(monkeypatch, capsys, module, argv, needle):
+    import importlib
+
+    monkeypatch.delenv("NAMAZU_API_KEY", raising=False)
+    main = importlib.import_module(module if module == "namazu.server" else "server.router.__main__").main
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
