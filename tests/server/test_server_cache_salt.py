@@ -1,7 +1,8 @@
 """`cache_salt` and `--cache-salt-per-key` over HTTP (issue 34, item 12), with the official `openai` client:
 `usage.prompt_tokens_details.cached_tokens` of a request is 0 when the same prompt was sent only under
 another salt or by another API key, and counts the shared blocks under the same salt and key, on
-/v1/completions, /v1/chat/completions and /v1/responses; a bad salt is a 4xx naming the field."""
+/v1/completions, /v1/chat/completions and /v1/responses; a bad salt is a 4xx naming the field. With several
+keys, a stored response (`/v1/responses`) is its own key's only."""
 from __future__ import annotations
 
 import openai
@@ -57,6 +58,21 @@ def test_responses_take_the_salt(srv):
     assert first.usage.input_tokens_details.cached_tokens == 0
     assert again.usage.input_tokens_details.cached_tokens >= 64
     assert other.usage.input_tokens_details.cached_tokens == 0
+
+
+def test_a_stored_response_is_its_keys_only(srv):
+    import httpx
+
+    a, b = client(srv, KEYS[0]), client(srv, KEYS[1])
+    first = a.responses.create(model="tiny", input="remember me", max_output_tokens=2)
+    assert a.responses.retrieve(first.id).id == first.id
+    assert a.responses.create(model="tiny", input="and then?", max_output_tokens=2, previous_response_id=first.id)
+    with pytest.raises(openai.NotFoundError):
+        b.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        b.responses.create(model="tiny", input="and then?", max_output_tokens=2, previous_response_id=first.id)
+    r = httpx.get(f"{srv.url}/v1/responses/{first.id}", headers={"Authorization": f"Bearer {KEYS[1]}"})
+    assert r.status_code == 404 and "no response" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("salt, status", [(7, 422), (["a"], 422), ({"a": 1}, 422), (True, 422), ("", 400),
