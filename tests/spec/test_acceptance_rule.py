@@ -83,3 +83,20 @@ def test_seeded_rows_take_the_exact_match_whatever_q_says():
 
 def test_gumbel_noise_is_finite():
     assert torch.isfinite(gumbel_noise(torch.tensor([0, -1]), torch.tensor([0, 2**40]), 1000)).all()
+
+
+def test_the_rule_traces_as_one_graph():
+    """The verify step is captured inside a compiled graph: no host read, no data-dependent shape, no
+    Python branch on a tensor value (fullgraph=True refuses a graph break)."""
+    v, k, s = 9, 3, 6
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(s, k + 1, v, generator=g)
+    q = torch.randn(s, k, v, generator=g).softmax(-1)
+    drafts = torch.multinomial(q.reshape(-1, v), 1, generator=g).view(s, k)
+    target = logits.argmax(-1)
+    args = (logits, target, drafts, q, torch.tensor([3, 2, 0, 3, 1, 3]), torch.arange(s) % 3 == 0,
+            torch.arange(s) - 2, torch.arange(k + 1).expand(s, k + 1))
+    seeded = torch.arange(s) % 2 == 1
+    compiled = torch.compile(verify_stochastic, fullgraph=True, backend="eager", dynamic=False)
+    for got, want in zip(compiled(*args, seeded=seeded), verify_stochastic(*args, seeded=seeded)):
+        assert torch.equal(got, want)
