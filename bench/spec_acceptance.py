@@ -2,9 +2,9 @@
 
     python bench/spec_acceptance.py --requests build/drafter/capture-heldout --drafters shipped=DIR ngram \
         [--temperature 0.7] [--limit 200] [--k 6] [--greedy-drafts] [--min-confidence 0 0.25]
-        [--captured-temperature 0.7]
+        [--captured-temperature 0.7] [--request-seeds]
 
-Each captured request is generated again with its own top-p, top-k and seed at --temperature (each answer
+Each captured request is generated again with its own top-p and top-k at --temperature (each answer
 at most as long as the captured one), in one inline engine per drafter, 16 sequences at a time, drafting at
 every batch size (no disable threshold). The engine's own acceptance histogram gives the mean acceptance
 length (drafts accepted + 1 per verify step). A DFlash drafter draws its drafts from the selector's q at
@@ -12,6 +12,9 @@ T > 0 (the default, verified with the lossless rule); --greedy-drafts makes it d
 instead; --min-confidence runs each DFlash drafter once per threshold (`--speculative-min-confidence`:
 blocks end where its running confidence falls below it), reporting drafts verified per verify step beside
 the acceptance length. `ngram` is the n-gram drafter. Acceptance does not depend on the machine's load.
+The requests' seeds are the engine's (reproducible: the engine's --seed), so drafts from q go through the
+ratio rule, as for unseeded traffic; --request-seeds replays the captured seeds, whose rows are verified
+by exact match against the target's seeded samples (docs/engine.md), as a seeded request's are.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def acceptance(drafter: str, records: list, temperature: float, k: int, greedy_drafts: bool,
-               min_confidence: float = 0.0) -> tuple[float, int, float]:
+               min_confidence: float = 0.0, request_seeds: bool = False) -> tuple[float, int, float]:
     import torch
 
     from namazu import LLM, SamplingParams
@@ -41,7 +44,8 @@ def acceptance(drafter: str, records: list, temperature: float, k: int, greedy_d
                               sample_drafts=not greedy_drafts, min_confidence=min_confidence)
         extra = {}
     params = [SamplingParams(temperature=temperature, top_p=r.sampling.get("top_p") or 1.0,
-                             top_k=r.sampling.get("top_k") or 0, seed=r.sampling.get("seed"),
+                             top_k=r.sampling.get("top_k") or 0,
+                             seed=r.sampling.get("seed") if request_seeds else None,
                              max_tokens=max(1, len(r.output_token_ids[0]))) for r in records]
     with LLM(model, dtype="float32", executor="inline", drafter=prop, num_speculative_tokens=k, max_num_seqs=16,
              speculative_disable_batch_size=0, **extra) as llm:
@@ -66,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--greedy-drafts", action="store_true", help="DFlash drafts its top tokens at T > 0")
     ap.add_argument("--min-confidence", type=float, nargs="+", default=[0.0], metavar="X",
                     help="block-ending thresholds of the DFlash drafters, one run per value (0: full blocks)")
+    ap.add_argument("--request-seeds", action="store_true",
+                    help="replay the captured seeds (seeded rows: exact match) instead of engine-drawn ones")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
@@ -80,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec, x in tqdm(runs, desc="drafters", unit="drafter"):
         name, _, path = spec.partition("=")
         name = f"{name}@{x:g}" if len(args.min_confidence) > 1 and path else name
-        rows.append((name, *acceptance(path or name, records, args.temperature, args.k, args.greedy_drafts, x)))
+        rows.append((name, *acceptance(path or name, records, args.temperature, args.k, args.greedy_drafts, x,
+                                       args.request_seeds)))
     drafts = "greedy drafts" if args.greedy_drafts else "drafts from q"
     print(f"{len(records)} held-out requests, T={args.temperature:g}, k={args.k}, {drafts} (DFlash)")
     print("| drafter | mean acceptance length | verify steps | drafts verified per verify step |")

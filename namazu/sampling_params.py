@@ -28,6 +28,7 @@ MAX_LOGIT_BIAS = 1024
 MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
 MIN_REPETITION_PENALTY = 1e-6
+MAX_CACHE_SALT_CHARS = 256     # a tenant or session id, not a document: hashed once per request
 
 
 @dataclass
@@ -44,6 +45,9 @@ class SamplingParams:
     sequence (`namazu.structured.grammar.Grammar`, e.g. an `AutomatonGrammar`) that every sampled token
     must satisfy. Both, and `min_tokens`, go through the grammar bitmask (`namazu/structured/`).
     `num_speculative_tokens=0` opts this request out of speculative decoding.
+    `cache_salt` (a non-empty string of at most MAX_CACHE_SALT_CHARS characters, as vLLM's) isolates the
+    request's prefix-cache blocks: requests with different salts never share a block, the same salt shares
+    (`scheduler/block_hash.py`); None shares with every other unsalted request.
     `logit_bias` ({token id: bias}, each in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]) is added to the raw logits on
     the device, after the penalties and before the grammar mask and temperature (OpenAI's order); at most
     MAX_LOGIT_BIAS entries. `bad_words_ids` are token sequences that must not be generated: the last token
@@ -85,6 +89,7 @@ class SamplingParams:
     grammar: str | None = None
     tool_calls: dict[str, Any] | None = None
     num_speculative_tokens: int | None = None     # None: the engine's setting; 0: no speculation
+    cache_salt: str | None = None                 # prefix-cache isolation (per tenant); None: shared
     # Filled by the engine: the stop strings as a list and the tokens that end a sequence.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -144,6 +149,12 @@ class SamplingParams:
             self._bad("n", f"must be in [1, {MAX_N}]")
         if self.seed is not None and not 0 <= self.seed <= INT64_MAX:
             self._bad("seed", f"must be in [0, {INT64_MAX}] (it seeds an int64 generator)")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
+            salt = self.cache_salt
+            got = f"{len(salt)} characters" if isinstance(salt, str) else type(salt).__name__
+            raise ValueError(f"SamplingParams.cache_salt: must be a non-empty string of at most "
+                             f"{MAX_CACHE_SALT_CHARS} characters (got {got})")
         if self.temperature < 0:
             self._bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:

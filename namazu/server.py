@@ -1,7 +1,7 @@
 """`python -m namazu.server`: the OpenAI-compatible HTTP server.
 
 Engine flags come from EngineConfig (one definition each, shared with `LLM(...)`); the server adds
---host, --port, --api-key, --served-model-name, --max-request-bytes, --log-level, its time limits
+--host, --port, --api-key, --cache-salt-per-key, --served-model-name, --max-request-bytes, --log-level, its time limits
 (--shutdown-timeout, --header-timeout, --body-timeout, --write-timeout, --keep-alive-timeout) and front-door
 limits (--max-connections, --allowed-hosts, --grammar-threads, --max-grammar-compiles, --kv-events-key). The
 engine (and its
@@ -32,8 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 picks a free one)")
     g.add_argument("--api-key", default=os.environ.get("NAMAZU_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health; several keys, "
+                        "comma-separated, admit each (one per tenant) "
                         "(default: $NAMAZU_API_KEY, else no authentication)")
+    g.add_argument("--cache-salt-per-key", action="store_true",
+                   help="salt every request's prefix cache by the API key it came with: tenants sharing "
+                        "this server never share cached blocks, and cached_tokens says nothing about "
+                        "another key's prompts (a request's own cache_salt then subdivides its key's cache)")
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the checkpoint's name)")
     g.add_argument("--max-request-bytes", default="8MiB", metavar="SIZE",
@@ -136,7 +141,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                         max_request_bytes=parse_bytes(args.max_request_bytes), body_timeout=args.body_timeout,
                         write_timeout=args.write_timeout, strict_fields=args.strict_fields,
                         allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
-                        kv_events_key=parse_key(args.kv_events_key))
+                        kv_events_key=parse_key(args.kv_events_key), cache_salt_per_key=args.cache_salt_per_key)
         uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="none",
                             http=guarded_protocol(args.header_timeout, args.body_timeout,
                                                  fit_connection_cap(args.max_connections)),
@@ -192,6 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.api_key is not None and not args.api_key.strip():
             raise ValueError("--api-key (or $NAMAZU_API_KEY) is empty, which would turn authentication off "
                              "unnoticed; give a key, or unset it to run without authentication")
+        from server.front_door import parse_api_keys
+        keys = parse_api_keys(args.api_key)
+        if args.cache_salt_per_key and keys is None:
+            raise ValueError("--cache-salt-per-key needs --api-key: without keys every client is one tenant")
+        if args.replicas is not None and keys is not None and len(keys) > 1:
+            raise ValueError("--replicas takes one --api-key (its ingress forwards with it)")
+        if args.replicas is not None and args.cache_salt_per_key:
+            raise ValueError("--cache-salt-per-key is not served with --replicas yet; give each tenant's "
+                             "requests a cache_salt")
         for name in ("shutdown_timeout", "header_timeout", "body_timeout", "write_timeout", "keep_alive_timeout"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 from server.common import ClientGone, ServerState, now
 from server.errors import ENGINE_ERRORS, APIError, as_api_error, http_error
-from server.front_door import AuthMiddleware, BrowserGuardMiddleware, read_json
+from server.front_door import AuthMiddleware, BrowserGuardMiddleware, parse_api_keys, read_json
 from server.metrics import ServerMetrics
 from server.openapi import build_openapi
 from server.replica_routes import kv_events, load
@@ -40,16 +40,19 @@ CLIENT_CLOSED = 499         # nginx's status for a request whose client went awa
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, body_timeout: float = 30.0,
               write_timeout: float = 30.0, strict_fields: bool = False, allowed_hosts: Iterable[str] | None = None,
-              kv_events_key: bytes | None = None) -> Starlette:
+              kv_events_key: bytes | None = None, cache_salt_per_key: bool = False) -> Starlette:
     """The app around a started engine. `api_key` None: no authentication (an empty key is refused:
-    it would look like authentication while letting anyone in). `allowed_hosts`: the names a request's
-    Host header may carry (None: any; see server.front_door.allowed_hosts)."""
-    if api_key is not None and not api_key.strip():
-        raise ValueError("the API key is empty; give a non-empty --api-key (or none, for no authentication)")
+    it would look like authentication while letting anyone in); several keys, comma-separated, are
+    several tenants, and `cache_salt_per_key` keeps their prefix caches apart. `allowed_hosts`: the names
+    a request's Host header may carry (None: any; see server.front_door.allowed_hosts)."""
+    keys = parse_api_keys(api_key)
+    if cache_salt_per_key and keys is None:
+        raise ValueError("--cache-salt-per-key needs --api-key: without keys every client is one tenant")
     state = ServerState(engine=engine, served_model_name=served_model_name or engine.model_name,
                         max_logprobs=engine.config.max_logprobs, metrics=None,  # type: ignore[arg-type]
                         max_request_bytes=max_request_bytes, body_timeout=body_timeout,
-                        strict_fields=strict_fields, kv_events_key=kv_events_key)
+                        strict_fields=strict_fields, kv_events_key=kv_events_key,
+                        cache_salt_per_key=cache_salt_per_key)
     metrics = state.metrics = ServerMetrics(state.stats, model_name=state.served_model_name)
     routes = [
         Route("/health", health, methods=["GET"]),

@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from namazu.sampling_params import SamplingParams
 from server.errors import APIError, invalid
+from server.front_door import tenant_cache_salt, tenant_of
 from server.metrics import RequestTracker, ServerMetrics
 from server.prepare_pool import run_prepare
 
@@ -25,6 +26,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def salt_by_tenant(request: Request, state: ServerState, kwargs: dict[str, Any]) -> None:
+    """Under --cache-salt-per-key, the request's prefix-cache salt is its API key's tenant id (and its own
+    `cache_salt`, hashed, within that tenant), so no request can reach another key's cached blocks:
+    a salt naming another tenant is hashed under the sender's own."""
+    tenant = tenant_of(request.scope) if state.cache_salt_per_key else None
+    if tenant is not None:
+        kwargs["cache_salt"] = tenant_cache_salt(tenant, kwargs.get("cache_salt"))
 
 
 @dataclass
@@ -39,6 +49,7 @@ class ServerState:
     body_timeout: float = 30.0
     strict_fields: bool = False     # --strict-fields: an unrecognized request field is a 400, not ignored
     kv_events_key: bytes | None = None      # --kv-events-key: /kv/events publishes keyed hashes
+    cache_salt_per_key: bool = False        # --cache-salt-per-key: each API key's prefix cache apart
     in_flight: int = 0              # engine requests started and not yet finished
     peak_in_flight: int = 0
 

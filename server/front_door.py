@@ -1,7 +1,9 @@
 """What every namazu HTTP front (the server and the router) checks before a request reaches a handler.
 
 - `AuthMiddleware`: exactly one `Authorization: Bearer KEY` on every path but /health, compared in
-  constant time (several headers are refused: which one a proxy in front checked is unknowable);
+  constant time (several headers are refused: which one a proxy in front checked is unknowable) with
+  each of the keys (`--api-key K1,K2,...`: one per tenant); the request's scope then carries that key's
+  tenant id (`tenant_of`), which `--cache-salt-per-key` turns into a prefix-cache salt;
 - `BrowserGuardMiddleware`: a request with a body must say `Content-Type: application/json` (a web page
   can POST `text/plain` or a form to any address without a CORS preflight; it cannot send JSON so), and
   the `Host` header must name this server (a DNS-rebinding page reaches 127.0.0.1 under its own name);
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 from collections.abc import Iterable
@@ -30,25 +33,68 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
+TENANT_SCOPE_KEY = "namazu.tenant"     # the ASGI scope entry holding the matched key's tenant id
+
+
+def parse_api_keys(value: str | None, flag: str = "--api-key") -> list[str] | None:
+    """The keys of a comma-separated `--api-key` value (a Bearer token has no commas), or None: no
+    authentication. An empty key anywhere is refused: it would look like authentication while letting in
+    anyone who sends an empty token."""
+    if value is None:
+        return None
+    keys = [k.strip() for k in value.split(",")]
+    if not value.strip() or any(not k for k in keys):
+        raise ValueError(f"the API key is empty; give a non-empty {flag} (or none, for no authentication)")
+    return keys
+
+
+def tenant_id(key: bytes) -> str:
+    """A key's tenant id: a digest of it (the key itself never leaves the auth check)."""
+    return hashlib.blake2b(key, digest_size=16, person=b"namazu-tenant").hexdigest()
+
+
+def tenant_cache_salt(tenant: str, own: str | None) -> str:
+    """The prefix-cache salt of a request under `--cache-salt-per-key`: its key's tenant id, with the
+    request's own `cache_salt` hashed inside it (so no salt a client sends can name another tenant's
+    namespace). The server and the router compute it alike."""
+    if own is None:
+        return f"key:{tenant}"
+    return f"key:{tenant}:" + hashlib.blake2b(own.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def tenant_of(scope: Scope) -> str | None:
+    """The tenant id of the key a request authenticated with (None: the server has no keys)."""
+    return scope.get(TENANT_SCOPE_KEY)
+
+
 class AuthMiddleware:
-    """Exactly one `Authorization: Bearer KEY` on every path but /health (constant-time compare).
-    `flag` names the option the key came from, for the error message."""
+    """Exactly one `Authorization: Bearer KEY` on every path but /health, compared in constant time with
+    every configured key (the time does not depend on which one matched). `flag` names the option the
+    keys came from, for the error message."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, flag: str = "--api-key"):
-        if api_key is not None and not api_key.strip():
-            raise ValueError(f"the API key is empty; give a non-empty {flag} (or none, for no authentication)")
+        keys = parse_api_keys(api_key, flag)
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        self.keys = [(k.encode(), tenant_id(k.encode())) for k in keys] if keys else None
         self.flag = flag
 
+    def _match(self, token: bytes) -> str | None:
+        found = None
+        for key, tenant in self.keys or ():
+            if hmac.compare_digest(token, key) and found is None:
+                found = tenant
+        return found
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if self.keys is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         headers = [v for k, v in scope["headers"] if k == b"authorization"]
         header = headers[0] if len(headers) == 1 else b""
         scheme, _, token = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        tenant = self._match(token.strip()) if scheme.lower() == b"bearer" else None
+        if tenant is not None:
+            scope[TENANT_SCOPE_KEY] = tenant
             await self.app(scope, receive, send)
             return
         what = ("several Authorization headers sent; send exactly one" if len(headers) > 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from namazu.sampling_params import INT64_MAX, MAX_LOGIT_BIAS, TOP_K_MAX
+from namazu.sampling_params import INT64_MAX, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, TOP_K_MAX
 from server.fields import IGNORED_FIELDS, MAX_STOP
 from server.protocol import MAX_N
 from server.vllm_fields import MAX_BAD_WORDS, MAX_REQUEST_ID, REASONING_EFFORTS
@@ -144,6 +144,8 @@ def _sampling(vocab_size: int, max_logprobs: int = 20) -> dict[str, Any]:
         "return_tokens_as_token_ids": {"type": "boolean"},
         "request_id": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_REQUEST_ID,
                                  "pattern": "^[A-Za-z0-9._:\\-]+$"}),
+        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
+                                 "description": "requests with different salts never share prefix-cache blocks"}),
         "spaces_between_special_tokens": {"type": "boolean"},
         "add_special_tokens": {"type": "boolean"},
         "guided_decoding_backend": {"type": "string"},

@@ -1,7 +1,7 @@
 """OpenAI request bodies -> typed requests + SamplingParams, with an error that names the bad field.
 
 A field of the wrong JSON type is a 422 naming it; a value out of range or a feature this server does not
-have (`suffix`, image parts, vLLM's `cache_salt`) is a 400 naming it. vLLM's extra fields are read with
+have (`suffix`, image parts, beam search) is a 400 naming it. vLLM's extra fields are read with
 vLLM's meaning (server/vllm_fields.py). A field nobody knows is, as in vLLM, logged and ignored by default;
 with `strict` (the server's `--strict-fields`) it is a 400 naming it. Fields the API accepts but that change
 nothing here (`user`, `metadata`, ...) are accepted and ignored.
@@ -20,6 +20,7 @@ from server.fields import Fields
 from server.vllm_fields import (
     Extras,
     legacy_functions,
+    read_cache_salt,
     read_constraints,
     read_extras,
     read_logit_bias,
@@ -85,6 +86,7 @@ def _read_sampling(f: Fields, max_logprobs: int) -> SamplingFields:
         include_stop_str_in_output=f.bool("include_stop_str_in_output"),
         logit_bias=read_logit_bias(f.raw("logit_bias")),
         allowed_token_ids=f.int_list("allowed_token_ids"),
+        cache_salt=read_cache_salt(f),
     )
     if kwargs["allowed_token_ids"] == []:
         raise invalid("'allowed_token_ids' must not be empty (it would allow no token)", "allowed_token_ids")

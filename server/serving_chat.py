@@ -37,6 +37,7 @@ from server.common import (
     new_id,
     off_loop,
     resolve_max_tokens,
+    salt_by_tenant,
     top_n,
     until_disconnect,
     usage,
@@ -55,6 +56,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
                                  tracker: RequestTracker) -> Response:
     req = parse_chat(body, state.max_logprobs, state.strict_fields)
     state.check_model(req.model)
+    salt_by_tenant(request, state, req.sampling.kwargs)
     state.check_num_seqs(req.sampling.n, "n")
     param = "max_completion_tokens" if isinstance(body, dict) and "max_completion_tokens" in body else "max_tokens"
     # Rendering the template and tokenizing are proportional to the body: off the event loop.

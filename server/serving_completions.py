@@ -27,6 +27,7 @@ from server.common import (
     new_id,
     off_loop,
     resolve_max_tokens,
+    salt_by_tenant,
     top_n,
     until_disconnect,
     usage,
@@ -79,6 +80,7 @@ async def create_completion(request: Request, state: ServerState, body: Any,
                             tracker: RequestTracker) -> Response:
     req = parse_completion(body, state.max_logprobs, state.strict_fields)
     state.check_model(req.model)
+    salt_by_tenant(request, state, req.sampling.kwargs)
     state.check_num_seqs(len(req.prompts) * req.sampling.n, "prompt" if len(req.prompts) > 1 else "n")
     # Tokenizing (and detokenizing token-id prompts) is proportional to the body: off the event loop.
     prompts, params, rid = await off_loop(_prepare, state, req)

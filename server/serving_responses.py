@@ -29,9 +29,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from server.common import ServerState, ignored_header, off_loop, until_disconnect, usage
+from server.common import ServerState, ignored_header, off_loop, salt_by_tenant, until_disconnect, usage
 from server.errors import APIError, invalid, wrong_type
 from server.fields import Fields
+from server.front_door import tenant_of
 from server.metrics import RequestTracker
 from server.protocol import parse_chat
 from server.serving_chat import _ChatJob, _prepare
@@ -62,28 +63,31 @@ _ACCEPTED_NO_EFFECT = ("truncation", "include", "reasoning", "prompt_cache_key",
 
 
 class ResponseStore:
-    """Responses of this process, least recently used evicted first, bounded in count and size."""
+    """Responses of this process, least recently used evicted first, bounded in count and size. Each is
+    stored under its owner (the tenant of the API key that created it, `front_door.tenant_of`): another
+    key's tenant finds nothing under its id, as if it were not stored."""
 
     def __init__(self, max_items: int = MAX_STORED, max_chars: int = MAX_STORED_CHARS):
         self.max_items, self.max_chars = max_items, max_chars
-        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = OrderedDict()
+        self._items: OrderedDict[tuple[str | None, str], tuple[dict[str, Any], list[dict[str, Any]], int]] = \
+            OrderedDict()
         self.chars = 0
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], owner: str | None = None) -> None:
         size = len(json.dumps(conversation, ensure_ascii=False)) + len(json.dumps(response, ensure_ascii=False))
         if size > self.max_chars:
             return
-        self._items[response["id"]] = (response, conversation, size)
+        self._items[owner, response["id"]] = (response, conversation, size)
         self.chars += size
         while len(self._items) > self.max_items or self.chars > self.max_chars:
             _, (_, _, s) = self._items.popitem(last=False)
             self.chars -= s
 
-    def get(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-        hit = self._items.get(rid)
+    def get(self, rid: str, owner: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        hit = self._items.get((owner, rid))
         if hit is None:
             return None
-        self._items.move_to_end(rid)
+        self._items.move_to_end((owner, rid))
         return hit[0], hit[1]
 
     def __len__(self) -> int:
@@ -98,7 +102,7 @@ def _store(request: Request) -> ResponseStore:
 
 
 async def get_response(request: Request) -> Response:
-    hit = _store(request).get(request.path_params["response_id"])
+    hit = _store(request).get(request.path_params["response_id"], tenant_of(request.scope))
     if hit is None:
         raise APIError(404, f"no response {request.path_params['response_id']!r} is stored (responses live in "
                             "this server process only, in a bounded store)", param="response_id",
@@ -210,8 +214,10 @@ def _text_format(v: Any) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": js}
 
 
-def to_chat_body(body: Any, store: ResponseStore) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
-    """(the chat body, the conversation so far without instructions, the Responses-side settings)."""
+def to_chat_body(body: Any, store: ResponseStore, owner: str | None = None
+                 ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """(the chat body, the conversation so far without instructions, the Responses-side settings);
+    `previous_response_id` is looked up among `owner`'s responses."""
     if not isinstance(body, dict):
         raise APIError(422, "the request body must be a JSON object", code="invalid_type")
     for name, hint in _CHAT_ONLY.items():
@@ -230,7 +236,7 @@ def to_chat_body(body: Any, store: ResponseStore) -> tuple[dict[str, Any], list[
     if prev_id is not None:
         if not isinstance(prev_id, str):
             raise wrong_type("previous_response_id", "a string", prev_id)
-        hit = store.get(prev_id)
+        hit = store.get(prev_id, owner)
         if hit is None:
             raise APIError(404, f"previous_response_id {prev_id!r} is not stored here (responses live in this "
                                 "server process only, in a bounded store; it may have been evicted)",
@@ -332,9 +338,11 @@ def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def create_response(request: Request, state: ServerState, body: Any, tracker: RequestTracker) -> Response:
     store = _store(request)
-    chat_body, conversation, s = to_chat_body(body, store)
+    owner = tenant_of(request.scope)
+    chat_body, conversation, s = to_chat_body(body, store, owner)
     req = parse_chat(chat_body, state.max_logprobs, state.strict_fields)
     state.check_model(req.model)
+    salt_by_tenant(request, state, req.sampling.kwargs)
     state.check_num_seqs(1, "input")
     param = "max_completion_tokens" if "max_completion_tokens" in chat_body else "max_tokens"
     try:
@@ -351,7 +359,7 @@ async def create_response(request: Request, state: ServerState, body: Any, track
 
     def remember(resp: dict[str, Any]) -> None:
         if s["store"] is not False:
-            store.put(resp, conversation + _as_messages(resp["output"]))
+            store.put(resp, conversation + _as_messages(resp["output"]), owner)
 
     headers = ignored_header(req.ignored)
     if req.sampling.stream:

@@ -3,7 +3,7 @@
 A client written for vLLM's OpenAI server sends these next to the OpenAI fields. Each one is either given
 its vLLM meaning here (a structured-output constraint, a sampler setting, a template option, a response
 option) or refused by name with the reason (`REFUSED`), in either field mode: a field whose meaning the
-server cannot honour (a cache salt, beam search) must never be silently dropped. Unknown fields are a
+server cannot honour (beam search, logits processors) must never be silently dropped. Unknown fields are a
 separate matter (`--strict-fields`, server/protocol.py).
 """
 from __future__ import annotations
@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 # vLLM fields namazu cannot honour, with why, and the value that means "off" (sending that is accepted).
 _OFF = object()
 REFUSED: dict[str, tuple[Any, str]] = {
-    "cache_salt": (_OFF, "the prefix cache is shared by every request and cannot be salted per tenant yet; "
-                         "drop 'cache_salt' (or run one server per tenant)"),
     "use_beam_search": (False, "beam search is not implemented; sample several continuations with 'n'"),
     "length_penalty": (1.0, "it applies to beam search, which namazu does not have"),
     "early_stopping": (False, "it applies to beam search, which namazu does not have"),
@@ -110,6 +108,18 @@ def _constraint(kind: str, v: Any, param: str) -> dict[str, Any]:
     if not v:
         raise invalid(f"'{param}' must not be empty", param)
     return {kind: v}
+
+
+def read_cache_salt(f: Fields) -> str | None:
+    """vLLM's `cache_salt`: a non-empty string (at most MAX_CACHE_SALT_CHARS); requests with different
+    salts never share prefix-cache blocks (`namazu/scheduler/block_hash.py`)."""
+    from namazu.sampling_params import MAX_CACHE_SALT_CHARS
+
+    salt = f.str("cache_salt")
+    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise invalid(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters "
+                      f"(got {len(salt)})", "cache_salt")
+    return salt
 
 
 @dataclass

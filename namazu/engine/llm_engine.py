@@ -29,7 +29,7 @@ from namazu.sampling_params import SamplingParams
 from namazu.scheduler.block_manager import BlockManager
 from namazu.scheduler.kv_events import KVEventLog
 from namazu.scheduler.scheduler import ScheduledSeq, Scheduler
-from namazu.scheduler.sequence import Sequence, SequenceStatus
+from namazu.scheduler.sequence import Sequence, SequenceStatus, sequence_seed
 from namazu.spec.proposer import Proposer
 from namazu.spec.selection import choose_speculation
 from namazu.step.batch import StepResult
@@ -212,7 +212,7 @@ class LLMEngine:
         self.compile_grammar(params)      # a cache hit when the async front compiled it already
         seqs = []
         for i in range(params.n):
-            seed = int(self._rng.integers(0, 2**62)) if params.seed is None else (params.seed + 1_000_003 * i) % 2**63
+            seed = sequence_seed(params.seed, i, self._rng)
             seq = Sequence(next(self._seq_ids), request_id, i, list(ids), params, seed, priority=priority)
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                                params.stop_strings, params.include_stop_str_in_output)

@@ -67,7 +67,7 @@ class SamplingTensors:
     presence_penalty: torch.Tensor   # [S] fp32
     frequency_penalty: torch.Tensor  # [S] fp32
     repetition_penalty: torch.Tensor  # [S] fp32
-    seeds: torch.Tensor              # [S] int64
+    seeds: torch.Tensor              # [S] int64; >= 0: the request's seed, < 0: engine-drawn (`seeded_rows`)
     counters: torch.Tensor           # [S] int64: index of the output token this row samples
     output_counts: torch.Tensor | None = None  # [S, V] fp32 counts of generated tokens (penalties)
     prompt_mask: torch.Tensor | None = None    # [S, V] bool tokens in the prompt (repetition penalty)
@@ -79,6 +79,12 @@ class SamplingTensors:
     any_min_p: bool = False
     all_greedy: bool = False
     num_logprobs: int = 0            # top-N logprobs to return (max over rows); -1 = none at all
+
+
+def seeded_rows(seeds: torch.Tensor) -> torch.Tensor:
+    """[S] bool: the rows whose seed the request gave (engine-drawn seeds are negative,
+    `scheduler.sequence.sequence_seed`). A device op: no host read."""
+    return seeds >= 0
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -61,7 +61,7 @@ class BlockManager:
 
     def update_block_hashes(self, seq: Sequence) -> None:
         """Extends seq.block_hashes over every full block of its tokens (tokens only ever append)."""
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.cache_root)
 
     # -- allocation -------------------------------------------------------------------------------------
     def _take(self, block: int) -> None:

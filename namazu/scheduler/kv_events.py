@@ -8,7 +8,8 @@ from 1 again, an all-cleared event first). The log is bounded; a reader whose cu
 (or belongs to another life of the replica) gets a snapshot of every stored hash instead of a delta.
 
 `PromptHasher` computes a prompt's block hashes outside the engine (same tokenizer, same block size,
-`block_hash.py`, as the block manager does), so the router can ask "how much of this prompt is cached there".
+`block_hash.py`, from the root of the request's `cache_salt`, as the block manager does), so the router can
+ask "how much of this prompt is cached there".
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from namazu.scheduler.block_hash import extend_block_hashes
+from namazu.scheduler.block_hash import extend_block_hashes, root_hash
 
 STORED, REMOVED, ALL_CLEARED = "stored", "removed", "all_cleared"
 
@@ -100,9 +101,18 @@ class KVEventLog:
             return out
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of every full block of `token_ids`, exactly as the block manager computes them."""
-    return extend_block_hashes([], list(token_ids), block_size)
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:
+    """Chained hashes of every full block of `token_ids`, exactly as the block manager computes them for
+    a request with this cache salt."""
+    return extend_block_hashes([], list(token_ids), block_size, root_hash(cache_salt))
+
+
+def request_cache_salt(body: Any) -> str | None:
+    """An OpenAI request body's `cache_salt`, which seeds the replica's block hashes of its prompt: a
+    router must hash from the same root to find the blocks. Anything but a non-empty string is the
+    replica's 4xx to give (the router never second-guesses validation)."""
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    return salt if isinstance(salt, str) and salt else None
 
 
 class PromptHasher:
@@ -126,5 +136,5 @@ class PromptHasher:
     def text_ids(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    def hashes(self, token_ids: Sequence[int]) -> list[int]:
-        return prompt_block_hashes(token_ids, self.block_size)
+    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+        return prompt_block_hashes(token_ids, self.block_size, cache_salt)

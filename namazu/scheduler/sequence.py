@@ -18,6 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from namazu.sampling_params import SamplingParams
+from namazu.scheduler.block_hash import root_hash
+
+
+def sequence_seed(request_seed: int | None, index: int, rng: Any) -> int:
+    """The sampler's seed for sequence `index` of a request. A request's own seed gives each of its n
+    sequences a seed in [0, 2^63); a request without one gets an engine-drawn seed, stored negative: the
+    sign is how the worker tells the two apart (`layers/sampler.seeded_rows`), because a seeded row must
+    be verified against its own seeded samples (`spec/verify.py`) to emit exactly the tokens of plain
+    decoding, while an unseeded one may take the lossless rule with the drafter's q."""
+    if request_seed is None:
+        return -1 - int(rng.integers(0, 2**62))
+    return (request_seed + 1_000_003 * index) % 2**63
 
 
 class SequenceStatus(enum.Enum):
@@ -36,7 +48,7 @@ class Sequence:
     index: int                       # which of the request's n continuations
     prompt_token_ids: list[int]
     params: SamplingParams
-    seed: int                        # the sampler's stream for this sequence (request seed or engine-drawn)
+    seed: int                        # the sampler's stream: >= 0 from the request's seed, < 0 engine-drawn
     priority: int = 0                # lower runs first under --scheduling-policy priority
     arrival: int = field(default_factory=lambda: next(_ARRIVAL))
     status: SequenceStatus = SequenceStatus.WAITING
@@ -44,6 +56,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # chained hash of each full block of token_ids
+    cache_root: int = field(init=False)   # the chain's first parent, from the request's cache salt
     num_committed_blocks: int = 0    # leading blocks registered in the prefix cache
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at the last admission
     num_preemptions: int = 0
@@ -63,6 +76,7 @@ class Sequence:
     drafts_requested: bool = False   # the last step that sampled for it asked the worker to draft
 
     def __post_init__(self) -> None:
+        self.cache_root = root_hash(self.params.cache_salt)
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 

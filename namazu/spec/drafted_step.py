@@ -12,9 +12,9 @@ a device value, no shape that depends on the step. What varies per step is data,
 - per-row sampling settings are tensors (temperature, top-k, top-p, min-p, seeds, counters), applied to
   every row whether or not a request set them (identity values where it did not).
 Two variants are compiled: every sequence greedy (the forward's argmax is each row's sample, drafts walk
-greedily) and sampled. The rule is `spec/verify.py`'s, per row: deterministic (greedy match against the
-target's own seeded sample) where the row is greedy or its drafts came without q, the lossless rejection
-rule with the drafter's q elsewhere, so eager and graph mode make the same decision.
+greedily) and sampled. The rule is `spec/verify.py`'s, per row: exact match against the target's own seeded sample where the row
+is greedy, its request gave a seed, or its drafts came without q; the lossless rejection rule with the
+drafter's q elsewhere; so eager and graph mode make the same decision.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from namazu.layers.sampler import SamplingTensors, process_logits, sample_from_processed
+from namazu.layers.sampler import SamplingTensors, process_logits, sample_from_processed, seeded_rows
 from namazu.spec.proposer import Proposal, ProposerInput
 from namazu.spec.verify import verify_deterministic, verify_stochastic
 
@@ -74,7 +74,7 @@ def drafted_tail(proposer, logits: torch.Tensor, greedy: torch.Tensor, captured:
             q = torch.where(t.has_q.view(-1, 1, 1), t.q, torch.nn.functional.one_hot(draft_ids, v).float())
             deterministic = deterministic | ~t.has_q
         tokens, accepted = verify_stochastic(processed.view(bp, tq, v), target, draft_ids, q, t.num_drafts,
-                                             deterministic, t.seeds, t.counters)
+                                             deterministic, t.seeds, t.counters, seeded=seeded_rows(t.seeds))
     proposer.write_context(captured, positions, slot_mapping)
     inp = ProposerInput(seq_ids=[], prompt_lens=[], histories=[], hidden=captured, final_hidden=None, rows=rows,
                         tokens=tokens, accepted=accepted, positions=positions, slot_mapping=slot_mapping,

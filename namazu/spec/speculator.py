@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from namazu.distributed.decisions import share_decision, share_device_proposal
-from namazu.layers.sampler import SamplingTensors
+from namazu.layers.sampler import SamplingTensors, seeded_rows
 from namazu.spec.proposer import DraftBuffer, Proposal, Proposer, ProposerInput, check_proposer
 from namazu.spec.verify import verify_deterministic, verify_stochastic
 from namazu.step.batch import StepBatch, StepResult, trim_drafts
@@ -127,8 +127,8 @@ class Speculator:
                num_drafts: torch.Tensor, st: SamplingTensors, row_layout: torch.Tensor, prep: PreparedStep,
                slot_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [S, K+1], accepted [S]) by the acceptance rule: exact match where drafts are
-        deterministic, the lossless rule with the drafter's q where it drew them. `target` [S, K+1] holds
-        the target's own sample at every row."""
+        deterministic or the request gave its seed, the lossless rule with the drafter's q elsewhere.
+        `target` [S, K+1] holds the target's own sample at every row."""
         held = self.drafts.distributions(prep.slots, slot_index, draft_ids)
         if held is None:
             tokens, accepted = verify_deterministic(target, draft_ids, num_drafts)
@@ -139,7 +139,7 @@ class Speculator:
             first = row_layout[:, 0]
             tokens, accepted = verify_stochastic(processed[row_layout], target, draft_ids, q, num_drafts,
                                                  (st.temperature[first] == 0) | ~has_q, st.seeds[first],
-                                                 st.counters[row_layout])
+                                                 st.counters[row_layout], seeded=seeded_rows(st.seeds[first]))
         return self.shared(tokens, accepted)
 
     def shared(self, tokens: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

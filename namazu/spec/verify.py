@@ -8,6 +8,11 @@ after d_j (d_0 = the last accepted token). Two rules, both lossless:
   exactly what plain decoding would sample at that position, outputs equal decoding without drafts.
 - stochastic drafts with distributions q_j: accept d with probability min(1, p(d) / q(d)); at the first
   rejection sample from norm(max(0, p - q)); if all k are accepted, the bonus token comes from p_k.
+  Rows of requests that gave their own seed take the deterministic rule even then (`seeded`): it is
+  lossless for drafts drawn any way, and it emits exactly the tokens of plain seeded decoding, so a
+  seeded request's text does not depend on whether a step drafts (drafting switches off in large
+  batches). The ratio rule would draw other coins and resamples, hence other text. The price is a lower
+  acceptance rate for those rows (sum_x p(x) q(x) instead of sum_x min(p(x), q(x))).
 The number accepted is computed on the device (cumulative product of the per-position accept flags).
 """
 from __future__ import annotations
@@ -35,12 +40,15 @@ def verify_deterministic(target_tokens: torch.Tensor, draft_ids: torch.Tensor, n
 
 def verify_stochastic(processed: torch.Tensor, target_tokens: torch.Tensor, draft_ids: torch.Tensor,
                       draft_probs: torch.Tensor, num_drafts: torch.Tensor, greedy: torch.Tensor,
-                      seeds: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      seeds: torch.Tensor, counters: torch.Tensor, *, seeded: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling against draft distributions.
 
     processed [S, K+1, V] target logits after temperature/filters; target_tokens [S, K+1] sampled from
-    them; draft_ids [S, K] drawn from draft_probs [S, K, V]; greedy [S] rows use the greedy match;
-    counters [S, K+1] the output index each row's token would take (seeds the coins and resamples).
+    them; draft_ids [S, K] drawn from draft_probs [S, K, V]; greedy [S] and seeded [S] (the request gave
+    its seed) rows use the exact match against target_tokens; counters [S, K+1] the output index each
+    row's token would take (seeds the coins and resamples). Static shapes, no host read: both rules are
+    computed for every row and selected per row.
     """
     s, k = draft_ids.shape
     v = processed.shape[-1]
@@ -52,14 +60,16 @@ def verify_stochastic(processed: torch.Tensor, target_tokens: torch.Tensor, draf
     u = hash_uniform(flat_seeds, counters[:, :k].reshape(-1), 1, STREAM_ACCEPT).view(s, k)
     # u < p/q without dividing (q(d) > 0 for a token the drafter drew).
     coin = u * q_d.double() < p_d.double()
-    accept = torch.where(greedy.unsqueeze(-1), draft_ids == target_tokens[:, :k], coin)
+    exact = (greedy | seeded).unsqueeze(-1)
+    accept = torch.where(exact, draft_ids == target_tokens[:, :k], coin)
     n = accepted_prefix(accept, num_drafts)
 
     residual = (p - q).clamp_min(0.0)
     noise = gumbel_noise(flat_seeds, counters[:, :k].reshape(-1), v, STREAM_RESIDUAL).view(s, k, v)
     resampled = (residual.log() + noise).argmax(dim=-1)
-    # Greedy rows never need the residual: their bonus is the argmax, already in target_tokens.
-    resampled = torch.where(greedy.unsqueeze(-1), target_tokens[:, :k], resampled)
+    # Exact-match rows never need the residual: their token at the first mismatch is the target's own
+    # sample, already in target_tokens.
+    resampled = torch.where(exact, target_tokens[:, :k], resampled)
 
     j = torch.arange(k, device=draft_ids.device).unsqueeze(0)
     first_k = torch.where(j < n.unsqueeze(-1), draft_ids, resampled)

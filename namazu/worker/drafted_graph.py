@@ -13,6 +13,7 @@ runner logs each reason once.
 from __future__ import annotations
 
 import contextlib
+import os
 import logging
 import time
 from collections.abc import Callable
@@ -50,7 +51,7 @@ class DraftedTails:
         todo = [(e, sampled) for e in self.entries for sampled in (False, True)]
         for e, sampled in tqdm(todo, desc="graph mode: compiling drafted steps", disable=not progress):
             fn = own_code(_tail, f"_drafted_tail_b{e.bp}_{'sampled' if sampled else 'greedy'}")
-            self.fns[(e.bp, sampled)] = torch.compile(fn, backend=compile_backend(self.graphs.backend, []),
+            self.fns[(e.bp, sampled)] = torch.compile(fn, backend=compile_backend(self.graphs.backend, [], cpp_wrapper=os.environ.get('XCPP', '1') == '1'),
                                                       dynamic=False, fullgraph=True)
             n, v = e.bp * e.tq, self.vocab_size
             logits = torch.zeros(n, v, device=self.device)

@@ -306,7 +306,7 @@ class StepGraphs:
         return outputs[0], outputs[1], dict(zip(self.capture_layers, outputs[3:]))
 
 
-def compile_backend(name: str, sink: list[tuple[Callable, list]]) -> Callable:
+def compile_backend(name: str, sink: list[tuple[Callable, list]], cpp_wrapper: bool = True) -> Callable:
     """A torch.compile backend that compiles with `name` ("inductor", or any dynamo backend such as the tests'
     "eager") and appends (compiled graph, its example inputs) to `sink`."""
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -318,7 +318,7 @@ def compile_backend(name: str, sink: list[tuple[Callable, list]]) -> Callable:
             # The C++ wrapper: the compiled step calls its ~50 kernels and GEMMs from generated C++
             # instead of a Python function (batch 1: 1.68 vs 1.89 ms a step, CPU time, 1 thread); it
             # costs a longer cold compile, which inductor's cache keeps for the next start.
-            with inductor_config.patch(cpp_wrapper=True):
+            with inductor_config.patch(cpp_wrapper=cpp_wrapper):
                 fn = compile_fx(gm, example_inputs)
         else:
             fn = torch._dynamo.lookup_backend(name)(gm, example_inputs)

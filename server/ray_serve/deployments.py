@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import server.ray_serve.routing_state as decisions
-from namazu.scheduler.kv_events import PromptHasher
+from namazu.scheduler.kv_events import PromptHasher, request_cache_salt
 from server.ray_serve.asgi_bridge import asgi_stream
 from server.router.load_model import decode_steps
 
@@ -131,7 +131,8 @@ class NamazuIngress:
                 ids = self.hasher.text_ids(prompt) if isinstance(prompt, str) else list(prompt or [])
         except Exception:          # malformed: the replica answers with its own 400
             ids, body = [], None
-        return {"hashes": self.hasher.hashes(ids), "prompt_blocks": -(-len(ids) // self.hasher.block_size),
+        return {"hashes": self.hasher.hashes(ids, request_cache_salt(body)),
+                "prompt_blocks": -(-len(ids) // self.hasher.block_size),
                 "max_tokens": decode_steps(body)}
 
     async def __call__(self, request: Request) -> Response:

@@ -49,8 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "its prompts' hashes the same way (default: $NAMAZU_KV_EVENTS_KEY, else unkeyed)")
     f = p.add_argument_group("front door (the clients' side; the server's flags of the same names)")
     f.add_argument("--api-key", default=os.environ.get("NAMAZU_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' from clients on every route but /health "
+                   help="require 'Authorization: Bearer KEY' from clients on every route but /health; several "
+                        "keys, comma-separated, admit each (one per tenant) "
                         "(default: $NAMAZU_API_KEY, else none); distinct from --replica-api-key")
+    f.add_argument("--cache-salt-per-key", action="store_true",
+                   help="salt every request's prefix cache by the client's API key (the request's cache_salt "
+                        "is rewritten before forwarding, and its blocks hashed from that salt): tenants "
+                        "never share cached blocks on any replica. Run the replicas without it")
     f.add_argument("--max-request-bytes", default="8MiB", metavar="SIZE",
                    help="largest request body; larger ones get 413 (default: 8MiB)")
     f.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
@@ -96,7 +101,8 @@ async def serve(args: argparse.Namespace) -> None:
                         tokenizer, client, headers, args.block_size,
                         FrontDoor(args.api_key, parse_bytes(args.max_request_bytes), args.body_timeout,
                                   allowed_hosts(args.host, args.allowed_hosts),
-                                  kv_events_key=parse_key(args.kv_events_key), write_timeout=args.write_timeout))
+                                  kv_events_key=parse_key(args.kv_events_key), write_timeout=args.write_timeout,
+                                  cache_salt_per_key=args.cache_salt_per_key))
         await pool.start()
         try:
             config = uvicorn.Config(router.app(), host=args.host, port=args.port, log_level=args.log_level,
@@ -134,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         for key, flag in ((args.api_key, "--api-key"), (args.replica_api_key, "--replica-api-key")):
             if key is not None and not key.strip():
                 raise ValueError(f"{flag} is empty, which would turn authentication off unnoticed")
+        from server.front_door import parse_api_keys
+        parse_api_keys(args.api_key)
+        if args.cache_salt_per_key and args.api_key is None:
+            raise ValueError("--cache-salt-per-key needs --api-key: without keys every client is one tenant")
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "write_timeout"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")

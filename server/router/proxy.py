@@ -1,12 +1,13 @@
 """The router's ASGI app: an OpenAI-compatible front that forwards each request to one replica.
 
-Per request: tokenize the prompt as a namazu server would (chat template for chat), hash its blocks,
-score every healthy replica (`policy.py`), forward the body unchanged. The router commits to a replica
-only once its first response bytes arrived: a replica that refuses the connection, drops it, answers
-503 or fails its health checks before that is taken out of rotation and the request goes to the next
-best one. After the first
-streamed byte a failure ends the stream with an in-band error (the client already has tokens). A client
-that disconnects closes the upstream connection, which aborts the request on the replica.
+Per request: tokenize the prompt as a namazu server would (chat template for chat), hash its blocks
+(from the root its `cache_salt` gives, as the replica does), score every healthy replica (`policy.py`),
+forward the body unchanged (but for its `cache_salt` under `--cache-salt-per-key`, which the client's key
+decides). The router commits to a replica only once its first response bytes arrived:
+a replica that refuses the connection, drops it, answers 503 or fails its health checks before that is
+taken out of rotation and the request goes to the next best one. After the first streamed byte a failure
+ends the stream with an in-band error (the client already has tokens). A client that disconnects closes
+the upstream connection, which aborts the request on the replica.
 
 The front door is the server's (`server/front_door.py`, `server/timeouts.py`): the clients' API key
 (distinct from the replicas' key the router forwards with) on every route but /health, JSON bodies only,
@@ -33,9 +34,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from namazu.scheduler.kv_events import PromptHasher
+from namazu.sampling_params import MAX_CACHE_SALT_CHARS
+from namazu.scheduler.kv_events import PromptHasher, request_cache_salt
 from server.api_error import APIError
-from server.front_door import AuthMiddleware, BrowserGuardMiddleware, read_body
+from server.front_door import AuthMiddleware, BrowserGuardMiddleware, read_body, tenant_cache_salt, tenant_of
 from server.json_body import parse_json
 from server.kv_event_keys import keyed
 from server.router.load_model import DEFAULT_STEPS, decode_steps
@@ -71,6 +73,7 @@ class FrontDoor:
     prepare_threads: int = 2                    # parsing + tokenizing pool
     write_timeout: float = 30.0                 # a client that reads nothing this long is cut off
     kv_events_key: bytes | None = None          # the replicas' --kv-events-key: their events are keyed
+    cache_salt_per_key: bool = False            # --cache-salt-per-key: salt each request by its client's key
 
 
 class Router:
@@ -115,22 +118,33 @@ class Router:
             logger.debug("cannot tokenize the request for routing: %s", e)
         return []
 
-    def prepare(self, path: str, raw: bytes) -> tuple[Any, list[int], list[int], int]:
-        """Body, prompt ids, block hashes and block size of a request: blocking, on the prepare pool."""
+    def prepare(self, path: str, raw: bytes, tenant: str | None = None
+                ) -> tuple[Any, list[int], list[int], int, bytes]:
+        """Body, prompt ids, block hashes, block size and the bytes to forward of a request: blocking, on
+        the prepare pool. `tenant` (under --cache-salt-per-key): the body's `cache_salt` becomes the
+        tenant's salt (the server's rule, `tenant_cache_salt`), so a replica keeps tenants apart although
+        every request reaches it with the router's one key."""
         body = parse_json(raw)          # an APIError (400) for what a replica would refuse as JSON too
+        if tenant is not None and isinstance(body, dict):
+            own = body.get("cache_salt")
+            if own is None or (isinstance(own, str) and 0 < len(own) <= MAX_CACHE_SALT_CHARS):
+                body["cache_salt"] = tenant_cache_salt(tenant, own)
+                raw = json.dumps(body, ensure_ascii=False).encode()
+            # else: a salt the replica refuses, forwarded as it came so that the 4xx names it
         ids = self.prompt_ids(path, body)
         hasher = self.hasher()
-        hashes = hasher.hashes(ids) if hasher else []
+        hashes = hasher.hashes(ids, request_cache_salt(body)) if hasher else []
         if self.front.kv_events_key is not None:    # compared with the replicas' keyed events
             hashes = keyed(self.front.kv_events_key, hashes)
-        return body, ids, hashes, hasher.block_size if hasher else 16
+        return body, ids, hashes, hasher.block_size if hasher else 16, raw
 
     # -- forwarding -------------------------------------------------------------------------------------
     async def forward(self, request: Request, path: str) -> Response | ClosingStream:
         t0 = time.perf_counter()
         raw = await read_body(request, self.front.max_request_bytes, self.front.body_timeout)
         loop = asyncio.get_running_loop()
-        body, ids, hashes, bs = await loop.run_in_executor(self._prepare_pool, self.prepare, path, raw)
+        tenant = tenant_of(request.scope) if self.front.cache_salt_per_key else None
+        body, ids, hashes, bs, raw = await loop.run_in_executor(self._prepare_pool, self.prepare, path, raw, tenant)
         prompt_blocks = -(-len(ids) // bs)
         steps, stream = decode_steps(body), isinstance(body, dict) and body.get("stream") is True
         n = body.get("n") if isinstance(body, dict) else None

@@ -61,7 +61,7 @@ def test_the_router_keys_its_prompt_hashes(tmp_path):
     routers = [Router(pool, make_policy("kv", 4.0, 1.0, 0, 2.0), tok, client, None, 16, FrontDoor(kv_events_key=k))
                for k in (None, KEY)]
     raw = b'{"prompt": "' + b"a long enough prompt to fill several blocks " * 4 + b'"}'
-    (_, ids, plain, _), (_, _, secret, _) = (r.prepare("/v1/completions", raw) for r in routers)
+    (_, ids, plain, _, _), (_, _, secret, _, _) = (r.prepare("/v1/completions", raw) for r in routers)
     assert plain == prompt_block_hashes(ids, 16) and len(plain) >= 2
     assert secret == keyed(KEY, plain)
     for r in routers:

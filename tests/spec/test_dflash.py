@@ -503,7 +503,8 @@ def test_blocks_ending_early_keep_the_targets_distribution_where_they_end():
     p = target.softmax(-1)
     sampled = torch.multinomial(p.repeat(s, 1), 1, generator=g).view(s, k + 1)
     tokens, n = verify_stochastic(target.expand(s, -1, -1), sampled, walk.ids, walk.q, counts,
-                                  torch.zeros(s, dtype=torch.bool), torch.arange(s), torch.arange(k + 1).repeat(s, 1))
+                                  torch.zeros(s, dtype=torch.bool), torch.arange(s), torch.arange(k + 1).repeat(s, 1),
+                                  seeded=torch.zeros(s, dtype=torch.bool))
     second = tokens[n >= 1, 1]
     assert len(second) > s // 4
     counts_obs = np.bincount(second.numpy(), minlength=v).astype(float)

@@ -4,9 +4,9 @@ The choice at start-up (which drafter, how many draft tokens, which threshold) i
 checkpoint's own files; the switch is checked step by step through the engine's counters: no draft is
 verified in a step where more sequences run than the threshold, drafting resumes one step after the
 batch shrinks (the step that drafts, then the step that verifies), and outputs stay token-identical to
-speculation off (greedy, and seeded sampling with deterministic drafts; up to near-ties, as
-`assert_same_outputs` says), or reproducible for a seed (seeded sampling with the drafter's own draws:
-the same configuration run twice computes the same products, so that is exact)."""
+speculation off (greedy, and seeded sampling with deterministic drafts or with the drafter's own draws,
+whose seeded rows are verified by exact match; up to near-ties, as `assert_same_outputs` says), and
+exactly reproducible for a seed (the same configuration run twice computes the same products)."""
 import json
 import logging
 
@@ -230,13 +230,20 @@ def test_seeded_sampling_stays_exact_with_deterministic_drafts():
     assert_same(params, outs, ref)
 
 
-def test_seeded_sampling_with_drafted_draws_is_reproducible():
+def test_seeded_sampling_with_drafted_draws_is_reproducible_and_plain_decodings():
+    # The shipped drafter's draws from q at T > 0, with the switch turning drafting off and on: seeded rows
+    # are verified by exact match, so the tokens are speculation off's (up to near-ties) and, the same
+    # configuration computing the same products, exactly reproducible.
     params = [SamplingParams(max_tokens=m, temperature=0.8, seed=5 + i, ignore_eos=True)
               for i, m in enumerate(MAX_TOKENS)]
     first, _, stats = run_steps(engine_for(2, True), params)
     assert stats.num_draft_tokens > 0 and stats.num_spec_disabled_steps > 0
-    again, _, _ = run_steps(engine_for(2, True), params)
+    again, _, stats_again = run_steps(engine_for(2, True), params)
     assert again == first
+    # The drafts themselves are seeded draws too: the same ones are accepted in both runs.
+    assert stats_again.acceptance_length_histogram == stats.acceptance_length_histogram
+    ref, _, _ = run_steps(engine_for(None, True, num_speculative_tokens=0), params)
+    assert_same(params, first, ref)
 
 
 class RecordingDrafter(DFlashProposer):
