@@ -97,6 +97,11 @@ class EngineConfig:
               "a plain decode (the drafter's context keeps growing, so drafting resumes as soon as the batch "
               "shrinks); 0: never disable. Default: the measured break-even batch size for the drafter "
               "shipped with the model, 0 (never) for a drafter named by flags", metavar="N")
+    speculative_adaptive: bool | None = _f(
+        None, "draft only for the sequences, and in the steps, where it is measured to pay: each sequence's "
+              "tokens per verify step against the measured cost of a drafted step relative to a plain one at "
+              "the batch size (engine/draft_policy.py); off: draft whenever speculation is on. Default: on for "
+              "the drafter shipped with the model, off for a drafter named by flags")
     speculative_min_confidence: float | None = _f(
         None, "end each sequence's draft block before the first draft at which the running product of the "
               "DFlash drafter's confidences (its selector's largest candidate probability at each position) "

@@ -20,6 +20,7 @@ from namazu.assets import resolve_model_path
 from namazu.config import ModelConfig
 from namazu.engine.batch_builder import build_step_batch
 from namazu.engine.detokenizer import IncrementalDetokenizer
+from namazu.engine.draft_policy import DraftPolicy
 from namazu.engine.output_processor import OutputProcessor, RequestState
 from namazu.engine.request_validation import RequestValidator
 from namazu.engine.step_rate_fit import StepRates
@@ -124,6 +125,7 @@ class LLMEngine:
         self.config = config = choice.resolve(config)
         self.drafter = choice.drafter
         self.num_speculative_tokens = choice.num_speculative_tokens
+        self.draft_policy = DraftPolicy(self.num_speculative_tokens + 1) if choice.adaptive else None
         self.executor = make_executor(config, self.model_path, self.drafter)
         try:
             self._plan_capacity()
@@ -264,6 +266,9 @@ class LLMEngine:
             cap = min(cap, seq.params.num_speculative_tokens)
         if cap <= 0:
             return 0
+        if self.draft_policy is not None and not self.draft_policy.wants(seq.seq_id, seq.params.temperature,
+                                                                        len(self.scheduler.running)):
+            return 0
         if seq.num_pending:
             # Planned before its drafts are known (async): the worker verifies what it has, which is
             # nothing when the step in flight was told not to draft.
@@ -283,24 +288,45 @@ class LLMEngine:
         if batch.sampling.bitmask is not None:
             self._mask_rows += len(batch.sampling.bitmask)
             self._mask_seconds += time.perf_counter() - t0
-        if self.drafter is not None and self.drafter.on_device and plan.speculate:
+        speculate = plan.speculate and self._drafting_pays(plan.scheduled)
+        if self.drafter is not None and self.drafter.on_device and speculate:
             batch.spec.max_drafts_next = self.num_speculative_tokens
         self.executor.submit(batch)
         for item in plan.scheduled:
-            self.scheduler.submitted(item, plan.speculate)
+            self.scheduler.submitted(item, speculate)
         self._num_steps += 1
         self._draft_rows += sum(item.num_drafts for item in plan.scheduled)
         # A sequence computing more than one new token is prefilling (a prompt chunk, or a recompute after
         # preemption); a decode computes one, and its drafts are verify rows, priced into the decode step.
         prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
         return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num,
-                         self.drafter is not None and plan.speculate, time.perf_counter(), prefill)
+                         self.drafter is not None and speculate, time.perf_counter(), prefill)
+
+    def _drafting_pays(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether the worker drafts after this step: some sampling sequence wants drafts, and this is not
+        the draft policy's plain step (without a policy: always)."""
+        policy = self.draft_policy
+        if policy is None:
+            return True
+        batch = len(scheduled)
+        wanted = any(policy.wants(it.seq.seq_id, it.seq.params.temperature, batch) for it in scheduled if it.samples)
+        return wanted and not policy.plain_probe_due()
+
+    def _observe_step(self, launched: _Launched, ms: float) -> None:
+        """A pure decode step's time for the draft policy: one that verified and drafted, or neither."""
+        rows = sum(item.num_drafts for item in launched.scheduled)
+        if launched.prompt_tokens or not launched.samplers or bool(rows) != launched.drafts_next:
+            return
+        self.draft_policy.observe_step(len(launched.samplers), launched.drafts_next, ms)
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
         result = self.executor.collect()
         done = time.perf_counter()
         # The step ran from its launch, or from the previous step's results if it was queued behind it.
-        self.step_rates.observe(launched.prompt_tokens, 1000.0 * (done - max(launched.launched_at, self._collected_at)))
+        ms = 1000.0 * (done - max(launched.launched_at, self._collected_at))
+        self.step_rates.observe(launched.prompt_tokens, ms)
+        if self.draft_policy is not None:
+            self._observe_step(launched, ms)
         self._collected_at = done
         self._drafter_seconds += result.drafter_seconds
         touched: dict[str, RequestState] = {}
@@ -346,6 +372,12 @@ class LLMEngine:
         self._accepted += accepted
         if result.num_drafts[s]:
             self._accept_hist[accepted] += 1
+        if self.draft_policy is not None and item.samples:
+            if result.num_drafts[s]:
+                self.draft_policy.observe_verify(seq.seq_id, seq.params.temperature, accepted + 1,
+                                                 len(result.accepted))
+            else:
+                self.draft_policy.observe_plain(seq.seq_id)
         seq.num_pending -= k + 1
         if running:
             seq.num_computed_tokens -= k - accepted
@@ -380,6 +412,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        if self.draft_policy is not None:
+            self.draft_policy.forget(seq.seq_id)
         seq.detok.finish()
         self._finished_seq_ids.append(seq.seq_id)
 

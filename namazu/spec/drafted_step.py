@@ -12,9 +12,9 @@ a device value, no shape that depends on the step. What varies per step is data,
 - per-row sampling settings are tensors (temperature, top-k, top-p, min-p, seeds, counters), applied to
   every row whether or not a request set them (identity values where it did not).
 Two variants are compiled: every sequence greedy (the forward's argmax is each row's sample, drafts walk
-greedily) and sampled. The rule is `spec/verify.py`'s, per row: exact match against the target's own seeded sample where the row
-is greedy, its request gave a seed, or its drafts came without q; the lossless rejection rule with the
-drafter's q elsewhere; so eager and graph mode make the same decision.
+greedily) and sampled. The rule is `spec/verify.py`'s, per row: exact match against the target's own
+seeded sample where the row is greedy, its request gave a seed, or its drafts came without q; the
+lossless rejection rule with the drafter's q elsewhere; so eager and graph mode make the same decision.
 """
 from __future__ import annotations
 

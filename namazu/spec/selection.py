@@ -62,12 +62,14 @@ class SpeculationChoice:
     why: str                             # for the start-up log: where the drafter came from
     limit_why: str = ""                  # and where the threshold came from
     min_confidence: float = 0.0          # where a DFlash drafter's blocks end (0: always k drafts)
+    adaptive: bool = False               # drafting only where measured to pay (engine/draft_policy.py)
 
     def resolve(self, config: EngineConfig) -> EngineConfig:
         """The config with the concrete numbers, for the workers (which read them, never decide them)."""
         return dataclasses.replace(config, num_speculative_tokens=self.num_speculative_tokens,
                                    speculative_disable_batch_size=self.disable_batch_size,
-                                   speculative_min_confidence=self.min_confidence)
+                                   speculative_min_confidence=self.min_confidence,
+                                   speculative_adaptive=self.adaptive and bool(self.num_speculative_tokens))
 
     def describe(self) -> str:
         if not self.num_speculative_tokens:
@@ -76,7 +78,9 @@ class SpeculationChoice:
                  if self.disable_batch_size else f"drafting at every batch size ({self.limit_why})")
         blocks = (f", blocks end where the drafter's running confidence falls below {self.min_confidence:g}"
                   if self.min_confidence else "")
-        return f"speculative decoding: {self.why}, {self.num_speculative_tokens} draft tokens{blocks}, {limit}"
+        adaptive = ", only where measured to pay (--speculative-adaptive)" if self.adaptive else ""
+        return (f"speculative decoding: {self.why}, {self.num_speculative_tokens} draft tokens{blocks}, "
+                f"{limit}{adaptive}")
 
 
 def _with_min_confidence(choice: SpeculationChoice, value: float | None, auto: float) -> SpeculationChoice:
@@ -103,6 +107,19 @@ def shipped_drafter_path(model_path: str | Path) -> Path | None:
 
 def choose_speculation(config: EngineConfig, model_path: str | Path, model_config: ModelConfig,
                        drafter: Proposer | None = None) -> SpeculationChoice:
+    """The proposer (built and checked against the target; nothing is loaded into a worker yet), its
+    draft count, batch-size threshold and whether drafting adapts to what it measures (the flag, else on
+    for the shipped drafter only)."""
+    choice = _choose(config, model_path, model_config, drafter)
+    adaptive = config.speculative_adaptive
+    if adaptive is None:
+        adaptive = choice.drafter is not None and drafter is None and config.speculative_model is None \
+            and config.speculative_method != "ngram"
+    return dataclasses.replace(choice, adaptive=bool(adaptive) and choice.drafter is not None)
+
+
+def _choose(config: EngineConfig, model_path: str | Path, model_config: ModelConfig,
+            drafter: Proposer | None = None) -> SpeculationChoice:
     """The proposer (built and checked against the target; nothing is loaded into a worker yet), its
     draft count and batch-size threshold. A drafter checkpoint that does not fit the target raises
     `DrafterCheckpointError` naming the field or tensor, whether named by a flag or shipped."""

@@ -166,6 +166,8 @@ def assert_same(params: list[SamplingParams], got, want) -> None:
 def engine_for(threshold: int | None, async_scheduling: bool, drafter=None, **kw) -> LLMEngine:
     # Full blocks: the switch's row accounting below counts k drafts per drafted step.
     kw.setdefault("speculative_min_confidence", None if drafter is not None else 0)
+    # The switch alone: the draft policy decides from wall-clock times, which no two runs share.
+    kw.setdefault("speculative_adaptive", False)
     return LLMEngine(EngineConfig(executor="inline", async_scheduling=async_scheduling,
                                   speculative_disable_batch_size=threshold, **kw), drafter=drafter)
 
