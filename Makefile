@@ -19,8 +19,11 @@ $(STAMP): requirements.txt requirements-dev.txt setup.py $(CSRC)
 
 install: $(STAMP)
 
+# --tb=native: pytest's own traceback format parses each frame's source with ast, which Python 3.11.7 can
+# break mid-report ("SystemError: AST constructor recursion depth mismatch"), turning one failed test into an
+# INTERNALERROR that ends the whole run without its summary.
 test: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider --tb=native tests
 
 # The OpenAI-compatible server on the embedded default model; extra flags via ARGS="--api-key ...".
 HOST ?= 127.0.0.1
