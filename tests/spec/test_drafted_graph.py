@@ -20,8 +20,8 @@ SUBJECTS = ["会議の議事録", "来期の予算", "新しい取引先", "出�
             "the quarterly report", "a product launch", "the hiring plan"]
 ASKS = ["について、要点を三つ挙げてください。", "について丁寧なメールを書いてください。", "の注意点は何ですか。",
         ": write a short summary.", "を JSON で表してください。"]
-PROMPTS = [s + a for s in SUBJECTS for a in ASKS][:50] + [f"{s}の件で、{n}日までに確認をお願いします。" for s in SUBJECTS
-                                                           for n in range(1, 6)]
+PROMPTS = [s + a for s in SUBJECTS for a in ASKS] + [f"{s}の件で、{n}日までに確認をお願いします。"
+                                                     for s in SUBJECTS for n in range(1, 6)]
 
 
 @pytest.fixture(autouse=True)
@@ -41,9 +41,9 @@ def generate(prompts_, params, **kw):
 def test_graph_mode_with_the_drafter_gives_eager_undrafted_greedy_outputs_on_100_prompts():
     assert len(PROMPTS) == 100
     params = SamplingParams(temperature=0, max_tokens=16)
-    want, _, _, ids = generate(PROMPTS, params, enforce_eager=True, num_speculative_tokens=0, max_num_seqs=4)
-    got, stats, called, _ = generate(PROMPTS, params, enforce_eager=False, max_num_seqs=4)
-    assert (4, False) in called and (1, False) in called, called     # the compiled greedy tails ran
+    want, _, _, ids = generate(PROMPTS, params, enforce_eager=True, num_speculative_tokens=0, max_num_seqs=2)
+    got, stats, called, _ = generate(PROMPTS, params, enforce_eager=False, max_num_seqs=2)
+    assert (2, False) in called and (1, False) in called, called     # the compiled greedy tails ran
     assert stats.mean_acceptance_length > 1.5, stats.acceptance_length_histogram
     assert_same_outputs(str(default_model_path()), ids, params, got, want)
 
@@ -66,11 +66,11 @@ def test_the_compiled_tail_keeps_the_targets_distribution_with_the_drafters_q():
     n = 2400
     params = SamplingParams(temperature=1.0, n=800, max_tokens=3, ignore_eos=True)
     proposer = make_proposer(sample_drafts=True, selector_k=200)
-    with LLM(tiny_checkpoint(), executor="inline", drafter=proposer, num_speculative_tokens=3, max_num_seqs=8,
+    with LLM(tiny_checkpoint(), executor="inline", drafter=proposer, num_speculative_tokens=3, max_num_seqs=4,
              enforce_eager=False, seed=1) as llm:
         outs = llm.generate(prompt_token_ids=[prompt] * 3, sampling_params=params, use_tqdm=False)
         stats = llm.engine.get_stats()
-        assert (8, True) in llm.engine.executor.worker.runner.tails._called
+        assert (4, True) in llm.engine.executor.worker.runner.tails._called
     assert stats.num_accepted_draft_tokens > 0
     counts = np.bincount([c.token_ids[1] for o in outs for c in o.outputs], minlength=len(want)).astype(float)
     expected = want * n
