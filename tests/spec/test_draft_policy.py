@@ -1,7 +1,7 @@
 """The draft policy (engine/draft_policy.py): a sequence drafts while its measured tokens per verify step
 beat the measured cost of a drafted step relative to a plain one, stops where they do not, and is probed
 again; through the engine, a drafter whose drafts are never accepted stops being verified, and greedy
-outputs stay those of speculation off (tests/MUTATIONS.md D2)."""
+outputs stay those of speculation off (tests/MUTATIONS.md P2)."""
 from engine_helpers import prompts, tiny_checkpoint
 from test_dflash import make_proposer
 

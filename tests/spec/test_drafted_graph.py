@@ -4,7 +4,7 @@ rule and the DFlash drafter's next block compiled after the entry's forward.
 The oracles: greedy outputs of graph mode with the shipped drafter equal eager decoding without any
 drafter on 100 prompts (up to the target's near-ties, `assert_same_outputs`), with a real acceptance
 length (a tail that accepted one draft too many would emit a token the target did not choose, and this
-test fails: tests/MUTATIONS.md D1); the T=1 distribution of the second output token through the compiled
+test fails: tests/MUTATIONS.md P1); the T=1 distribution of the second output token through the compiled
 tail with the drafter's q equals the target's exact marginal (chi-square); and the whole drafted step
 runs under the host-sync guard. The traced path uses torch.compile's "eager" backend, as the other
 graph-mode tests do: the same fullgraph trace, without inductor's code generation."""
