@@ -56,11 +56,10 @@ class DraftedTails:
             fn = own_code(_tail, f"_drafted_tail_b{e.bp}_{'sampled' if sampled else 'greedy'}")
             self.fns[(e.bp, sampled)] = torch.compile(fn, backend=compile_backend(self.graphs.backend, []),
                                                       dynamic=False, fullgraph=True)
-            n, v = e.bp * e.tq, self.vocab_size
-            logits = torch.zeros(n, v, device=self.device)
-            hidden = {i: torch.zeros(n, self.graphs.model.config.hidden_size, device=self.device,
-                                     dtype=self.graphs.model.dtype) for i in self.graphs.capture_layers}
-            self.run(e, 2, logits, logits.argmax(-1), hidden, self.padding_inputs(e.bp, sampled), sampled)
+            # The entry's own forward outputs (padding rows only): a step passes these very tensors, so the
+            # compiled tail's guards (shapes, strides) hold from its first real call on.
+            logits, _, captured = self.graphs.launch(e, 2)
+            self.run(e, 2, logits, e.greedy, captured, self.padding_inputs(e.bp, sampled), sampled)
         return time.perf_counter() - t0
 
     def eligible(self, b: StepBatch, entry: GraphEntry, world_size: int) -> str | None:
