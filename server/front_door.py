@@ -31,31 +31,41 @@ _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 class AuthMiddleware:
-    """Exactly one `Authorization: Bearer KEY` on every path but /health (constant-time compare).
-    `flag` names the option the key came from, for the error message."""
+    """Exactly one `Authorization: Bearer KEY` on every path but /health and `exempt` (paths with a key of
+    their own: /admin/drafter checks --admin-key) (constant-time compare). `flag` names the option the key
+    came from, for the error message."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, flag: str = "--api-key"):
+    def __init__(self, app: ASGIApp, api_key: str | None, flag: str = "--api-key",
+                 exempt: Iterable[str] = ()):
         if api_key is not None and not api_key.strip():
             raise ValueError(f"the API key is empty; give a non-empty {flag} (or none, for no authentication)")
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.flag = flag
+        self.open = OPEN_PATHS | frozenset(exempt)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if self.key is None or scope["type"] != "http" or scope["path"] in self.open:
             await self.app(scope, receive, send)
             return
-        headers = [v for k, v in scope["headers"] if k == b"authorization"]
-        header = headers[0] if len(headers) == 1 else b""
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        err = bearer_error(scope, self.key, self.flag)
+        if err is None:
             await self.app(scope, receive, send)
             return
-        what = ("several Authorization headers sent; send exactly one" if len(headers) > 1
-                else "no API key provided" if not header else "incorrect API key provided")
-        resp = APIError(401, f"{what}; send 'Authorization: Bearer <key>' with the key the server was "
-                             f"started with ({self.flag})", code="invalid_api_key").response()
-        await resp(scope, receive, send)
+        await err.response()(scope, receive, send)
+
+
+def bearer_error(scope: Scope, key: bytes, flag: str) -> APIError | None:
+    """None when the request carries exactly one `Authorization: Bearer <key>`, else the 401 to answer."""
+    headers = [v for k, v in scope["headers"] if k == b"authorization"]
+    header = headers[0] if len(headers) == 1 else b""
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key):
+        return None
+    what = ("several Authorization headers sent; send exactly one" if len(headers) > 1
+            else "no API key provided" if not header else "incorrect API key provided")
+    return APIError(401, f"{what}; send 'Authorization: Bearer <key>' with the key the server was "
+                         f"started with ({flag})", code="invalid_api_key")
 
 
 def allowed_hosts(bind_host: str, allowed: str | None) -> frozenset[str] | None:
