@@ -1,23 +1,22 @@
 """`python -m namazu.spec.refresh`: capture filtering and the newest-requests hold-out, the paired bootstrap
-gate on hand-made tallies, and the command end to end on the tiny random target: a candidate trained on the
-target's own outputs is promoted over an untrained base, one trained on shuffled ids is refused, and a run
-that crashed in its replay resumes without training again."""
+gate on hand-made tallies, and the command end to end on namazu-tiny's own answers: a candidate fine-tuned
+on shuffled ids is refused, a better one promoted, and a run that crashed in its replay resumes without
+training again."""
 import json
+import shutil
 import time
 
 import numpy as np
 import pytest
-from dflash_fixtures import random_drafter
-from engine_helpers import prompts, tiny_checkpoint
 
 from namazu import LLM, SamplingParams
 from namazu.spec.capture import CaptureRecord, CaptureWriter, read_records
 from namazu.spec.refresh import main, select, split_newest
 from namazu.spec.training.gate import compare, judge, request_classes, temperature_bucket
 from namazu.spec.training.replay import RequestAcceptance, read_results
+from namazu.spec.training.traffic import build_requests
 
-TRAIN_ARGS = ("--steps 60 --time-budget 2 --batch 4 --anchors 16 --lr 3e-3 --eval-k 3 --no-bf16 "
-              "--hidden-cache memory")
+TRAIN_ARGS = "--steps 30 --time-budget 2 --batch 4 --anchors 32 --lr 3e-3 --eval-k 3 --no-bf16 --hidden-cache memory"
 
 
 def rec(rid, t, out=(5, 6, 7), finish="length", prompt=(1, 2), temperature=0.0):
@@ -83,20 +82,25 @@ def test_classes_and_a_class_worse_beyond_the_margin_blocks_promotion():
     assert not judge(recs, a, b, tok, margin=0.05, min_class_requests=31).reasons[1:]   # en too small to gate
 
 
+SHIPPED = "namazu/assets/namazu-tiny/drafter"
+
+
 @pytest.fixture(scope="module")
 def capture(tmp_path_factory):
-    """The tiny random target's own answers (greedy and seeded T=0.7), captured as a server would."""
+    """namazu-tiny's own answers to held-out chat requests (greedy and seeded T=0.7), captured as a server
+    would, with a torn last record."""
     root = tmp_path_factory.mktemp("refresh")
-    ps = prompts(80, lo=4, hi=16, seed=31)
-    params = [SamplingParams(temperature=0.0 if i % 4 else 0.7, seed=i, max_tokens=24, ignore_eos=True)
-              for i in range(len(ps))]
-    with LLM(tiny_checkpoint(), executor="inline", num_speculative_tokens=0) as llm:
+    reqs = build_requests(40, "valid", seed=3, max_tokens=32)
+    with LLM(None, executor="inline", num_speculative_tokens=0) as llm:
+        tok = llm.get_tokenizer()
+        ps = [tok.encode_chat(r["messages"], add_generation_prompt=True, tools=r["tools"] or None) for r in reqs]
+        params = [SamplingParams(temperature=0.0 if i % 3 else 0.7, seed=i, max_tokens=32) for i in range(len(ps))]
         outs = llm.generate(prompt_token_ids=ps, sampling_params=params, use_tqdm=False)
     w = CaptureWriter(root / "capture")
     now = time.time()
     for i, (p, sp, o) in enumerate(zip(ps, params, outs)):
-        w.write(CaptureRecord(f"r{i}", p, [list(o.outputs[0].token_ids)], ["length"],
-                              {"temperature": sp.temperature, "seed": sp.seed, "max_tokens": 24},
+        w.write(CaptureRecord(f"r{i}", p, [list(o.outputs[0].token_ids)], [o.outputs[0].finish_reason],
+                              {"temperature": sp.temperature, "seed": sp.seed, "max_tokens": 32},
                               {"arrival": now - 1000 + i}))
     w.close()
     with open(next((root / "capture").glob("*.ndjson")), "ab") as f:
@@ -104,40 +108,57 @@ def capture(tmp_path_factory):
     return root
 
 
-def refresh(capture, out, *extra):
-    argv = ["--capture", str(capture / "capture"), "--base", random_drafter(tiny_checkpoint()), "--out", str(out),
-            "--target", tiny_checkpoint(), "--heldout", "24", "--min-class-requests", "10",
-            "--min-confidence", "0", "--no-calibrate", "--train-args", TRAIN_ARGS, *extra]
+def refresh(capture, out, base, train_args, *extra):
+    argv = ["--capture", str(capture / "capture"), "--base", str(base), "--out", str(out), "--heldout", "12",
+            "--min-class-requests", "6", "--no-calibrate", "--train-args", train_args, *extra]
     assert main(argv) == 0
     return json.loads((out / "report.json").read_text())
 
 
-def test_refresh_promotes_a_trained_candidate_and_refuses_one_trained_on_shuffled_ids(capture, tmp_path):
-    good = refresh(capture, tmp_path / "good")
-    state = json.loads((tmp_path / "good" / "state.json").read_text())
-    assert state["info"]["data"]["torn_or_corrupt"] == 1 and state["info"]["data"]["heldout"] == 24
-    held = [r.request_id for r in read_records(tmp_path / "good" / "data" / "heldout.ndjson")]
-    assert held == [f"r{i}" for i in range(56, 80)]           # the newest, whole requests
-    assert good["promote"], good["reasons"]
-    assert good["overall"]["gain_low"] > 0 and set(good["classes"]["temperature"]) == {"T=0", "0<T<=0.8"}
-    bad = refresh(capture, tmp_path / "shuffled", "--train-args", TRAIN_ARGS + " --shuffle-ids")
-    assert not bad["promote"], bad["reasons"]
-    assert bad["overall"]["b_acceptance"] < good["overall"]["b_acceptance"]
+@pytest.fixture(scope="module")
+def shuffled(capture):
+    """The shipped drafter fine-tuned on the captures' output ids in random order, through the gate."""
+    out = capture / "shuffled"
+    return out, refresh(capture, out, SHIPPED, TRAIN_ARGS + " --shuffle-ids")
 
 
-def test_a_crashed_replay_resumes_without_training_again(capture, tmp_path):
+def test_the_gate_refuses_a_candidate_trained_on_shuffled_ids(capture, shuffled):
+    out, report = shuffled
+    state = json.loads((out / "state.json").read_text())
+    assert state["info"]["data"]["torn_or_corrupt"] == 1 and state["info"]["data"]["heldout"] == 12
+    held = [r.request_id for r in read_records(out / "data" / "heldout.ndjson")]
+    assert held == [f"r{i}" for i in range(28, 40)]           # the newest, whole requests
+    assert not report["promote"], report["reasons"]
+    o = report["overall"]
+    assert o["gain_high"] < 0 and o["b_acceptance"] < o["a_acceptance"]
+    assert any("worse beyond the margin" in r for r in report["reasons"])
+    assert set(report["classes"]["temperature"]) == {"T=0", "0<T<=0.8"}
+    assert "KEEP the serving drafter" in (out / "report.md").read_text()
+
+
+def test_the_gate_promotes_a_better_candidate(capture, shuffled, tmp_path):
+    """The shuffled drafter serving; the candidate is the shipped drafter (the trainer's --init overridden,
+    one step at a negligible rate): the command, replays and gate promote it."""
+    bad = shuffled[0] / "candidate"
+    report = refresh(capture, tmp_path / "fix", bad, f"--init {SHIPPED} --steps 1 --lr 1e-9 --no-bf16 --eval-k 3")
+    assert report["promote"], report["reasons"]
+    assert report["overall"]["gain_low"] > 0
+
+
+def test_a_crashed_replay_resumes_without_training_again(capture, shuffled, tmp_path):
+    src, first = shuffled
     out = tmp_path / "run"
-    first = refresh(capture, out, "--replay-limit", "10")
+    shutil.copytree(src, out)
     cand = out / "candidate" / "model.safetensors"
     mtime = cand.stat().st_mtime_ns
     state = json.loads((out / "state.json").read_text())
     state["done"] = [s for s in state["done"] if s not in ("replay-candidate", "report")]
     (out / "state.json").write_text(json.dumps(state))
     lines = (out / "replay-candidate.ndjson").read_text().splitlines()
-    (out / "replay-candidate.ndjson").write_text("\n".join(lines[:4]) + "\n" + lines[4][:10])   # torn
-    again = refresh(capture, out, "--replay-limit", "10")
+    (out / "replay-candidate.ndjson").write_text("\n".join(lines[:5]) + "\n" + lines[5][:10])   # a torn line
+    again = refresh(capture, out, SHIPPED, TRAIN_ARGS + " --shuffle-ids")
     assert cand.stat().st_mtime_ns == mtime
-    assert len(read_results(out / "replay-candidate.ndjson")) == 10
+    assert len(read_results(out / "replay-candidate.ndjson")) == 12
     assert again["overall"] == first["overall"]
     with pytest.raises(SystemExit, match="other inputs"):
-        refresh(capture, out, "--from-scratch")
+        refresh(capture, out, SHIPPED, TRAIN_ARGS, "--from-scratch")

@@ -86,6 +86,8 @@ def replay_acceptance(records: Iterable[CaptureRecord], engine_kwargs: dict, res
     if not todo:
         return done
     results.parent.mkdir(parents=True, exist_ok=True)
+    if results.is_file():       # drop a torn tail, or the next line would be glued to it
+        results.write_text("".join(json.dumps(asdict(r)) + "\n" for r in done.values()))
     with LLM(**{"executor": "inline", **engine_kwargs}) as llm, open(results, "a") as f:
         engine = llm.engine
         for rec in tqdm(todo, desc=desc, unit="req"):
