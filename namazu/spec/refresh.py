@@ -15,7 +15,8 @@ replay resumes at its next request; training, which keeps no checkpoint of its o
 3. calibrate: fit the candidate's `q_temperature_scale` (`namazu.spec.training.calibrate`) on the sampled
    training requests (skipped when there are none);
 4. replay: every held-out request through the engine with the base drafter, then with the candidate, with its
-   own sampling settings and seed, one at a time (`namazu.spec.training.replay`);
+   own sampling settings and seed, one at a time (`namazu.spec.training.replay`); with `--guard CAPTURE` the
+   held-out requests of another mix too (the candidate may not be worse there beyond the margin);
 5. report: acceptance length and tokens per step overall and per class, with paired bootstrap intervals, and
    the verdict (`namazu.spec.training.gate`): OUT/report.md, OUT/report.json. With `--server` a promoted
    candidate is sent to that server's POST /admin/drafter (its path must be under the server's --drafter-root).
@@ -36,7 +37,8 @@ from namazu.spec.capture import CaptureRecord, ReadStats, read_records, write_re
 
 logger = logging.getLogger("namazu.spec.refresh")
 
-STAGES = ("data", "train", "calibrate", "replay-base", "replay-candidate", "report")
+STAGES = ("data", "train", "calibrate", "replay-base", "replay-candidate", "replay-guard-base",
+          "replay-guard-candidate", "report")
 BAD_FINISH = {None, "abort", "error"}
 
 
@@ -104,7 +106,8 @@ class Run:
         self.out, self.file = out, out / "state.json"
         ident = {"capture": [str(Path(c).resolve()) for c in args.capture], "base": str(Path(args.base).resolve()),
                  "from_scratch": args.from_scratch, "since": args.since, "until": args.until,
-                 "heldout_fraction": args.heldout_fraction, "heldout": args.heldout}
+                 "heldout_fraction": args.heldout_fraction, "heldout": args.heldout,
+                 "guard": [str(Path(c).resolve()) for c in args.guard or []]}
         if self.file.is_file():
             self.state = json.loads(self.file.read_text())
             if self.state.get("run") != ident:
@@ -194,14 +197,23 @@ def engine_kwargs(args: argparse.Namespace, drafter: str) -> dict:
             "speculative_min_confidence": args.min_confidence, "dtype": "float32"}
 
 
-def stage_replay(run: Run, args: argparse.Namespace, which: str) -> None:
+def heldout_records(run: Run, args: argparse.Namespace, guard: bool = False) -> list[CaptureRecord]:
+    """The held-out requests replayed (`--guard`: those of the other mix)."""
+    if guard:
+        recs, _ = select(list(read_records(args.guard)), None, None) if args.guard else ([], {})
+    else:
+        recs = list(read_records(run.out / "data" / "heldout.ndjson"))
+    return recs[:args.replay_limit or None]
+
+
+def stage_replay(run: Run, args: argparse.Namespace, which: str, guard: bool = False) -> None:
     from namazu.spec.training.replay import replay_acceptance
 
-    heldout = list(read_records(run.out / "data" / "heldout.ndjson"))[:args.replay_limit or None]
+    name = f"replay-guard-{which}" if guard else f"replay-{which}"
+    recs = heldout_records(run, args, guard)
     path = args.base if which == "base" else str(run.out / "candidate")
-    res = replay_acceptance(heldout, engine_kwargs(args, path), run.out / f"replay-{which}.ndjson",
-                            desc=f"replay ({which})")
-    run.finish(f"replay-{which}", requests=len(res))
+    res = replay_acceptance(recs, engine_kwargs(args, path), run.out / f"{name}.ndjson", desc=name) if recs else {}
+    run.finish(name, requests=len(res))
 
 
 def stage_report(run: Run, args: argparse.Namespace) -> dict:
@@ -210,17 +222,33 @@ def stage_report(run: Run, args: argparse.Namespace) -> dict:
     from namazu.spec.training.replay import read_results
     from namazu.tokenizer import Tokenizer
 
-    heldout = list(read_records(run.out / "data" / "heldout.ndjson"))[:args.replay_limit or None]
     tok = Tokenizer.from_pretrained(resolve_model_path(args.target))
-    verdict = judge(heldout, read_results(run.out / "replay-base.ndjson"),
+    verdict = judge(heldout_records(run, args), read_results(run.out / "replay-base.ndjson"),
                     read_results(run.out / "replay-candidate.ndjson"), tok, args.margin, args.min_class_requests,
                     args.resamples)
+    if args.guard:
+        other = judge(heldout_records(run, args, True), read_results(run.out / "replay-guard-base.ndjson"),
+                      read_results(run.out / "replay-guard-candidate.ndjson"), tok, args.margin,
+                      args.min_class_requests, args.resamples)
+        guard_verdict(verdict, other, args.guard)
     report = {**verdict.to_dict(), "base": args.base, "candidate": str(run.out / "candidate"),
               "data": run.state["info"].get("data", {})}
     (run.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (run.out / "report.md").write_text(report_markdown(verdict, args.base, str(run.out / "candidate")))
     run.finish("report", promote=verdict.promote)
     return report
+
+
+def guard_verdict(verdict, guard, where: list[str]) -> None:
+    """The other mix (`--guard`) may not be worse than the margin overall: its comparison joins the classes."""
+    verdict.classes["guard"] = {"all": guard.overall}
+    if guard.overall.ratio < 1 - verdict.margin:
+        verdict.promote = False
+        verdict.reasons.append(f"the other mix ({' '.join(where)}) is worse beyond the margin: acceptance length "
+                               f"{guard.overall.a_acceptance:.3f} -> {guard.overall.b_acceptance:.3f} "
+                               f"({guard.overall.ratio:.3f}x < {1 - verdict.margin:.3f}x)")
+    else:
+        verdict.reasons.append(f"the other mix ({' '.join(where)}): {guard.overall.ratio:.3f}x, within the margin")
 
 
 def promote_live(server: str, admin_key: str, path: str) -> dict:
@@ -255,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-confidence", type=float, default=0.01,
                     help="--speculative-min-confidence of the replays (default: the shipped drafter's 0.01)")
     ap.add_argument("--replay-limit", type=int, default=0, help="replay at most this many held-out requests")
+    ap.add_argument("--guard", nargs="+", default=None, metavar="CAPTURE",
+                    help="held-out captures of another mix (e.g. the serving drafter's own held-out requests): "
+                         "replayed through both too; the candidate may not be worse there beyond --margin")
     ap.add_argument("--margin", type=float, default=0.05, help="a class may be this much worse (relative)")
     ap.add_argument("--min-class-requests", type=int, default=20, help="smaller classes are reported, not gated")
     ap.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
@@ -281,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     steps = {"data": stage_data, "train": stage_train, "calibrate": stage_calibrate,
              "replay-base": lambda r, a: stage_replay(r, a, "base"),
-             "replay-candidate": lambda r, a: stage_replay(r, a, "candidate")}
+             "replay-candidate": lambda r, a: stage_replay(r, a, "candidate"),
+             "replay-guard-base": lambda r, a: stage_replay(r, a, "base", guard=True),
+             "replay-guard-candidate": lambda r, a: stage_replay(r, a, "candidate", guard=True)}
     for stage in STAGES[:-1]:
         if not run.done(stage):
             steps[stage](run, args)

@@ -140,9 +140,11 @@ def test_the_gate_promotes_a_better_candidate(capture, shuffled, tmp_path):
     """The shuffled drafter serving; the candidate is the shipped drafter (the trainer's --init overridden,
     one step at a negligible rate): the command, replays and gate promote it."""
     bad = shuffled[0] / "candidate"
-    report = refresh(capture, tmp_path / "fix", bad, f"--init {SHIPPED} --steps 1 --lr 1e-9 --no-bf16 --eval-k 3")
+    report = refresh(capture, tmp_path / "fix", bad, f"--init {SHIPPED} --steps 1 --lr 1e-9 --no-bf16 --eval-k 3",
+                     "--guard", str(capture / "capture"), "--replay-limit", "12")
     assert report["promote"], report["reasons"]
     assert report["overall"]["gain_low"] > 0
+    assert report["classes"]["guard"]["all"]["ratio"] > 1 and any("within the margin" in r for r in report["reasons"])
 
 
 def test_a_crashed_replay_resumes_without_training_again(capture, shuffled, tmp_path):
