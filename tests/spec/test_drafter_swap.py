@@ -213,3 +213,21 @@ def test_drafter_ids_tell_retrained_weights_apart(tmp_path):
     m.save(tmp_path / "d")
     second = drafter_id(proposer(str(tmp_path / "d")))
     assert first != second and first.startswith("d-") and second.startswith("d-")
+
+
+def test_graph_mode_swaps_like_eager(monkeypatch):
+    """Graph mode compiles the target's step only; after a swap the eagerly run new drafter reads the padded
+    step's own rows as before: the same outputs and the same acceptance per drafter as eager mode."""
+    monkeypatch.setenv("NAMAZU_GRAPH_BACKEND", "eager")     # the same trace without inductor's code generation
+    target = tiny_checkpoint()
+    ps, params = requests()
+    ps, params = ps[:2], [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 2
+    b = random_drafter(target, seed=1)
+    runs = []
+    for eager in (True, False):
+        with LLM(target, executor="inline", drafter=proposer(random_drafter(target)), num_speculative_tokens=K,
+                 max_num_seqs=2, enforce_eager=eager) as llm:
+            runs.append((drive(llm, ps, params, [b]), llm.engine.get_stats().acceptance_by_drafter))
+    (eager_out, eager_by), (graph_out, graph_by) = runs
+    assert_same_outputs(target, ps, params, graph_out, eager_out)
+    assert graph_by == eager_by and len(graph_by) == 2
