@@ -449,6 +449,7 @@ class LLMEngine:
         if self._in_flight is not None:
             launched, self._in_flight = self._in_flight, None
             outputs = self._collect(launched)
+        t0 = time.perf_counter()
         errors = [e for e in self.executor.collective_rpc(stage_on_rank, new.path) if e]
         if errors:
             self.executor.collective_rpc(discard_on_rank)
@@ -462,9 +463,9 @@ class LLMEngine:
         self.config = dataclasses.replace(self.config, speculative_model=new.path)   # a restart keeps it
         self._by_drafter.switch(new.drafter_id, self._acceptance_totals())
         self._drafter_swaps += 1
-        logger.info("drafter swapped after step %d: %s -> %s (%s); %d sequence(s) preempted to rebuild their "
-                    "caches from their tokens, %d cached prefix block(s) dropped", self._num_steps, old,
-                    new.drafter_id, new.path, n, dropped)
+        logger.info("drafter swapped after step %d: %s -> %s (%s), loaded and switched in %.2f s; %d sequence(s) "
+                    "preempted to rebuild their caches from their tokens, %d cached prefix block(s) dropped",
+                    self._num_steps, old, new.drafter_id, new.path, time.perf_counter() - t0, n, dropped)
         return outputs
 
     def set_drafter(self, path: str) -> list[RequestOutput]:
