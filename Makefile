@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # C++/CUDA kernel sources: editing one rebuilds the extension (pip install -e . runs build_ext).
 CSRC := $(wildcard namazu/csrc/*.cu namazu/csrc/*.h namazu/csrc/*/*.cpp namazu/csrc/*/*.h)
 
-.PHONY: install test lint run bench bench-serve bench-structured bench-instances bench-tools bench-nvfp4 bench-kernels gpu-check gpu-check-dry tiny-model drafter-model clean
+.PHONY: install test lint run bench bench-serve bench-structured bench-instances bench-tools bench-nvfp4 bench-kernels gpu-check gpu-check-dry tiny-model drafter-model drafter-refresh clean
 
 $(STAMP): requirements.txt requirements-dev.txt setup.py $(CSRC)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -102,6 +102,29 @@ drafter-model: $(STAMP)
 	for p in $$pids; do wait $$p; done
 	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.training.train --data $(DRAFTER_DATA) --heldout $(DRAFTER_BUILD)/capture-heldout --out $(TINY_DIR)/drafter $(DRAFTER_TRAIN)
 	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.training.calibrate --drafter $(TINY_DIR)/drafter --data $(DRAFTER_DATA) $(DRAFTER_CALIBRATE)
+
+# A drafter that keeps up with the traffic (docs/speculative.md, "Refreshing the drafter"): capture a replayed
+# mix unlike the shipped drafter's (twice the tool calls, three times the JSON / read-back answers, half of it
+# English), then `namazu.spec.refresh` against the shipped drafter: fine-tune on the capture, calibrate, replay
+# the newest 15% of it through both drafters, gate (also on the shipped drafter's own held-out capture from
+# `make drafter-model`, when it exists: the old mix may not get worse beyond the margin). Resumable: a finished
+# capture is kept (its .done stamp), the refresh resumes its stages. The candidate is written to
+# $(REFRESH_BUILD)/out/candidate, never over the shipped drafter; REFRESH_ARGS="--server URL --admin-key KEY"
+# hot-swaps a promoted one into a running server.
+REFRESH_BUILD ?= build/refresh
+REFRESH_N ?= 1200
+REFRESH_MIX = --english-share 0.5 --tool-weight 2 --copy-weight 1.5
+REFRESH_TRAIN = --anchors 128 --batch 8 --soft-weight 0.8 --selector-soft-weight 0.8 --hidden-cache memory --no-bf16 \
+	--steps 20000 --time-budget 12 --lr 1e-3 --eval-k 6
+REFRESH_GUARD = $(wildcard $(DRAFTER_BUILD)/capture-heldout)
+REFRESH_ARGS ?=
+drafter-refresh: $(STAMP)
+	test -f $(REFRESH_BUILD)/capture.done || { rm -rf $(REFRESH_BUILD)/capture && \
+	  OMP_NUM_THREADS=1 $(PY) -m namazu.spec.training.traffic --out $(REFRESH_BUILD)/requests.jsonl -n $(REFRESH_N) \
+	    --seed 11 $(REFRESH_MIX) --capture-dir $(REFRESH_BUILD)/capture && touch $(REFRESH_BUILD)/capture.done; }
+	OMP_NUM_THREADS=1 $(PY) -m namazu.spec.refresh --capture $(REFRESH_BUILD)/capture --base $(TINY_DIR)/drafter \
+	  --out $(REFRESH_BUILD)/out --train-args "$(REFRESH_TRAIN)" \
+	  $(if $(REFRESH_GUARD),--guard $(REFRESH_GUARD) --replay-limit 250) $(REFRESH_ARGS)
 
 # MoE kernel microbenchmark: every backend, BF16 and NVFP4, vs a roofline measured in the same run
 # (ARGS="--write" updates bench/RESULTS.md; on a GPU machine it runs the Kimi-K2 and namazu-tiny shapes).

@@ -26,20 +26,14 @@ from pathlib import Path
 import numpy as np
 
 from namazu.spec.capture import read_records
+from namazu.spec.training.replay import replay_settings
 from namazu.spec.training.traffic import ReplayResult, ServerProcess, _post_stream
-
-REPLAY_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "stop", "ignore_eos", "min_tokens")
 
 
 def captured_requests(sources: list[str], limit: int, temperature: float | None) -> list[dict]:
     out = []
     for rec in read_records(sources):
-        body = {k: v for k, v in rec.sampling.items() if k in REPLAY_KEYS and v is not None}
-        body["max_tokens"] = max(len(o) for o in rec.output_token_ids) or 1
-        if temperature is not None:
-            body["temperature"] = temperature
-        out.append({"prompt": rec.prompt_token_ids, **body})
+        out.append({"prompt": rec.prompt_token_ids, **replay_settings(rec, temperature)})
         if len(out) == limit:
             break
     return out

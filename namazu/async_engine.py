@@ -24,6 +24,7 @@ What keeps one request (or one fault) from taking the server down:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -335,6 +336,33 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    async def set_drafter(self, path: str) -> dict[str, Any]:
+        """Replaces the serving DFlash drafter at the next step boundary (`spec/drafter_swap.py`); returns
+        {"drafter_id", "previous_drafter_id", "path"}. The directory is checked here, off the event loop and
+        the step loop (DrafterCheckpointError naming the field or tensor, DrafterSwapError); one the ranks
+        cannot load raises DrafterCheckpointError. Either way the old drafter serves on."""
+        new = await asyncio.to_thread(self.engine.check_drafter, path)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("drafter", (new, done)))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
+
+    def _swap_here(self, new: Proposer, done: concurrent.futures.Future) -> None:
+        """On the engine thread, between steps; a failed load leaves the old drafter (and the requests) as
+        they were. A worker that dies meanwhile fails the step loop as a step would."""
+        previous = self.engine.drafter_id
+        try:
+            outputs = self.engine.swap_drafter(new)
+        except ValueError as err:
+            done.set_exception(err)
+            return
+        except BaseException as err:
+            done.set_exception(RuntimeError(f"the drafter swap failed: {err}"))
+            raise
+        self._drafter = None             # a restart loads the new one (the engine's config names it)
+        self._deliver_all(outputs)
+        done.set_result({"drafter_id": new.drafter_id, "previous_drafter_id": previous, "path": new.path})
+
     def begin_drain(self) -> None:
         """Stops accepting requests (SIGTERM); those in flight go on."""
         self._draining = True
@@ -391,10 +419,13 @@ class AsyncEngine:
                 outputs = engine.step()
             finally:
                 self._step_started = None
-            for out in outputs:
-                if out.finished:
-                    self._in_engine.pop(out.request_id, None)
-                self._deliver(out, out.request_id)
+            self._deliver_all(outputs)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                self._in_engine.pop(out.request_id, None)
+            self._deliver(out, out.request_id)
 
     def _take_inbox(self) -> None:
         while True:
@@ -405,6 +436,8 @@ class AsyncEngine:
             if kind == "add":
                 self._pending.setdefault(payload.group, deque()).append(payload)
                 self._pending_seqs += payload.params.n
+            elif kind == "drafter":
+                self._swap_here(*payload)
             else:
                 self._abort_here(payload)
 
@@ -484,6 +517,9 @@ class AsyncEngine:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            if kind == "drafter":
+                payload[1].set_exception(EngineUnavailableError(f"the engine is restarting ({cause}); the "
+                                                                "drafter was not replaced"))
         for rid in list(self._slots):
             self._deliver(error, rid)
         old = self.engine

@@ -114,6 +114,14 @@ class LLM:
             bar.close()
         return results  # type: ignore[return-value]
 
+    def set_drafter(self, path: str) -> str:
+        """Replaces the serving DFlash drafter with the checkpoint at `path` (checked as at start-up: an
+        error naming the field or tensor, the old drafter kept); returns the new drafter's id. Between
+        `generate` calls nothing runs; sequences of the engine's own requests, if any, are recomputed, so
+        outputs do not change (docs/speculative.md, "Replacing the drafter")."""
+        self.engine.set_drafter(path)
+        return self.engine.drafter_id
+
     def close(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish /kv/events block hashes keyed with this secret (give the router the same "
                         "--kv-events-key), so a reader without it cannot confirm a guessed prompt from them "
                         "(default: $NAMAZU_KV_EVENTS_KEY, else unkeyed)")
+    g.add_argument("--admin-key", default=os.environ.get("NAMAZU_ADMIN_KEY"), metavar="KEY",
+                   help="enable the operator routes (POST /admin/drafter: replace the drafter without a restart) "
+                        "behind 'Authorization: Bearer KEY', a key distinct from --api-key "
+                        "(default: $NAMAZU_ADMIN_KEY, else no admin routes)")
+    g.add_argument("--drafter-root", default=None, metavar="DIR",
+                   help="with --admin-key: the only directory (and its subdirectories) drafters may be loaded from")
     g.add_argument("--grammar-threads", type=int, default=1, metavar="N",
                    help="threads that compile structured-output grammars, apart from request preparation: a "
                         "storm of schemas keeps at most this many cores busy (default: 1)")
@@ -141,7 +147,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                         max_request_bytes=parse_bytes(args.max_request_bytes), body_timeout=args.body_timeout,
                         write_timeout=args.write_timeout, strict_fields=args.strict_fields,
                         allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
-                        kv_events_key=parse_key(args.kv_events_key), cache_salt_per_key=args.cache_salt_per_key)
+                        kv_events_key=parse_key(args.kv_events_key), cache_salt_per_key=args.cache_salt_per_key,
+                        admin_key=args.admin_key, drafter_root=args.drafter_root)
         uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="none",
                             http=guarded_protocol(args.header_timeout, args.body_timeout,
                                                  fit_connection_cap(args.max_connections)),
@@ -213,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         check_front_door_args(args)
         from server.kv_event_keys import parse_key
         parse_key(args.kv_events_key)
+        from server.admin_routes import check_admin_args
+        from server.front_door import parse_api_keys
+        check_admin_args(args.admin_key, args.drafter_root, parse_api_keys(args.api_key))
         if args.grammar_threads < 1 or args.max_grammar_compiles < 1:
             raise ValueError("--grammar-threads and --max-grammar-compiles must be at least 1")
     except ValueError as e:

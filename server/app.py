@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 if TYPE_CHECKING:
     from namazu.async_engine import AsyncEngine
 
+from server.admin_routes import ADMIN_PATHS, check_admin_args, get_drafter, set_drafter
 from server.common import ClientGone, ServerState, now
 from server.errors import ENGINE_ERRORS, APIError, as_api_error, http_error
 from server.front_door import AuthMiddleware, BrowserGuardMiddleware, parse_api_keys, read_json
@@ -40,19 +41,22 @@ CLIENT_CLOSED = 499         # nginx's status for a request whose client went awa
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, body_timeout: float = 30.0,
               write_timeout: float = 30.0, strict_fields: bool = False, allowed_hosts: Iterable[str] | None = None,
-              kv_events_key: bytes | None = None, cache_salt_per_key: bool = False) -> Starlette:
+              kv_events_key: bytes | None = None, cache_salt_per_key: bool = False, admin_key: str | None = None,
+              drafter_root: str | None = None) -> Starlette:
     """The app around a started engine. `api_key` None: no authentication (an empty key is refused:
     it would look like authentication while letting anyone in); several keys, comma-separated, are
     several tenants, and `cache_salt_per_key` keeps their prefix caches apart. `allowed_hosts`: the names
-    a request's Host header may carry (None: any; see server.front_door.allowed_hosts)."""
+    a request's Host header may carry (None: any; see server.front_door.allowed_hosts). `admin_key`: adds
+    the operator routes (server/admin_routes.py), which take drafters from under `drafter_root` only."""
     keys = parse_api_keys(api_key)
     if cache_salt_per_key and keys is None:
         raise ValueError("--cache-salt-per-key needs --api-key: without keys every client is one tenant")
+    check_admin_args(admin_key, drafter_root, keys)
     state = ServerState(engine=engine, served_model_name=served_model_name or engine.model_name,
                         max_logprobs=engine.config.max_logprobs, metrics=None,  # type: ignore[arg-type]
                         max_request_bytes=max_request_bytes, body_timeout=body_timeout,
                         strict_fields=strict_fields, kv_events_key=kv_events_key,
-                        cache_salt_per_key=cache_salt_per_key)
+                        cache_salt_per_key=cache_salt_per_key, admin_key=admin_key, drafter_root=drafter_root)
     metrics = state.metrics = ServerMetrics(state.stats, model_name=state.served_model_name)
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -71,13 +75,16 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
         Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
     ]
+    if admin_key is not None:
+        routes += [Route("/admin/drafter", set_drafter, methods=["POST"]),
+                   Route("/admin/drafter", get_drafter, methods=["GET"])]
     handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_exception, Exception: _internal_error}
     handlers.update({cls: _engine_error for cls in ENGINE_ERRORS})
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.server = state
     app.state.openapi = build_openapi(state.vocab_size, state.max_logprobs, auth=api_key is not None,
                                       strict=strict_fields)
-    app.add_middleware(AuthMiddleware, api_key=api_key)
+    app.add_middleware(AuthMiddleware, api_key=api_key, exempt=ADMIN_PATHS if admin_key is not None else ())
     app.add_middleware(BrowserGuardMiddleware, hosts=allowed_hosts)
     app.add_middleware(_StatusCounter, metrics=metrics, paths={r.path for r in routes})
     app.add_middleware(WriteTimeoutMiddleware, timeout=write_timeout)

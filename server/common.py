@@ -50,6 +50,8 @@ class ServerState:
     strict_fields: bool = False     # --strict-fields: an unrecognized request field is a 400, not ignored
     kv_events_key: bytes | None = None      # --kv-events-key: /kv/events publishes keyed hashes
     cache_salt_per_key: bool = False        # --cache-salt-per-key: each API key's prefix cache apart
+    admin_key: str | None = None            # --admin-key: the operator routes (server/admin_routes.py)
+    drafter_root: str | None = None         # --drafter-root: where POST /admin/drafter may load from
     in_flight: int = 0              # engine requests started and not yet finished
     peak_in_flight: int = 0
 

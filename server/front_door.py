@@ -68,15 +68,17 @@ def tenant_of(scope: Scope) -> str | None:
 
 
 class AuthMiddleware:
-    """Exactly one `Authorization: Bearer KEY` on every path but /health, compared in constant time with
-    every configured key (the time does not depend on which one matched). `flag` names the option the
-    keys came from, for the error message."""
+    """Exactly one `Authorization: Bearer KEY` on every path but /health and `exempt` (paths with a key of
+    their own: /admin/drafter checks --admin-key), compared in constant time with every configured key (the
+    time does not depend on which one matched). `flag` names the option the keys came from, for the error
+    message."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, flag: str = "--api-key"):
+    def __init__(self, app: ASGIApp, api_key: str | None, flag: str = "--api-key", exempt: Iterable[str] = ()):
         keys = parse_api_keys(api_key, flag)
         self.app = app
         self.keys = [(k.encode(), tenant_id(k.encode())) for k in keys] if keys else None
         self.flag = flag
+        self.open = OPEN_PATHS | frozenset(exempt)
 
     def _match(self, token: bytes) -> str | None:
         found = None
@@ -86,7 +88,7 @@ class AuthMiddleware:
         return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.keys is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if self.keys is None or scope["type"] != "http" or scope["path"] in self.open:
             await self.app(scope, receive, send)
             return
         headers = [v for k, v in scope["headers"] if k == b"authorization"]
@@ -97,11 +99,24 @@ class AuthMiddleware:
             scope[TENANT_SCOPE_KEY] = tenant
             await self.app(scope, receive, send)
             return
-        what = ("several Authorization headers sent; send exactly one" if len(headers) > 1
-                else "no API key provided" if not header else "incorrect API key provided")
-        resp = APIError(401, f"{what}; send 'Authorization: Bearer <key>' with the key the server was "
-                             f"started with ({self.flag})", code="invalid_api_key").response()
-        await resp(scope, receive, send)
+        await _unauthorized(headers, header, self.flag).response()(scope, receive, send)
+
+
+def bearer_error(scope: Scope, key: bytes, flag: str) -> APIError | None:
+    """None when the request carries exactly one `Authorization: Bearer <key>`, else the 401 to answer."""
+    headers = [v for k, v in scope["headers"] if k == b"authorization"]
+    header = headers[0] if len(headers) == 1 else b""
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key):
+        return None
+    return _unauthorized(headers, header, flag)
+
+
+def _unauthorized(headers: list[bytes], header: bytes, flag: str) -> APIError:
+    what = ("several Authorization headers sent; send exactly one" if len(headers) > 1
+            else "no API key provided" if not header else "incorrect API key provided")
+    return APIError(401, f"{what}; send 'Authorization: Bearer <key>' with the key the server was "
+                         f"started with ({flag})", code="invalid_api_key")
 
 
 def allowed_hosts(bind_host: str, allowed: str | None) -> frozenset[str] | None:

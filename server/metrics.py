@@ -48,7 +48,7 @@ _MONOTONIC = {"num_preemptions", "num_steps", "num_prompt_tokens", "num_generate
               "num_accepted_draft_tokens", "prefix_cache_queries", "prefix_cache_hits",
               "grammar_cache_hits", "grammar_cache_misses", "grammar_mask_rows", "grammar_mask_seconds",
               "drafter_seconds", "num_draft_blocks", "num_drafts_proposed", "num_spec_disabled_steps",
-              "num_draft_rows"}
+              "num_draft_rows", "num_drafter_swaps"}
 # Counters under the names vLLM's dashboards use (vllm:prefix_cache_queries / _hits): the hit rate over any
 # window is rate(hits) / rate(queries); namazu_prefix_cache_hit_rate stays the since-start ratio.
 _COUNTERS = {
@@ -75,6 +75,7 @@ class _EngineCollector(Collector):
         stats = self.stats()
         f = _Families(self.const)
         yield from _speculation_metrics(stats, f)
+        yield from _drafter_metrics(stats, f)
         for key, value in stats.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
@@ -118,17 +119,42 @@ class _Families:
         return h
 
 
+def _histogram_buckets(hist: list[int]) -> tuple[list, float]:
+    """Prometheus buckets of a histogram of verify steps per acceptance length (index i: i + 1 tokens)."""
+    cum, buckets = 0, []
+    for i, n in enumerate(hist):
+        cum += n
+        buckets.append((str(float(i + 1)), cum))
+    buckets.append(("+Inf", cum))
+    return buckets, float(sum((i + 1) * n for i, n in enumerate(hist)))
+
+
+def _drafter_metrics(stats: dict[str, Any], f: _Families) -> Iterator[Any]:
+    """Acceptance per drafter id (the series above split at each drafter swap), and which one serves."""
+    by = stats.get("acceptance_by_drafter") or {}
+    if not by:
+        return
+    names, values = f.names + ["drafter"], f.values
+    hist = HistogramMetricFamily("namazu_spec_drafter_acceptance_length", "tokens emitted per verify step, by "
+                                 "the drafter that made the drafts", labels=names)
+    drafted = CounterMetricFamily("namazu_spec_drafter_draft_tokens", "drafts verified, by drafter", labels=names)
+    accepted = CounterMetricFamily("namazu_spec_drafter_accepted_tokens", "drafts accepted, by drafter",
+                                   labels=names)
+    for drafter, tally in sorted(by.items()):
+        hist.add_metric([*values, drafter], *_histogram_buckets(tally["acceptance_length_histogram"]))
+        drafted.add_metric([*values, drafter], float(tally["num_draft_tokens"]))
+        accepted.add_metric([*values, drafter], float(tally["num_accepted_draft_tokens"]))
+    serving = GaugeMetricFamily("namazu_spec_drafter_serving", "1 for the drafter serving now", labels=names)
+    serving.add_metric([*values, str(stats.get("drafter_id", ""))], 1.0)
+    yield from (hist, drafted, accepted, serving)
+
+
 def _speculation_metrics(stats: dict[str, Any], f: _Families) -> Iterator[Any]:
     """Acceptance length per verify step (a histogram), draft acceptance rate, draft block length, drafter time
     per step."""
     hist = stats.get("acceptance_length_histogram") or []
     if hist:
-        cum, buckets = 0, []
-        for i, n in enumerate(hist):
-            cum += n
-            buckets.append((str(float(i + 1)), cum))
-        buckets.append(("+Inf", cum))
-        total = sum((i + 1) * n for i, n in enumerate(hist))
+        buckets, total = _histogram_buckets(hist)
         yield f.histogram("namazu_spec_acceptance_length", "tokens emitted per verify step (drafts accepted + the "
                           "bonus token)", buckets, total)
     drafted = stats.get("num_draft_tokens", 0)

@@ -9,6 +9,7 @@ worker's step (`spec/proposer.py`); the engine only learns how many drafts each 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -31,6 +32,15 @@ from namazu.scheduler.block_manager import BlockManager
 from namazu.scheduler.kv_events import KVEventLog
 from namazu.scheduler.scheduler import ScheduledSeq, Scheduler
 from namazu.scheduler.sequence import Sequence, SequenceStatus, sequence_seed
+from namazu.spec.dflash_config import DrafterCheckpointError
+from namazu.spec.drafter_swap import (
+    AcceptanceByDrafter,
+    check_replacement,
+    commit_on_rank,
+    discard_on_rank,
+    drafter_id,
+    stage_on_rank,
+)
 from namazu.spec.proposer import Proposer
 from namazu.spec.selection import choose_speculation
 from namazu.step.batch import StepResult
@@ -98,6 +108,12 @@ class EngineStats:
     # Prompt tokens looked up in the prefix cache and found there, since start (rate() them for a hit rate).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # The serving drafter's id (`spec/drafter_swap.drafter_id`), the swaps since start, and the acceptance
+    # tallies above split by the drafter that made the drafts: {id: {acceptance_length_histogram,
+    # num_draft_tokens, num_accepted_draft_tokens}}.
+    drafter_id: str = ""
+    num_drafter_swaps: int = 0
+    acceptance_by_drafter: dict = field(default_factory=dict)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -154,6 +170,10 @@ class LLMEngine:
         self._draft_rows = self._draft_blocks = self._drafts_proposed = 0
         self._mask_seconds = 0.0
         self._accept_hist = [0] * (self.num_speculative_tokens + 1)
+        self.drafter_id = drafter_id(self.drafter)
+        self._planned_drafter = self.drafter     # the KV blocks were planned with its context cache
+        self._by_drafter = AcceptanceByDrafter(self.drafter_id, len(self._accept_hist))
+        self._drafter_swaps = 0
         self._drafter_seconds = 0.0
         self.step_rates = StepRates(config.block_size)     # reported to the KV-aware router
         self._collected_at = 0.0
@@ -440,7 +460,51 @@ class LLMEngine:
             num_draft_blocks=self._draft_blocks, num_drafts_proposed=self._drafts_proposed,
             ms_per_decode_step=self.step_rates.ms_per_decode_step,
             ms_per_prefill_block=self.step_rates.ms_per_prefill_block,
-            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits)
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+            drafter_id=self.drafter_id, num_drafter_swaps=self._drafter_swaps,
+            acceptance_by_drafter=self._by_drafter.report(self._acceptance_totals()))
+
+    def _acceptance_totals(self) -> dict:
+        return AcceptanceByDrafter.totals(self._accept_hist, self._drafted, self._accepted)
+
+    # -- replacing the drafter (spec/drafter_swap.py) ---------------------------------------------------
+    def check_drafter(self, path: str) -> Proposer:
+        """The replacement for the serving DFlash drafter, checked as at start-up (DrafterCheckpointError
+        naming the field or tensor, DrafterSwapError); nothing changes. Safe from any thread."""
+        return check_replacement(path, self.drafter, self.model_config, self.config.block_size,
+                                 self._planned_drafter)
+
+    def swap_drafter(self, new: Proposer) -> list[RequestOutput]:
+        """Serves `new` (from `check_drafter`) from the next step on; call between steps, on the thread that
+        steps. Returns the outputs of the step that was in flight (collected first). Every running sequence
+        is recomputed, so both caches are rebuilt from its tokens; a rank that cannot load the drafter leaves
+        the old one serving (DrafterCheckpointError)."""
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            outputs = self._collect(launched)
+        t0 = time.perf_counter()
+        errors = [e for e in self.executor.collective_rpc(stage_on_rank, new.path) if e]
+        if errors:
+            self.executor.collective_rpc(discard_on_rank)
+            raise DrafterCheckpointError(f"drafter {new.path} could not be loaded ({errors[0]}); still serving "
+                                         f"{self.drafter_id}")
+        old = self.drafter_id
+        n = self.scheduler.preempt_all(f"the drafter changes to {new.drafter_id}")
+        dropped = self.reset_prefix_cache()
+        self.executor.collective_rpc(commit_on_rank)
+        self.drafter, self.drafter_id = new, new.drafter_id
+        self.config = dataclasses.replace(self.config, speculative_model=new.path)   # a restart keeps it
+        self._by_drafter.switch(new.drafter_id, self._acceptance_totals())
+        self._drafter_swaps += 1
+        logger.info("drafter swapped after step %d: %s -> %s (%s), loaded and switched in %.2f s; %d sequence(s) "
+                    "preempted to rebuild their caches from their tokens, %d cached prefix block(s) dropped",
+                    self._num_steps, old, new.drafter_id, new.path, time.perf_counter() - t0, n, dropped)
+        return outputs
+
+    def set_drafter(self, path: str) -> list[RequestOutput]:
+        """`check_drafter` then `swap_drafter`."""
+        return self.swap_drafter(self.check_drafter(path))
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()

@@ -106,13 +106,23 @@ class Scheduler:
         if reason is not None and seq.finish_reason is None:
             seq.finish_reason = reason
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, why: str = "KV pool exhausted") -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)
         seq.reset_for_recompute()
         bisect.insort(self.waiting, seq, key=self._key)
         self.num_preemptions += 1
-        logger.info("preempted %s (seq %d) by recompute: KV pool exhausted", seq.request_id, seq.seq_id)
+        logger.info("preempted %s (seq %d) by recompute: %s", seq.request_id, seq.seq_id, why)
+
+    def preempt_all(self, why: str) -> int:
+        """Every running sequence back to waiting, to be recomputed from its tokens (in its place in line);
+        only between steps, with nothing in flight. Returns how many."""
+        if any(seq.num_pending for seq in self.running):
+            raise RuntimeError("preempt_all with a step in flight: collect it first")
+        running = list(self.running)
+        for seq in reversed(running):
+            self._preempt(seq, why)
+        return len(running)
 
     def _speculation_fits(self) -> bool:
         limit = self.spec_disable_batch_size

@@ -72,8 +72,7 @@ class CaptureWriter:
         self._size = 0
 
     def write(self, record: CaptureRecord) -> None:
-        payload = json.dumps(asdict(record), ensure_ascii=False, separators=(",", ":")).encode()
-        line = b"%08x " % zlib.crc32(payload) + payload + b"\n"
+        line = encode_record(record)
         with self._lock:
             if self._fd is None or (self._size and self._size + len(line) > self.shard_bytes):
                 self._open_next()
@@ -86,6 +85,27 @@ class CaptureWriter:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def encode_record(record: CaptureRecord) -> bytes:
+    """One shard line: `<crc32 hex8> <json>\\n`."""
+    payload = json.dumps(asdict(record), ensure_ascii=False, separators=(",", ":")).encode()
+    return b"%08x " % zlib.crc32(payload) + payload + b"\n"
+
+
+def write_records(path: str | Path, records: Iterable[CaptureRecord]) -> int:
+    """Writes `records` as one shard file (replacing it atomically: a crash leaves the old file or the new
+    one); returns how many."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    n = 0
+    with open(tmp, "wb") as f:
+        for rec in records:
+            f.write(encode_record(rec))
+            n += 1
+    os.replace(tmp, path)
+    return n
 
 
 @dataclass

@@ -53,9 +53,12 @@ class DFlashProposer:
         c = self.cfg
         return c.num_layers * 2 * block_size * c.num_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
 
-    def attach(self, target: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+    def attach(self, target: torch.nn.Module, num_blocks: int, block_size: int,
+               reuse_cache: torch.Tensor | None = None) -> None:
         """Loads the drafter next to the target (same device and dtype), borrows its frozen embedding and
-        lm_head, and allocates the context cache with the target's block layout."""
+        lm_head, and allocates the context cache with the target's block layout. `reuse_cache`: the cache
+        of the drafter this one replaces (`spec/drafter_swap.py`), taken over when its shape fits, so a swap
+        needs no second cache; its entries are stale and never read (every sequence is recomputed)."""
         w = target.model.embed_tokens.weight
         self.model = DFlashDrafter.load(self.path, *self.target_shape, device=w.device, dtype=w.dtype)
         self.embed = w
@@ -68,8 +71,11 @@ class DFlashProposer:
         c = self.cfg
         self.block_size = block_size
         # One block past the engine's, as the target's cache has: graph-mode padding rows write there.
-        self.cache = torch.zeros(c.num_layers, 2, (num_blocks + 1) * block_size, c.num_heads, c.head_dim,
-                                 dtype=w.dtype, device=w.device)
+        shape = (c.num_layers, 2, (num_blocks + 1) * block_size, c.num_heads, c.head_dim)
+        if reuse_cache is not None and tuple(reuse_cache.shape) == shape and reuse_cache.dtype == w.dtype:
+            self.cache = reuse_cache
+        else:
+            self.cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
 
     # -- the step -------------------------------------------------------------------------------------
     def extend_context(self, inp: ProposerInput) -> None:

@@ -90,6 +90,18 @@ class Speculator:
         ctx = self._context
         return ctx.draft_seconds if ctx is not None else 0.0
 
+    def swap_proposer(self, proposer: Proposer) -> None:
+        """Serves `proposer` from the next step on (`spec/drafter_swap.py`: attached already, and every
+        sequence is recomputed, so no context of the old one is read). Drafts held from the old proposer are
+        dropped: none may be verified after the switch."""
+        kind = check_proposer(proposer)
+        if self.kind is None or kind.on_device != self.kind.on_device:
+            raise ValueError("a proposer is replaced only by one of the same kind (device or host)")
+        self.proposer, self.kind = proposer, kind
+        self._stochastic = False
+        for slot in list(self.drafts.counts):
+            self.drafts.forget(slot)
+
     # -- before the forward ---------------------------------------------------------------------------
     def forget_finished(self, seqs: WorkerSeqTable, finished: list[int]) -> None:
         for sid in finished:

@@ -46,6 +46,11 @@ class DraftedTails:
         # backends (the tests' "eager" trace) compile both.
         self.variants = (False,) if graphs.backend == "inductor" else (False, True)
 
+    def use_proposer(self, proposer) -> None:
+        self.proposer = proposer
+        self.draws_q = bool(getattr(proposer, "sample_drafts", False))
+        self._called.clear()
+
     @torch.inference_mode()   # as the runner's steps: the compiled code is guarded on the grad mode
     def warm_up(self, progress: bool = True) -> float:
         from tqdm.auto import tqdm

@@ -160,6 +160,14 @@ class ModelRunner:
     def share_decisions(self, on: bool) -> None:
         self.spec.share_decisions = on
 
+    def swap_proposer(self, proposer: Proposer) -> None:
+        """Serves `proposer` (attached already) from the next step on; graph mode's compiled drafted tails
+        take it as an argument, so their next call checks their guards against it again (a drafter of the
+        same shapes reuses the compiled code)."""
+        self.spec.swap_proposer(proposer)
+        if self.tails is not None:
+            self.tails.use_proposer(proposer)
+
     def plan_kv_blocks(self) -> int:
         """How many KV blocks this rank could hold; the engine allocates the minimum over ranks."""
         return self._plan_kv_blocks()

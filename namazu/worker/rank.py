@@ -48,6 +48,7 @@ class Worker:
         self.rank = rank
         self.runner = ModelRunner(config, model_path, rank, world_size, proposer)
         self.decoder = StepDecoder()    # this rank's half of the step wire format's state
+        self.staged_drafter: Proposer | None = None   # loaded beside the serving one (spec/drafter_swap.py)
 
     def info(self) -> WorkerInfo:
         r = self.runner

@@ -34,15 +34,18 @@ SAMPLING_MIX: tuple[tuple[float, dict[str, Any]], ...] = (
 
 
 def build_requests(n: int, split: str = "train", seed: int = 0, max_tokens: int = 128,
-                   corpus_dir: str | Path | None = None) -> list[dict[str, Any]]:
+                   corpus_dir: str | Path | None = None, english_share: float = 0.3, tool_weight: float = 1.0,
+                   copy_weight: float = 0.5) -> list[dict[str, Any]]:
     """n chat requests (messages, tools, sampling settings, kind) from the tiny chat generators; the
-    'valid' split draws from held-out corpus text."""
+    'valid' split draws from held-out corpus text. The mix: `english_share` of the chat in English, and
+    per question-answer exchange `tool_weight` tool exchanges and `copy_weight` read-back / JSON-formatting
+    ones (the shipped drafter's traffic: 0.3, 1, 0.5; `make drafter-refresh` serves another mix)."""
     from namazu.tiny.corpus import default_corpus_dir
     from namazu.tiny.data import ChatDataConfig, generate_chat_examples
 
     rng = random.Random(seed)
-    cfg = ChatDataConfig(seed=10_000 + seed, num_qa=n, num_tool=n, num_copy=n // 2, english_share=0.3,
-                         synthetic_tool_share=0.5)
+    cfg = ChatDataConfig(seed=10_000 + seed, num_qa=n, num_tool=int(n * tool_weight), num_copy=int(n * copy_weight),
+                         english_share=english_share, synthetic_tool_share=0.5)
     examples = generate_chat_examples(corpus_dir or default_corpus_dir(), cfg, split=split)
     rng.shuffle(examples)
     out = []
@@ -160,12 +163,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="corpus split the chat text comes from (valid: held-out)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--english-share", type=float, default=0.3, help="share of the chat in English")
+    ap.add_argument("--tool-weight", type=float, default=1.0, help="tool exchanges per question-answer one")
+    ap.add_argument("--copy-weight", type=float, default=0.5,
+                    help="read-back / JSON-formatting exchanges per question-answer one")
     ap.add_argument("--capture-dir", default=None,
                     help="also serve namazu with --capture-dir DIR and replay the requests through it")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--server-args", default="", help="extra server flags (one string)")
     args = ap.parse_args(argv)
-    reqs = build_requests(args.n, args.split, args.seed, args.max_tokens)
+    reqs = build_requests(args.n, args.split, args.seed, args.max_tokens, english_share=args.english_share,
+                          tool_weight=args.tool_weight, copy_weight=args.copy_weight)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in reqs))
     print(f"{len(reqs)} requests -> {args.out}")

@@ -408,9 +408,16 @@ def train(args: argparse.Namespace) -> dict:
                        block_size=args.block_size, num_layers=args.num_layers, num_heads=args.num_heads,
                        head_dim=args.head_dim, intermediate_size=args.intermediate_size,
                        selector_k=args.selector_k, selector_rank=args.selector_rank, trained_on=args.text_mode)
+    if args.init:
+        # Fine-tuning: the base drafter's shape, weights and draft vocabulary (unless --draft-vocab picks one).
+        drafter = DFlashDrafter.load(args.init, tcfg.vocab_size, tcfg.hidden_size, tcfg.num_hidden_layers)
+        cfg = drafter.cfg
+        cfg.trained_on = args.text_mode
+        layers = cfg.target_layers
+    else:
+        drafter = DFlashDrafter(cfg)
     target = Target(target_path, layers, args.hidden_cache,
                     soft_top=args.soft_top if args.soft_weight > 0 or args.selector_soft_weight > 0 else 0)
-    drafter = DFlashDrafter(cfg)
     n_params, budget = num_parameters(drafter), non_embedding_parameters(target.model)
     log.info("drafter: %d parameters = %.1f%% of the target's %d non-embedding parameters", n_params,
              100 * n_params / budget, budget)
@@ -421,6 +428,11 @@ def train(args: argparse.Namespace) -> dict:
         examples = corpus_examples(tok, n_train, args.max_len, args.seed)
     else:
         examples = load_examples(args.data, args.max_len, args.text_mode, tok, stats)
+    if args.shuffle_ids:
+        for ex in examples:
+            out = ex.ids[ex.loss_from:]
+            random.Random(args.seed).shuffle(out)
+            ex.ids[ex.loss_from:] = out
     if args.max_sequences:
         examples = examples[:args.max_sequences]
     if args.reload_data and not args.heldout:
@@ -437,7 +449,7 @@ def train(args: argparse.Namespace) -> dict:
     def draft_vocabulary() -> torch.Tensor | None:
         # The N commonest output tokens of the data so far (a capture that is still growing: again per epoch).
         if not args.draft_vocab:
-            return None
+            return drafter.draft_vocab.cpu() if args.init and drafter.draft_vocab is not None else None
         ids = frequent_tokens((ex.ids[ex.loss_from:] for ex in examples), args.draft_vocab)
         if len(ids) < cfg.selector_k:
             raise SystemExit(f"the training outputs hold {len(ids)} distinct tokens, fewer than the selector's "
@@ -526,6 +538,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", nargs="+", required=True, help="capture directories or shard files")
     ap.add_argument("--heldout", nargs="*", default=None, help="held-out captures (default: 5%% of --data)")
     ap.add_argument("--out", required=True, help="drafter checkpoint directory to write")
+    ap.add_argument("--init", default=None, metavar="DIR",
+                    help="fine-tune this drafter (its shape, weights and draft vocabulary) instead of training "
+                         "a new one from scratch; the drafter-shape flags are then ignored")
+    ap.add_argument("--shuffle-ids", action="store_true",
+                    help="train on each output's ids in random order (a negative control: a drafter that "
+                         "learned nothing about the sequences; the refresh gate must refuse it)")
     ap.add_argument("--text-mode", default="raw", choices=("raw", "retokenize", "corpus"),
                     help="raw captured ids; the outputs decoded and re-tokenized; or corpus text")
     ap.add_argument("--hidden-cache", default=None,

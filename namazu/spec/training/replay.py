@@ -1,0 +1,106 @@
+"""Captured requests replayed with their own sampling settings: as HTTP bodies (`bench/replay.py` sends them
+to two servers) and through the engine in this process, one request at a time, so that each request's
+verify steps are its own (`replay_acceptance`, the measurement `namazu.spec.refresh` gates on).
+
+A captured request without a seed gets one derived from its id, so the two drafters of an A/B see the
+same draws; `max_tokens` is the captured output's length, so both answer as long as the capture did.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from namazu.spec.capture import CaptureRecord
+
+logger = logging.getLogger(__name__)
+
+REPLAY_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "stop", "ignore_eos", "min_tokens")
+
+
+def replay_settings(rec: CaptureRecord, temperature: float | None = None) -> dict:
+    """The record's sampling settings worth replaying, `max_tokens` its longest captured output."""
+    body = {k: v for k, v in rec.sampling.items() if k in REPLAY_KEYS and v is not None}
+    body["max_tokens"] = max((len(o) for o in rec.output_token_ids), default=1) or 1
+    if temperature is not None:
+        body["temperature"] = temperature
+    return body
+
+
+def replay_params(rec: CaptureRecord):
+    """SamplingParams of a captured request, seeded (from its id where the capture had no seed)."""
+    from namazu.sampling_params import SamplingParams
+
+    kw = replay_settings(rec)
+    kw.setdefault("seed", zlib.crc32(rec.request_id.encode()))
+    kw["n"] = max(1, len(rec.output_token_ids))
+    return SamplingParams(**kw)
+
+
+@dataclass
+class RequestAcceptance:
+    """One replayed request's speculation: its verify steps per acceptance length, output tokens and steps."""
+
+    request_id: str
+    histogram: list[int]          # index i: verify steps that emitted i + 1 tokens
+    output_tokens: int
+    steps: int                    # engine steps the request took (alone in the engine)
+
+    @property
+    def verify_steps(self) -> int:
+        return sum(self.histogram)
+
+    @property
+    def verify_tokens(self) -> int:
+        return sum((i + 1) * n for i, n in enumerate(self.histogram))
+
+
+def read_results(path: Path) -> dict[str, RequestAcceptance]:
+    """The results written so far (a torn last line, from a crash, is skipped)."""
+    out: dict[str, RequestAcceptance] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                r = RequestAcceptance(**json.loads(line))
+            except (ValueError, TypeError):
+                continue
+            out[r.request_id] = r
+    return out
+
+
+def replay_acceptance(records: Iterable[CaptureRecord], engine_kwargs: dict, results: Path,
+                      desc: str = "replay") -> dict[str, RequestAcceptance]:
+    """Each record through `LLM(**engine_kwargs)` alone, its verify steps read from the engine's statistics
+    before and after; appended to `results` (one JSON line per request) as they finish, and the requests
+    already there are not replayed again (a crashed run resumes)."""
+    from tqdm.auto import tqdm
+
+    from namazu import LLM
+
+    done = read_results(results)
+    todo = [r for r in records if r.request_id not in done]
+    if not todo:
+        return done
+    results.parent.mkdir(parents=True, exist_ok=True)
+    if results.is_file():       # drop a torn tail, or the next line would be glued to it
+        results.write_text("".join(json.dumps(asdict(r)) + "\n" for r in done.values()))
+    with LLM(**{"executor": "inline", **engine_kwargs}) as llm, open(results, "a") as f:
+        engine = llm.engine
+        for rec in tqdm(todo, desc=desc, unit="req"):
+            before = engine.get_stats()
+            engine.add_request(f"replay-{rec.request_id}", None, replay_params(rec),
+                               prompt_token_ids=rec.prompt_token_ids, stream=False)
+            while engine.has_unfinished_requests():
+                engine.step()
+            after = engine.get_stats()
+            hist = [a - b for a, b in zip(after.acceptance_length_histogram, before.acceptance_length_histogram)]
+            r = RequestAcceptance(rec.request_id, hist, after.num_generated_tokens - before.num_generated_tokens,
+                                  after.num_steps - before.num_steps)
+            f.write(json.dumps(asdict(r)) + "\n")
+            f.flush()
+            done[r.request_id] = r
+    return done
