@@ -6,6 +6,7 @@ from engine_helpers import tiny_checkpoint
 
 from namazu.config import ModelConfig
 from namazu.spec.dflash import DFlashDrafter
+from namazu.spec.dflash_proposer import DFlashProposer
 from namazu.spec.tree import TreeTopology, draft_tree, tree_block_mask, tree_positions
 
 K = 4
@@ -99,3 +100,49 @@ def test_topologies():
         TreeTopology((-1, 2, 0))
     with pytest.raises(ValueError, match="ordered by depth"):
         TreeTopology((-1, 0, 1, 0))
+
+
+class TreeRecordingProposer(DFlashProposer):
+    """Drafts, at every step of a real engine run, a chain-shaped and a bushy tree from the same inputs
+    as its chain proposal, and keeps them."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.chain_tt = TreeTopology.chain(K).tensors()
+        self.bushy_tt = TreeTopology.build(9, 3, 3).tensors()
+        self.seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def propose(self, inp, k):
+        proposal = super().propose(inp, k)
+        chain, bushy = self.propose_tree(inp, self.chain_tt), self.propose_tree(inp, self.bushy_tt)
+        anchor = inp.tokens.gather(1, inp.accepted.unsqueeze(-1)).squeeze(-1)
+        self.seen.append((proposal.ids.clone(), chain.tokens.clone(), bushy.tokens.clone(), anchor.clone()))
+        return proposal
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_proposer_drafts_trees_from_the_steps_own_inputs(temperature):
+    from engine_helpers import prompts
+
+    from namazu import LLM, SamplingParams
+
+    t = ModelConfig.from_pretrained(tiny_checkpoint())
+    runs = []
+    for _ in range(2):
+        prop = TreeRecordingProposer(random_drafter(tiny_checkpoint()), t.vocab_size, t.hidden_size,
+                                     t.num_hidden_layers)
+        params = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=5)
+        with LLM(tiny_checkpoint(), executor="inline", drafter=prop, num_speculative_tokens=K) as llm:
+            llm.generate(prompt_token_ids=prompts(2, lo=5, hi=9, seed=3), sampling_params=params, use_tqdm=False)
+        runs.append(prop.seen)
+        assert prop.seen
+        for ids, chain, bushy, anchor in prop.seen:
+            assert torch.equal(chain[:, 0], anchor) and torch.equal(bushy[:, 0], anchor)
+            if temperature == 0:
+                # Greedy: the chain-shaped tree is the chain's own block; a bushy tree's first-rank spine too.
+                assert torch.equal(chain[:, 1:], ids)
+                assert torch.equal(bushy[:, 1], ids[:, 0])
+    # Seeded: the same request drafts the same trees.
+    assert len(runs[0]) == len(runs[1])
+    for a, b in zip(*runs):
+        assert all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]))
