@@ -215,3 +215,27 @@ def test_depth_limit_per_row():
     out = verify_tree(tt, tree, processed, target, torch.zeros(s, dtype=torch.bool), seeds, base, limit)
     assert (out.num_accepted <= limit).all()
     assert (out.num_accepted == limit).any()
+
+
+def test_drafting_and_verifying_trace_as_one_graph():
+    """No host read and no data-dependent Python control flow: torch.compile traces both whole
+    (fullgraph: a `.item()`, a `.tolist()` or a branch on a device value would break the graph), what graph
+    mode's capture of the verify step needs; and the traced results are the eager ones."""
+    toy = Toy(depth=3, seed=1, top_p=0.8)
+    tt = TREES["w4"].tensors()
+    s = 32
+    seeds, base = torch.arange(s) * 7 + 1, torch.full((s,), 3)
+    greedy = torch.arange(s) % 3 == 0
+    args = (toy.cand.expand(s, -1, -1), toy.first.expand(s, -1), toy.pairs.expand(s, -1, -1, -1),
+            torch.zeros(s, dtype=torch.long), torch.where(greedy, 0.0, 1.0), seeds, base)
+    tree = draft_tree(tt, *args)
+    traced = torch.compile(lambda *a: draft_tree(tt, *a), fullgraph=True, backend="eager")(*args)
+    assert all(torch.equal(a, b) for a, b in zip(traced, tree))
+    raw = toy.table[tree.tokens]
+    raw[:, 0] = toy.root_logits
+    processed = toy.processed(raw.reshape(-1, V)).view(s, -1, V)
+    target = processed.argmax(-1)
+    want = verify_tree(tt, tree, processed, target, greedy, seeds, base)
+    got = torch.compile(lambda *a: verify_tree(tt, *a), fullgraph=True, backend="eager")(
+        tree, processed, target, greedy, seeds, base)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
