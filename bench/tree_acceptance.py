@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
 
 import numpy as np
@@ -38,30 +39,34 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def rank_chances(q: np.ndarray, p: np.ndarray, c: np.ndarray, width: int, draws: int, seed: int = 0,
-                 chunk: int = 512) -> np.ndarray:
-    """[N, width]: P(accepted at rank r | output c) at N nodes with q [N, K], p [N, K] (the target's mass on
-    the same candidates; the rest lies outside them) and the captured token's candidate index c [N] (>= 0)."""
+def rank_chances(q: np.ndarray, p: np.ndarray, c: np.ndarray, draws: int, seed: int = 0,
+                 chunk: int = 256) -> np.ndarray:
+    """[N, W]: P(accepted at rank r | output c) at N nodes whose r-th child is drawn from q[r] [W, N, K]
+    without the earlier children (one q for all ranks: plain draws without replacement), p [N, K] the
+    target's mass on the same candidates (the rest lies outside them) and c [N] the captured token's
+    candidate index (>= 0)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    out = np.zeros((len(q), width))
-    for a in range(0, len(q), chunk):
-        qt = torch.as_tensor(q[a:a + chunk], dtype=torch.float64)
+    width = q.shape[0]
+    out = np.zeros((q.shape[1], width))
+    for a in range(0, q.shape[1], chunk):
+        qr = torch.as_tensor(q[:, a:a + chunk], dtype=torch.float64)                # [W, n, K]
         pt = torch.as_tensor(p[a:a + chunk], dtype=torch.float64)
         ct = torch.as_tensor(c[a:a + chunk])
-        n, k = qt.shape
+        n, k = pt.shape
         # p over the candidates plus one bucket for everything else (q is zero there).
-        pk = torch.cat([pt, (1 - pt.sum(-1, keepdim=True)).clamp_min(0)], -1).unsqueeze(1).expand(n, draws, k + 1)
-        qk = torch.cat([qt, torch.zeros(n, 1, dtype=torch.float64)], -1).unsqueeze(1).expand(n, draws, k + 1)
-        u = torch.rand(n, draws, k, generator=g, dtype=torch.float64).clamp_min(1e-300)
-        keys = qt.clamp_min(1e-300).log().unsqueeze(1) - (-u.log()).log()
-        picks = keys.topk(width, -1).indices                                       # draws without replacement
-        p_c = pt.gather(1, ct.unsqueeze(-1))                                       # [n, 1]
-        still = torch.ones(n, draws, dtype=torch.float64)                         # prod of (1 - a_i) so far
-        pi, qi = pk.clone(), qk.clone()
+        pi = torch.cat([pt, (1 - pt.sum(-1, keepdim=True)).clamp_min(0)], -1).unsqueeze(1).repeat(1, draws, 1)
+        p_c = pt.gather(1, ct.unsqueeze(-1))                                          # [n, 1]
+        drawn = torch.zeros(n, draws, k + 1, dtype=torch.bool)
+        drawn[..., k] = True                                                          # never drafted
+        still = torch.ones(n, draws, dtype=torch.float64)                            # prod of (1 - a_i) so far
         for r in range(width):
-            x = picks[..., r:r + 1]
+            qk = torch.cat([qr[r], torch.zeros(n, 1, dtype=torch.float64)], -1).unsqueeze(1).expand(n, draws, k + 1)
+            qi = qk.masked_fill(drawn, 0.0)
+            qi = qi / qi.sum(-1, keepdim=True).clamp_min(1e-300)
+            u = torch.rand(n, draws, k + 1, generator=g, dtype=torch.float64).clamp_min(1e-300)
+            x = (qi.clamp_min(1e-300).log().masked_fill(drawn, -np.inf) - (-u.log()).log()).argmax(-1, keepdim=True)
             p_x, q_x = pi.gather(2, x).squeeze(-1), qi.gather(2, x).squeeze(-1)
             acc = torch.where(q_x > 0, (p_x / q_x.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q_x))
             hit = (x.squeeze(-1) == ct.unsqueeze(-1)).double()
@@ -69,19 +74,20 @@ def rank_chances(q: np.ndarray, p: np.ndarray, c: np.ndarray, width: int, draws:
             still = still * (1 - acc)
             res = (pi - qi).clamp_min(0)
             pi = res / res.sum(-1, keepdim=True).clamp_min(1e-300)
-            qi = qi.scatter(2, x, 0.0)
-            qi = qi / qi.sum(-1, keepdim=True).clamp_min(1e-300)
+            drawn = drawn.scatter(2, x, True)
     # Rank 0 in closed form (the chain's weight); a sum over ranks above 1 is draw noise.
-    out[:, 0] = np.minimum(1.0, q[np.arange(len(q)), c] / np.maximum(p[np.arange(len(q)), c], 1e-300))
+    idx = np.arange(q.shape[1])
+    out[:, 0] = np.minimum(1.0, q[0, idx, c] / np.maximum(p[idx, c], 1e-300))
     total = out.sum(1, keepdims=True)
     return np.where(total > 1, out / total, out)
 
 
-def chances(pos, t: float, scales: list[float], width: int, draws: int, top_drafts: bool = False
-            ) -> tuple[np.ndarray, np.ndarray]:
+def chances(pos, t: float, scales: list[float], width: int, draws: int, top_drafts: bool = False,
+            sibling_scales: list[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(g [A, k, width] P(accepted at rank r | the captured token) per anchor and position, valid [A, k])
     over the anchors of requests captured at t; `top_drafts`: the children are the top-W candidates by
-    score rather than draws from q."""
+    score rather than draws from q; `sibling_scales[r]`: the r-th child drawn at temperature T * scale (the
+    last repeats; None: every child from the same q)."""
     from namazu.spec.training.calibrate import softmax
 
     rows = np.isclose(pos.cap_temperature, t)
@@ -98,10 +104,11 @@ def chances(pos, t: float, scales: list[float], width: int, draws: int, top_draf
         for r in range(width):
             g[..., r] = inside & (rank == r)
         return g, valid
-    q = softmax(s / (t * np.asarray(scales)[None, :, None]))
+    sib = list(sibling_scales or [1.0]) + [sibling_scales[-1] if sibling_scales else 1.0] * width
+    q = np.stack([softmax(s / (t * sib[r] * np.asarray(scales)[None, :, None])).reshape(-1, kc) for r in range(width)])
     p = pos.p[t][rows]
     flat = np.flatnonzero(inside.reshape(-1))
-    got = rank_chances(q.reshape(-1, kc)[flat], p.reshape(-1, kc)[flat], idx.reshape(-1)[flat], width, draws)
+    got = rank_chances(q[:, flat], p.reshape(-1, kc)[flat], idx.reshape(-1)[flat], draws)
     g.reshape(-1, width)[flat] = got
     return g, valid
 
@@ -167,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", type=int, nargs="+", default=[6, 12, 24], help="draft nodes per tree")
     ap.add_argument("--widths", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--draws", type=int, default=512, help="draws of the children per node (the estimate)")
+    ap.add_argument("--sibling-scales", type=float, nargs="+", default=None,
+                    help="also trees whose r-th child is drawn at T * scale[r] (the last repeats)")
+    ap.add_argument("--positions-cache", default=None,
+                    help="keep the offline target/drafter pass in this file and reuse it (same requests only)")
     args = ap.parse_args(argv)
 
     import torch
@@ -187,8 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     scales = drafter.cfg.q_temperature_scale or [1.0] * k
     records = [r for _, r in zip(range(args.limit), read_records(args.requests))]
     sampled = sorted({t for t in args.temperatures if t > 0})
-    pos = cal.collect(drafter, Target(target_path, drafter.cfg.target_layers), records, sampled, k,
-                      drafter.cfg.selector_k)
+    if args.positions_cache and os.path.exists(args.positions_cache):
+        with open(args.positions_cache, "rb") as f:
+            pos = pickle.load(f)
+    else:
+        pos = cal.collect(drafter, Target(target_path, drafter.cfg.target_layers), records, sampled, k,
+                          drafter.cfg.selector_k)
+        if args.positions_cache:
+            with open(args.positions_cache, "wb") as f:
+                pickle.dump(pos, f)
     wmax = max(args.widths)
     counts = {t: sum(np.isclose(float(r.sampling.get("temperature") or 0.0), t) for r in records)
               for t in args.temperatures}
@@ -197,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
           f"q_temperature_scale={scales}, {args.draws} draws per node\n")
     setups = [("chain", 1, k)] + [(f"tree W={w}", w, b) for w in args.widths for b in args.budgets]
     setups += [(f"tree W={w}, top-W drafts (q one-hot)", w, b) for w in args.widths for b in args.budgets]
+    if args.sibling_scales:
+        setups += [(f"tree W={w}, siblings at T x {args.sibling_scales}", w, b) for w in args.widths
+                   for b in args.budgets]
     results: dict[tuple[str, int], dict[float, tuple[float, float]]] = {}
     rates_by_t = {}
     for t in args.temperatures:
@@ -204,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         top_g = g if t == 0 else chances(pos, t, scales, wmax, args.draws, top_drafts=True)[0]
         rates = _rates(g, valid)
         rates_by_t[t] = rates
+        sib_g = (chances(pos, t, scales, wmax, args.draws, sibling_scales=args.sibling_scales)[0]
+                 if args.sibling_scales and t > 0 else g)
         for name, w, b in setups:
-            gg = top_g if "top-W" in name else g
+            gg = top_g if "top-W" in name else sib_g if "siblings at" in name else g
             topo = TreeTopology.chain(k) if w == 1 else TreeTopology.build(b, k, w, _rates(gg, valid))
             results.setdefault((name, b), {})[t] = replay(topo, gg, valid)
     cols = " | ".join(f"T={t:g}" for t in args.temperatures)

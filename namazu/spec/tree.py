@@ -37,17 +37,18 @@ from namazu.layers.sampler import gumbel_noise
 # reproducibly.
 STREAM_TREE_DRAFT = 4
 
-# The chance that the r-th draw at depth d is accepted when its parent is on the accepted path (d = 1..6
-# rows, r = 0..3 columns), of namazu-tiny's shipped drafter at T = 0.7 on the held-out requests captured at
-# 0.7 (`python bench/tree_acceptance.py --requests CAPTURE`, the "rates" table). Only their order matters
-# for the shape a budget gets; a drafter of another shape should pass its own.
+# The chance that the r-th draw at depth d is accepted when its parent is on the accepted path (rows: depth
+# 1..6, columns: rank 0..3), of namazu-tiny's shipped drafter at T = 0.7 on the 110 held-out requests captured
+# at 0.7 (`python bench/tree_acceptance.py --requests CAPTURE`, its "chance that the rank-r child is
+# accepted" table; bench/RESULTS.md, issue 30). Only their order matters for the shape a budget gets; a
+# drafter of another shape, or another temperature, should pass its own.
 DEFAULT_RATES = (
-    (0.62, 0.12, 0.04, 0.02),
-    (0.58, 0.12, 0.04, 0.02),
-    (0.56, 0.12, 0.04, 0.02),
-    (0.55, 0.11, 0.04, 0.02),
-    (0.54, 0.11, 0.04, 0.02),
-    (0.53, 0.11, 0.04, 0.02),
+    (0.654, 0.066, 0.028, 0.018),
+    (0.579, 0.057, 0.024, 0.015),
+    (0.553, 0.054, 0.021, 0.013),
+    (0.532, 0.055, 0.021, 0.013),
+    (0.519, 0.054, 0.022, 0.013),
+    (0.490, 0.056, 0.023, 0.012),
 )
 
 
