@@ -247,6 +247,16 @@ def main(argv: list[str] | None = None) -> int:
         r = results[(name, b)]
         cells = " | ".join(f"{r[t][1]:.3f} ({r[t][1] / chain[t][1]:.2f}x)" for t in args.temperatures)
         print(f"| {name} | {b} | {cells} |")
+    print("\nWhat caps a tree at T > 0: per depth, the target's p_T on the selector's candidates (no draft can be "
+          "another token) against q's overlap with it (the chain's acceptance), requests captured at T:\n")
+    for t in sampled:
+        rows = np.isclose(pos.cap_temperature, t)
+        v = pos.valid[rows]
+        share = pos.p[t][rows].sum(-1)
+        q = cal.softmax(pos.scores[rows] / (t * np.asarray(scales)[None, :, None]))
+        ov = np.minimum(pos.p[t][rows], q).sum(-1)
+        print(f"  T={t:g} candidates' share: " + " ".join(f"{share[:, j][v[:, j]].mean():.3f}" for j in range(k))
+              + " | overlap: " + " ".join(f"{ov[:, j][v[:, j]].mean():.3f}" for j in range(k)))
     for t, rates in rates_by_t.items():
         print(f"\nT={t:g}: chance that the rank-r child is accepted, its parent on the path (rows: depth 1..{k}):")
         for d, row in enumerate(rates):
