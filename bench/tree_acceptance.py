@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=512, help="draws of the children per node (the estimate)")
     ap.add_argument("--sibling-scales", type=float, nargs="+", default=None,
                     help="also trees whose r-th child is drawn at T * scale[r] (the last repeats)")
+    ap.add_argument("--candidates", type=int, default=None,
+                    help="candidates per position q spans, for every setup (default: the drafter's selector_k; "
+                         "more is a lever the drafter was not trained for)")
     ap.add_argument("--positions-cache", default=None,
                     help="keep the offline target/drafter pass in this file and reuse it (same requests only)")
     args = ap.parse_args(argv)
@@ -198,20 +201,27 @@ def main(argv: list[str] | None = None) -> int:
     scales = drafter.cfg.q_temperature_scale or [1.0] * k
     records = [r for _, r in zip(range(args.limit), read_records(args.requests))]
     sampled = sorted({t for t in args.temperatures if t > 0})
+    kc = args.candidates or drafter.cfg.selector_k
     if args.positions_cache and os.path.exists(args.positions_cache):
         with open(args.positions_cache, "rb") as f:
             pos = pickle.load(f)
     else:
-        pos = cal.collect(drafter, Target(target_path, drafter.cfg.target_layers), records, sampled, k,
-                          drafter.cfg.selector_k)
+        pos = cal.collect(drafter, Target(target_path, drafter.cfg.target_layers), records, sampled, k, kc)
         if args.positions_cache:
             with open(args.positions_cache, "wb") as f:
                 pickle.dump(pos, f)
+    if pos.scores.shape[2] < kc:
+        raise SystemExit(f"--positions-cache {args.positions_cache} holds {pos.scores.shape[2]} candidates, not {kc}")
+    # Every setup, the chain included, draws over the top-kc candidates (the drafter's own K unless told).
+    pos.scores, pos.logits = pos.scores[:, :, :kc], pos.logits[:, :, :kc]
+    pos.p = {t: x[:, :, :kc] for t, x in pos.p.items()}
+    pos.cap_index = np.where(pos.cap_index < kc, pos.cap_index, -1)
     wmax = max(args.widths)
     counts = {t: sum(np.isclose(float(r.sampling.get("temperature") or 0.0), t) for r in records)
               for t in args.temperatures}
     print(f"{len(records)} held-out requests ({', '.join(f'{n} at T={t:g}' for t, n in counts.items())}), "
-          f"drafter {args.drafter}: {k} draft positions, selector_k={drafter.cfg.selector_k}, "
+          f"drafter {args.drafter}: {k} draft positions, selector_k={drafter.cfg.selector_k}, drafts over the top "
+          f"{kc} candidates, "
           f"q_temperature_scale={scales}, {args.draws} draws per node\n")
     setups = [("chain", 1, k)] + [(f"tree W={w}", w, b) for w in args.widths for b in args.budgets]
     setups += [(f"tree W={w}, top-W drafts (q one-hot)", w, b) for w in args.widths for b in args.budgets]
