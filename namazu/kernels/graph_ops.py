@@ -30,13 +30,14 @@ from namazu.kernels.paged_mla import paged_latent_attention, write_latents
 @torch.library.custom_op("namazu::paged_mla", mutates_args=())
 def paged_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
               q_index: torch.Tensor, q_pos: torch.Tensor, out_index: torch.Tensor, kv_lora_rank: int,
-              scale: float) -> torch.Tensor:
+              scale: float, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     return paged_latent_attention(q_lat, q_pe, kv_cache, block_tables, q_index, q_pos, out_index,
-                                  kv_lora_rank, scale)
+                                  kv_lora_rank, scale, tree_mask=tree_mask)
 
 
 @paged_mla.register_fake
-def _paged_mla_fake(q_lat, q_pe, kv_cache, block_tables, q_index, q_pos, out_index, kv_lora_rank, scale):
+def _paged_mla_fake(q_lat, q_pe, kv_cache, block_tables, q_index, q_pos, out_index, kv_lora_rank, scale,
+                    tree_mask=None):
     return q_lat.new_empty(out_index.shape[0], q_lat.shape[1], kv_lora_rank)
 
 

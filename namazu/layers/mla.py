@@ -22,16 +22,19 @@ from namazu.layers.weight_loading import TPShard
 
 
 def latent_attention_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
-                         scale: float, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+                         scale: float, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                         visible: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed attention of one sequence over its latent cache (torch reference for every kernel).
 
     q_lat [Tq, H, r], q_pe [Tq, H, dr], ckv [Tk, r], kpe [Tk, dr]; a key is visible to a query when
-    k_pos <= q_pos. Returns o_lat [Tq, H, r] (still in latent space; apply `absorb_out`).
+    k_pos <= q_pos, or where `visible` [Tq, Tk] says (a draft tree's rows). Returns o_lat [Tq, H, r]
+    (still in latent space; apply `absorb_out`).
     """
     scores = torch.einsum("qhr,kr->hqk", q_lat.float(), ckv.float())
     scores = scores + torch.einsum("qhd,kd->hqk", q_pe.float(), kpe.float())
     scores = scores * scale
-    visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    if visible is None:
+        visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
     scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,kr->qhr", probs, ckv.float()).to(q_lat.dtype)

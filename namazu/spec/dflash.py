@@ -272,6 +272,24 @@ class DFlashDrafter(nn.Module):
         The caller keeps the result (a gather of N rows) rather than recomputing it per step."""
         return lm_head if self.draft_vocab is None else lm_head.index_select(0, self.draft_vocab)
 
+    def selector_tables(self, anchor: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, k: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The selector's scores of every (previous pick, candidate) pair of a block: (cand [M, k, K] the
+        top-K candidates' token ids per position, first [M, K] position 0's scores after the anchor,
+        pairs [M, k-1, K prev, K] position j's scores after each of position j-1's candidates). A walk
+        (the chain) or a draft tree (`spec/tree.py`) only picks rows of these tables. `logits` [M, >=k, N]
+        are over the draft vocabulary (`draft_head`)."""
+        logits = logits[:, :k].float()
+        cand_logits, cand = logits.topk(self.cfg.selector_k, dim=-1)          # [M, k, K]
+        if self.draft_vocab is not None:
+            cand = self.draft_vocab[cand]                                     # shortlist index -> token id
+        sel = self.selector
+        a = sel.proj(h[:, :k]).to(sel.pred.dtype)                             # [M, k, r]
+        first = cand_logits[:, 0] + ((sel.pred[anchor] * a[:, 0]).unsqueeze(-2) * sel.succ[cand[:, 0]]).sum(-1)
+        pairs = cand_logits[:, 1:].unsqueeze(-2) + torch.einsum(
+            "mjpr,mjcr->mjpc", sel.pred[cand[:, :-1]] * a[:, 1:].unsqueeze(-2), sel.succ[cand[:, 1:]]).float()
+        return cand, first.float(), pairs
+
     def walk(self, anchor: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, k: int,
              temperature: torch.Tensor | None = None, uniforms: torch.Tensor | None = None) -> Walk:
         """The selector's walk over the top-K candidates of each position: greedy where temperature is 0
@@ -284,20 +302,10 @@ class DFlashDrafter(nn.Module):
         only when the draw was likely would verify drafts no longer distributed as q, and the output
         would drift from the target's distribution. The largest probability depends on the picks before
         the position only, so the stopping rule stays lossless."""
-        logits = logits[:, :k].float()
-        cand_logits, cand = logits.topk(self.cfg.selector_k, dim=-1)          # [M, k, K]
-        if self.draft_vocab is not None:
-            cand = self.draft_vocab[cand]                                     # shortlist index -> token id
-        sel = self.selector
-        a = sel.proj(h[:, :k]).to(sel.pred.dtype)                             # [M, k, r]
-        # Every pair score at once: position 0 from the anchor; position j >= 1 from each of position
-        # j-1's K candidates ([M, k-1, K prev, K]). The walk below only picks rows of these tables.
-        first = cand_logits[:, 0] + ((sel.pred[anchor] * a[:, 0]).unsqueeze(-2) * sel.succ[cand[:, 0]]).sum(-1)
-        pairs = cand_logits[:, 1:].unsqueeze(-2) + torch.einsum(
-            "mjpr,mjcr->mjpc", sel.pred[cand[:, :-1]] * a[:, 1:].unsqueeze(-2), sel.succ[cand[:, 1:]]).float()
+        cand, first, pairs = self.selector_tables(anchor, h, logits, k)
         if temperature is None:
-            return self._greedy_walk(cand, first.float(), pairs)
-        s, pick = first.float(), anchor
+            return self._greedy_walk(cand, first, pairs)
+        s, pick = first, anchor
         ids, qs, confs = [], [], []
         # Calibrated sampling temperature per position (config `q_temperature_scale`, fitted by
         # `namazu.spec.training.calibrate`): the drafter's scores are not the target's logits, so s / T alone is not

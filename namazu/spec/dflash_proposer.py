@@ -21,6 +21,7 @@ from namazu.layers.sampler import hash_uniform
 from namazu.spec.dflash import DFlashDrafter, draft_counts
 from namazu.spec.dflash_config import check_drafter_checkpoint
 from namazu.spec.proposer import Proposal, ProposerInput
+from namazu.spec.tree import DraftTree, TreeTensors, draft_tree
 
 # Noise stream of the drafter's own draws (the sampler uses 0-2): a seeded request drafts reproducibly.
 STREAM_DRAFT = 3
@@ -138,6 +139,26 @@ class DFlashProposer:
         # verify stays lossless whatever the threshold.
         counts = draft_counts(walk.confidence, self.min_confidence) if self.min_confidence > 0 else None
         return Proposal(walk.ids, counts=counts, probs=walk.q)
+
+    def propose_tree(self, inp: ProposerInput, tt: TreeTensors) -> DraftTree:
+        """Each sampling sequence's draft tree in topology `tt` (`spec/tree.py`), rooted at its bonus token:
+        the same block forward as `propose`, then the selector's tables instead of one walk. Greedy rows
+        (or `sample_drafts=False`) take the top-W children, sampling rows draw them from q without
+        replacement, seeded from the output index of the first draft (the verify's `counters`)."""
+        t0 = time.perf_counter()
+        depth = tt.topology.depth
+        if depth > self.cfg.num_draft_tokens:
+            raise ValueError(f"a draft tree of depth {depth}: the drafter drafts {self.cfg.num_draft_tokens} positions")
+        anchor, _, h, logits = self.draft_block(inp, depth)
+        tables = self.model.selector_tables(anchor, h, logits, depth)
+        base = inp.counters.gather(1, inp.accepted.unsqueeze(-1)).squeeze(-1) + 1 if inp.counters is not None \
+            else torch.zeros_like(anchor)
+        sample = not inp.all_greedy and self.sample_drafts
+        seeds = inp.seeds if inp.seeds is not None else torch.zeros_like(anchor)
+        tree = draft_tree(tt, *tables, anchor, inp.temperature if sample else None, seeds, base,
+                          self.cfg.q_temperature_scale)
+        self.draft_seconds += time.perf_counter() - t0
+        return tree
 
 
 def make_dflash_proposer(path: str, target_config) -> DFlashProposer:

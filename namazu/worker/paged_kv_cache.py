@@ -48,6 +48,9 @@ class PagedAttentionMetadata:
     q_index: torch.Tensor        # [B, Tq] int64: flat token of each (sequence, slot)
     q_pos: torch.Tensor          # [B, Tq] int64: its position, -1 for padding
     out_index: torch.Tensor      # [N] int64: slot of each flat token in B * Tq
+    # [B, Tq, Tq] bool, a step that verifies draft trees: which of its own step's queries each query sees
+    # (`spec/tree.py: tree_block_mask`); None: causal only.
+    tree_mask: torch.Tensor | None = None
 
 
 class PagedAttentionContext:
@@ -64,5 +67,5 @@ class PagedAttentionContext:
         (torch.ops.namazu.write_latents if tracing else write_latents)(kv, m.slot_mapping, c_kv, k_pe)
         o_lat = (torch.ops.namazu.paged_mla if tracing else paged_latent_attention)(
             layer.absorb_q(q_nope), q_pe, kv, m.block_tables, m.q_index, m.q_pos, m.out_index, layer.kv_lora_rank,
-            layer.softmax_scale)
+            layer.softmax_scale, tree_mask=m.tree_mask)
         return layer.absorb_out(o_lat)
