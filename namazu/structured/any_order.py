@@ -1,0 +1,102 @@
+"""Declared properties in any order, for the objects small enough to list every order.
+
+Both compilers write an object's declared properties in the order the schema lists them: a valid
+instance with its keys in another order (JSON Schema gives keys no order) is refused. A grammar
+that takes each key at most once in any order must remember which keys it has seen, so its size
+grows with the number of orders; namazu writes it out only where that stays small: an object with
+at most `MAX_ANY_ORDER` declared properties becomes an `anyOf` of the same object with its
+`properties` listed in every order. Each branch is the object as the schema states it (the same
+keywords, only `properties` reordered), so the rewrite accepts exactly what the schema accepts: it
+widens nothing but the key order. Larger objects keep the schema's order (over-constraint, never
+a wrong output).
+
+A property value that holds more than a leaf (an object, an array, a combinator) is moved into
+`$defs` and referenced from every branch, so nested objects are not copied once per order; the
+orders written over the whole schema are bounded by `MAX_ORDER_BRANCHES`.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+MAX_ANY_ORDER = 3             # declared properties of an object whose orders are all written (4! = 24)
+MAX_ORDER_BRANCHES = 1024     # orders written over the whole schema (later objects keep the schema's order)
+_LEAF_KEYS = {"type", "enum", "const", "pattern", "format", "minLength", "maxLength", "minimum", "maximum",
+              "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
+_SCHEMA_MAPS = {"properties", "patternProperties"}
+_SCHEMA_LISTS = {"anyOf", "prefixItems"}
+_SCHEMA_KEYS = {"items", "additionalProperties", "propertyNames"}
+
+
+def _is_leaf(s: Any) -> bool:
+    return isinstance(s, bool) or (isinstance(s, dict) and set(s) <= _LEAF_KEYS
+                                   and all(not isinstance(v, (dict, list)) for k, v in s.items() if k != "enum"
+                                           and not (k == "type" and isinstance(v, list))))
+
+
+def _is_object(s: dict) -> bool:
+    t = s.get("type")
+    return (t == "object" or (isinstance(t, list) and "object" in t) or t is None) and \
+        isinstance(s.get("properties"), dict)
+
+
+class _Orders:
+    def __init__(self, defs: dict[str, Any]):
+        self.defs = defs
+        self.branches = 0
+        self.hoisted = 0
+
+    def walk(self, s: Any) -> Any:
+        """The schema `s` rewritten, its sub-schemas first (a normalized schema: its keywords are known)."""
+        if not isinstance(s, dict):
+            return s
+        out = dict(s)
+        for key, value in s.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                out[key] = {name: self.walk(sub) for name, sub in value.items()}
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                out[key] = [self.walk(sub) for sub in value]
+            elif key in _SCHEMA_KEYS:
+                out[key] = self.walk(value)
+        if not _is_object(out):
+            return out
+        props = out["properties"]
+        n = len(props)
+        if n < 2 or n > MAX_ANY_ORDER or self.branches + math.factorial(n) > MAX_ORDER_BRANCHES:
+            return out
+        self.branches += math.factorial(n)
+        shared = {name: self.hoist(sub) for name, sub in props.items()}
+        return {"anyOf": [{**out, "properties": {name: shared[name] for name in order}}
+                          for order in itertools.permutations(props)]}
+
+    def hoist(self, sub: Any) -> Any:
+        """`sub` itself if it is a leaf, else a reference to it in $defs (shared by every order)."""
+        if _is_leaf(sub) or (isinstance(sub, dict) and set(sub) == {"$ref"}):
+            return sub
+        name = f"o{self.hoisted}"
+        while name in self.defs:
+            self.hoisted += 1
+            name = f"o{self.hoisted}"
+        self.hoisted += 1
+        self.defs[name] = sub
+        return {"$ref": f"#/$defs/{name}"}
+
+
+def any_order(schema: Any) -> tuple[Any, int]:
+    """(the normalized schema with small objects' properties in any order, how many orders were
+    written); the schema is returned unchanged when no object qualifies."""
+    if not isinstance(schema, dict):
+        return schema, 0
+    defs = dict(schema.get("$defs", {}))
+    orders = _Orders(defs)
+    body = orders.walk({k: v for k, v in schema.items() if k != "$defs"})
+    for name in list(defs):
+        if name in schema.get("$defs", {}):
+            defs[name] = orders.walk(defs[name])
+    if not orders.branches:
+        return schema, 0
+    out = dict(body)
+    if defs:
+        out["$defs"] = defs
+    return out, orders.branches
