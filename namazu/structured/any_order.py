@@ -8,7 +8,10 @@ at most `MAX_ANY_ORDER` declared properties becomes an `anyOf` of the same objec
 `properties` listed in every order. Each branch is the object as the schema states it (the same
 keywords, only `properties` reordered), so the rewrite accepts exactly what the schema accepts: it
 widens nothing but the key order. Larger objects keep the schema's order (over-constraint, never
-a wrong output).
+a wrong output). The bound is llguidance's: its parser keeps every branch alive at once and gives up
+past 2,000 items a position ("ParserTooComplex"), which an anyOf of two 4-property objects in every
+order (48 branches) already passes on WashingtonPost's schemas; 3 properties (6 orders) stay well
+inside it.
 
 A property value that holds more than a leaf (an object, an array, a combinator) is moved into
 `$defs` and referenced from every branch, so nested objects are not copied once per order; the
@@ -20,8 +23,8 @@ import itertools
 import math
 from typing import Any
 
-MAX_ANY_ORDER = 3             # declared properties of an object whose orders are all written (4! = 24)
-MAX_ORDER_BRANCHES = 1024     # orders written over the whole schema (later objects keep the schema's order)
+MAX_ANY_ORDER = 3             # declared properties of an object whose orders are all written (3! = 6)
+MAX_ORDER_BRANCHES = 256      # orders written over the whole schema (later objects keep the schema's order)
 _LEAF_KEYS = {"type", "enum", "const", "pattern", "format", "minLength", "maxLength", "minimum", "maximum",
               "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
 _SCHEMA_MAPS = {"properties", "patternProperties"}

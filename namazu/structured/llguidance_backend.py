@@ -33,10 +33,8 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 def prefers_llguidance(schema: Any) -> bool:
-    """True when the (normalized) schema has an object open to undeclared properties, a string with a
-    length bound (xgrammar's bounded strings refuse every escape: `"a\\nb"` with maxLength 10), or an
-    object whose declared properties may come in any order (`any_order.py`: n! branches, which
-    llguidance's parser shares and xgrammar compiles one by one)."""
+    """True when the (normalized) schema has an object open to undeclared properties, or a string with a
+    length bound (xgrammar's bounded strings refuse every escape: `"a\\nb"` with maxLength 10)."""
     def walk(s: Any) -> bool:
         if isinstance(s, list):
             return any(walk(x) for x in s)
@@ -50,21 +48,8 @@ def prefers_llguidance(schema: Any) -> bool:
         if ("minLength" in s or "maxLength" in s) and (t is None or t == "string" or
                                                       (isinstance(t, list) and "string" in t)):
             return True
-        if is_any_order(s):
-            return True
         return any(walk(v) for k, v in s.items() if k not in ("enum", "const"))
     return walk(schema)
-
-
-def is_any_order(s: dict) -> bool:
-    """True for the anyOf `any_order.py` writes: the same object with its properties in other orders."""
-    branches = s.get("anyOf")
-    if not isinstance(branches, list) or len(branches) < 2:
-        return False
-    keys = [set(b["properties"]) if isinstance(b, dict) and isinstance(b.get("properties"), dict) else None
-            for b in branches]
-    return keys[0] is not None and all(k == keys[0] for k in keys) and \
-        list(branches[0]["properties"]) != list(branches[1]["properties"])
 
 
 def close_open_objects(schema: Any) -> Any:
