@@ -486,6 +486,13 @@ class SchemaNormalizer:
             # Overlapping branches: each keeps only what the other does not accept. A branch the other
             # contains accepts nothing of its own (dropped); otherwise it keeps the objects without a
             # property the other requires (narrower than "this and not the other", never wider).
+            if _string_only(facts[i]) and _string_only(facts[j]):
+                # a non-string satisfies both (their keywords only test strings): no valid instance is one
+                typed = [self.merge(merged[k], {"type": "string"}, where) for k in (i, j)]
+                if _exclusive(typed[0], typed[1], where):
+                    for k, t in zip((i, j), typed):
+                        branches[k], merged[k] = {"allOf": [branches[k], {"type": "string"}]}, t
+                    continue
             cut = {a: self._exclude(merged[a], facts[b], merged[b]) for a, b in ((i, j), (j, i))}
             if None in cut.values():
                 self.refuse(f"oneOf at {where}/oneOf: branches {i} and {j} may both match, which namazu cannot "
@@ -1058,6 +1065,14 @@ def _exclusive(a: Any, b: Any, where: str) -> bool:
     if (ta is None or tb is None) and not (ta == {"object"} or tb == {"object"}):
         return False          # a non-object satisfies both when neither says "object"
     return any(forbids(b, n) for n in ra) or any(forbids(a, n) for n in rb)
+
+
+_STRING_KEYS = {"pattern", "format", "minLength", "maxLength"}
+
+
+def _string_only(s: Any) -> bool:
+    """A (raw, upgraded) schema whose keywords all test strings only (so every non-string satisfies it)."""
+    return isinstance(s, dict) and bool(s) and set(s) <= _STRING_KEYS
 
 
 _HEX = frozenset("0123456789abcdefABCDEF")

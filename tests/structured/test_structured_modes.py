@@ -31,13 +31,16 @@ SCHEMAS = [
 ]
 
 DFLASH = "dflash"
+SLOW = pytest.mark.slow        # graph capture: about a minute a mode on a 2-core machine
 MODES = [
-    pytest.param(dict(enforce_eager=False), id="graph"),
-    pytest.param(dict(enforce_eager=False, async_scheduling=False), id="graph-sync"),
-    pytest.param(dict(enforce_eager=False, speculative_method="ngram", num_speculative_tokens=3), id="graph-ngram"),
-    pytest.param(dict(enforce_eager=False, speculative_model=DFLASH, num_speculative_tokens=3), id="graph-dflash"),
+    pytest.param(dict(enforce_eager=False), id="graph", marks=SLOW),
+    pytest.param(dict(enforce_eager=False, async_scheduling=False), id="graph-sync", marks=SLOW),
+    pytest.param(dict(enforce_eager=False, speculative_method="ngram", num_speculative_tokens=3), id="graph-ngram",
+                 marks=SLOW),
+    pytest.param(dict(enforce_eager=False, speculative_model=DFLASH, num_speculative_tokens=3), id="graph-dflash",
+                 marks=SLOW),
     pytest.param(dict(enforce_eager=False, async_scheduling=False, speculative_model=DFLASH,
-                      num_speculative_tokens=3), id="graph-sync-dflash"),
+                      num_speculative_tokens=3), id="graph-sync-dflash", marks=SLOW),
     pytest.param(dict(speculative_model=DFLASH, num_speculative_tokens=3), id="eager-async-dflash"),
 ]
 

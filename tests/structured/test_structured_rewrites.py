@@ -183,3 +183,20 @@ def test_strings_with_different_first_characters_exclude_each_other(backend):
     exact_on(backend, schema, ["$ABC", "123e4567-e89b-12d3-a456-426614174000", "$", "abc", "$abc"])
     with pytest.raises(ValueError, match="may both match"):
         check_json_schema({"type": "string", "oneOf": [{"format": "uuid"}, {"pattern": "^[a-f]"}]})
+
+
+def test_string_keywords_alone_leave_only_strings_to_a_oneof(backend):
+    """Without a type, a non-string satisfies both branches (format and pattern test strings only): no
+    non-string is valid, and the strings are told apart by their first character."""
+    schema = {"oneOf": [{"format": "uuid"}, {"pattern": "^\\$[A-Z0-9-_]+"}]}
+    exact_on(backend, schema, ["$ABC", "123e4567-e89b-12d3-a456-426614174000", 5, None, "abc", [], "$"])
+
+
+def test_what_xgrammar_refuses_falls_back_to_llguidance(backend):
+    """xgrammar 0.2.9 refuses an integer bound past 2**63 ("Integer exceeds maximum limit"); llguidance
+    enforces the same normalized schema."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9223372036854776000}},
+              "required": ["n"], "additionalProperties": False}
+    assert exact_on(backend, schema, [{"n": 0}, {"n": 9223372036854775807}, {"n": -1}, {"n": 1.5},
+                                      {"n": 92233720368547758070}]) == "llguidance"
