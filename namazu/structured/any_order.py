@@ -15,7 +15,8 @@ inside it.
 
 A property value that holds more than a leaf (an object, an array, a combinator) is moved into
 `$defs` and referenced from every branch, so nested objects are not copied once per order; the
-orders written over the whole schema are bounded by `MAX_ORDER_BRANCHES`.
+orders written over the whole schema are bounded by `MAX_ORDER_BRANCHES`, and those the branches of
+one anyOf write together (llguidance follows all of them at once) by `MAX_ALTERNATIVE_ORDERS`.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Any
 
 MAX_ANY_ORDER = 3             # declared properties of an object whose orders are all written (3! = 6)
 MAX_ORDER_BRANCHES = 256      # orders written over the whole schema (later objects keep the schema's order)
+MAX_ALTERNATIVE_ORDERS = 12   # orders the branches of one anyOf may write together (all live at one position)
 _LEAF_KEYS = {"type", "enum", "const", "pattern", "format", "minLength", "maxLength", "minimum", "maximum",
               "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
 _SCHEMA_MAPS = {"properties", "patternProperties"}
@@ -44,16 +46,56 @@ def _is_object(s: dict) -> bool:
         isinstance(s.get("properties"), dict)
 
 
+def _orders_of(s: Any, defs: dict[str, Any]) -> int:
+    """How many orders the rewrite would write for `s` itself (through one local $ref)."""
+    if isinstance(s, dict) and set(s) == {"$ref"} and isinstance(s["$ref"], str):
+        s = defs.get(s["$ref"].rsplit("/", 1)[-1])
+    if not isinstance(s, dict) or not _is_object(s):
+        return 1
+    n = len(s["properties"])
+    return math.factorial(n) if 2 <= n <= MAX_ANY_ORDER else 1
+
+
+def _crowded(root: Any, defs: dict[str, Any]) -> tuple[set[int], set[str]]:
+    """The anyOf branches (by node id, and $defs names) that keep the schema's order because together
+    they would put more than MAX_ALTERNATIVE_ORDERS orders at one position of llguidance's parser."""
+    nodes: set[int] = set()
+    names: set[str] = set()
+    stack = [root, *defs.values()]
+    while stack:
+        s = stack.pop()
+        if isinstance(s, list):
+            stack.extend(s)
+            continue
+        if not isinstance(s, dict):
+            continue
+        for key, value in s.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend(value.values())
+            elif key in _SCHEMA_LISTS or key in _SCHEMA_KEYS:
+                stack.append(value)
+        branches = s.get("anyOf")
+        if isinstance(branches, list) and sum(_orders_of(b, defs) for b in branches) > MAX_ALTERNATIVE_ORDERS:
+            for b in branches:
+                if isinstance(b, dict) and set(b) == {"$ref"} and isinstance(b["$ref"], str):
+                    names.add(b["$ref"].rsplit("/", 1)[-1])
+                else:
+                    nodes.add(id(b))
+    return nodes, names
+
+
 class _Orders:
-    def __init__(self, defs: dict[str, Any]):
+    def __init__(self, defs: dict[str, Any], crowded: tuple[set[int], set[str]]):
         self.defs = defs
+        self.crowded_nodes, self.crowded_defs = crowded
         self.branches = 0
         self.hoisted = 0
 
-    def walk(self, s: Any) -> Any:
+    def walk(self, s: Any, keep_order: bool = False) -> Any:
         """The schema `s` rewritten, its sub-schemas first (a normalized schema: its keywords are known)."""
         if not isinstance(s, dict):
             return s
+        keep_order = keep_order or id(s) in self.crowded_nodes
         out = dict(s)
         for key, value in s.items():
             if key in _SCHEMA_MAPS and isinstance(value, dict):
@@ -62,7 +104,7 @@ class _Orders:
                 out[key] = [self.walk(sub) for sub in value]
             elif key in _SCHEMA_KEYS:
                 out[key] = self.walk(value)
-        if not _is_object(out):
+        if keep_order or not _is_object(out):
             return out
         props = out["properties"]
         n = len(props)
@@ -92,11 +134,12 @@ def any_order(schema: Any) -> tuple[Any, int]:
     if not isinstance(schema, dict):
         return schema, 0
     defs = dict(schema.get("$defs", {}))
-    orders = _Orders(defs)
-    body = orders.walk({k: v for k, v in schema.items() if k != "$defs"})
+    body = {k: v for k, v in schema.items() if k != "$defs"}
+    orders = _Orders(defs, _crowded(body, defs))
+    body = orders.walk(body)
     for name in list(defs):
         if name in schema.get("$defs", {}):
-            defs[name] = orders.walk(defs[name])
+            defs[name] = orders.walk(defs[name], keep_order=name in orders.crowded_defs)
     if not orders.branches:
         return schema, 0
     out = dict(body)

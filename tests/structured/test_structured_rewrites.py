@@ -200,3 +200,18 @@ def test_what_xgrammar_refuses_falls_back_to_llguidance(backend):
               "required": ["n"], "additionalProperties": False}
     assert exact_on(backend, schema, [{"n": 0}, {"n": 9223372036854775807}, {"n": -1}, {"n": 1.5},
                                       {"n": 92233720368547758070}]) == "llguidance"
+
+
+def test_alternatives_share_a_bound_on_orders():
+    """An anyOf's branches are all live at one position of llguidance's parser: together they write at
+    most MAX_ALTERNATIVE_ORDERS orders (two 3-property objects: 12), more keep the schema's order."""
+    def obj(tag):
+        return {"type": "object", "properties": {"t": {"const": tag}, "u": {"type": "integer"},
+                                                 "v": {"type": "boolean"}}, "required": ["t"]}
+    two, orders2 = any_order({"anyOf": [obj("a"), obj("b")]})
+    assert orders2 == 12 and all(len(b["anyOf"]) == 6 for b in two["anyOf"])
+    three = {"anyOf": [obj("a"), obj("b"), obj("c")]}
+    assert any_order(three) == (three, 0)
+    by_ref = {"anyOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}, {"$ref": "#/$defs/c"}],
+              "$defs": {"a": obj("a"), "b": obj("b"), "c": obj("c")}}
+    assert any_order(by_ref)[1] == 0
