@@ -33,7 +33,8 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 def prefers_llguidance(schema: Any) -> bool:
-    """True when the (normalized) schema has an object open to undeclared properties."""
+    """True when the (normalized) schema has an object open to undeclared properties, or a string with a
+    length bound (xgrammar's bounded strings refuse every escape: `"a\\nb"` with maxLength 10)."""
     def walk(s: Any) -> bool:
         if isinstance(s, list):
             return any(walk(x) for x in s)
@@ -43,6 +44,9 @@ def prefers_llguidance(schema: Any) -> bool:
         is_object = t == "object" or (isinstance(t, list) and "object" in t) or (
             t is None and ("properties" in s or "required" in s))
         if is_object and s.get("additionalProperties", True) is not False:
+            return True
+        if ("minLength" in s or "maxLength" in s) and (t is None or t == "string" or
+                                                      (isinstance(t, list) and "string" in t)):
             return True
         return any(walk(v) for k, v in s.items() if k not in ("enum", "const"))
     return walk(schema)

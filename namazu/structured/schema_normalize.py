@@ -34,6 +34,7 @@ import re
 from typing import Any
 from urllib.parse import unquote
 
+from namazu.structured.any_order import any_order
 from namazu.structured.schema_formats import (
     ENFORCED_FORMATS,
     FORMAT_PATTERNS,
@@ -165,6 +166,7 @@ class SchemaNormalizer:
         # format. A schema that needs it says so here, and the backend compiles it with llguidance.
         self.llguidance = llguidance
         self.needs_llguidance = False
+        self.orders = 0            # key orders written out for small objects (any_order.py)
         self.draft = _draft(root)
         self.relaxed: list[str] = []
         self.ref_names: dict[str, str] = {}
@@ -186,6 +188,7 @@ class SchemaNormalizer:
             out = {"anyOf": [out]} if not isinstance(out, dict) else dict(out)
             out["$defs"] = self.defs
         check_productive(out)
+        out, self.orders = any_order(out)
         return out
 
     def refuse(self, msg: str) -> None:
@@ -475,16 +478,59 @@ class SchemaNormalizer:
             raise ValueError(f"'oneOf' at {where}/oneOf must be a non-empty array of schemas")
         facts = [self.inline(self.upgrade(b, f"{where}/oneOf/{i}"), f"{where}/oneOf/{i}")
                  for i, b in enumerate(branches)]
+        merged = [self.merge(s, f, where) for f in facts]
+        branches = list(branches)
         for i, j in itertools.combinations(range(len(facts)), 2):
-            if not _exclusive(self.merge(s, facts[i], where), self.merge(s, facts[j], where), where):
+            if merged[i] is False or merged[j] is False or _exclusive(merged[i], merged[j], where):
+                continue
+            # Overlapping branches: each keeps only what the other does not accept. A branch the other
+            # contains accepts nothing of its own (dropped); otherwise it keeps the objects without a
+            # property the other requires (narrower than "this and not the other", never wider).
+            if _string_only(facts[i]) and _string_only(facts[j]):
+                # a non-string satisfies both (their keywords only test strings): no valid instance is one
+                typed = [self.merge(merged[k], {"type": "string"}, where) for k in (i, j)]
+                if _exclusive(typed[0], typed[1], where):
+                    for k, t in zip((i, j), typed):
+                        branches[k], merged[k] = {"allOf": [branches[k], {"type": "string"}]}, t
+                    continue
+            cut = {a: self._exclude(merged[a], facts[b], merged[b]) for a, b in ((i, j), (j, i))}
+            if None in cut.values():
                 self.refuse(f"oneOf at {where}/oneOf: branches {i} and {j} may both match, which namazu cannot "
-                            "exclude; it enforces oneOf where the branches differ by type, const/enum or a "
-                            "required property (use anyOf if either may match)")
+                            "exclude; it enforces oneOf where the branches differ by type, const/enum, a "
+                            "required property, or a property each requires and the other may leave out "
+                            "(use anyOf if either may match)")
                 break
+            for a, how in cut.items():
+                if how is False:
+                    branches[a] = merged[a] = False
+                else:
+                    branches[a] = {"allOf": [branches[a], {"properties": {how: False}}]}
+        branches = [b for b in branches if b is not False]
+        if not branches:
+            raise Unsatisfiable(f"no branch of oneOf at {where}/oneOf can match alone: it accepts nothing")
         if "anyOf" in s:
             return self.merge(s, {"anyOf": branches}, where)
         s["anyOf"] = branches
         return s
+
+    def _exclude(self, a: Any, b_raw: Any, b: Any) -> str | bool | None:
+        """How branch `a` (merged with its siblings) drops what branch `b` accepts: False when `a` is
+        inside `b` (`b` only requires properties `a` requires: `a` has nothing of its own), the name of
+        a property `b` requires and `a` may leave out (`a` without it), None when namazu cannot tell.
+        Forbidding a property on an object open to others needs llguidance."""
+        if not (isinstance(a, dict) and isinstance(b, dict) and isinstance(b_raw, dict)):
+            return None
+        a_types = _types(a)
+        if set(b_raw) <= {"required", "type"} and set(b_raw.get("required", [])) <= set(a.get("required", [])) \
+                and ("type" not in b_raw or (a_types is not None and a_types <= (_types(b_raw) or set()))):
+            return False
+        if {"object"} not in (a_types, _types(b)):
+            return None       # a non-object in both is not told apart by a property
+        missing = [n for n in b.get("required", []) if n not in a.get("required", [])]
+        if not missing:
+            return None
+        closed = a.get("additionalProperties", True) is False and not a.get("patternProperties")
+        return missing[0] if closed or self.llguidance else None
 
     def if_then_else(self, s: dict, where: str) -> Any:
         cond = self.upgrade(s.pop("if"), f"{where}/if")
@@ -594,7 +640,8 @@ class SchemaNormalizer:
                 for name, sub in value.items():
                     if key == "patternProperties":
                         check_pattern(name, f"{here}/{name}")
-                        out[key][xgrammar_pattern(name)] = self.norm(sub, f"{here}/{name}", depth + 1)
+                        out[key][xgrammar_pattern(search_pattern(name))] = self.norm(sub, f"{here}/{name}",
+                                                                                     depth + 1)
                     else:
                         out[key][name] = self.norm(sub, f"{here}/{name}", depth + 1)
             elif key in ("additionalProperties", "items", "propertyNames"):
@@ -609,7 +656,7 @@ class SchemaNormalizer:
                 out[key] = list(dict.fromkeys(value))
             elif key == "pattern":
                 check_pattern(value, here)
-                out[key] = xgrammar_pattern(value)
+                out[key] = xgrammar_pattern(search_pattern(value))
             elif key == "enum":
                 if not isinstance(value, list):
                     raise ValueError(f"'enum' at {here} must be an array")
@@ -722,9 +769,12 @@ class SchemaNormalizer:
                 if name in s.get("required", []):
                     raise Unsatisfiable(f"property {name!r} at {where}/properties is required and false: the schema "
                                      "accepts nothing")
+                if not closed and self.llguidance:
+                    self.needs_llguidance = True      # it keeps the key out of the undeclared ones
+                    continue
                 if not closed:
                     self.refuse(f"property {name!r} at {where}/properties is false (forbidden) on an object open "
-                                "to other properties, which namazu cannot enforce")
+                                "to other properties, which namazu cannot enforce without llguidance")
                 props = {k: v for k, v in props.items() if k != name}
         if props or "properties" in s:
             s["properties"] = props
@@ -848,6 +898,58 @@ def _search(pattern: str, name: str, where: str) -> bool:
         raise ValueError(f"the pattern {pattern!r} at {where} is not a regular expression namazu reads") from None
 
 
+def search_pattern(pattern: str) -> str:
+    """The pattern as a whole-string match that accepts what JSON Schema's pattern (a search) accepts:
+    both compilers match a `pattern` against the whole string (`^https?://` would refuse
+    "https://example.com"), so an unanchored side gets `[\\s\\S]*`. A pattern with an anchor or a
+    lookaround elsewhere (`^a|b$`, `a\\b`), where rewriting is not this simple, is kept: a whole-string
+    match of it is narrower than the search, never wider."""
+    start = pattern.startswith("^")
+    end = pattern.endswith("$") and not _escaped(pattern, len(pattern) - 1)
+    if start and end:
+        return pattern
+    core = pattern[1 if start else 0:len(pattern) - 1 if end else len(pattern)]
+    anchors, alternation = _anchors_and_alternation(core)
+    if anchors or (alternation and (start or end)) or re.search(r"\\[bBAZz]|\(\?[=!<]", core):
+        return pattern
+    return ("^" if start else "^[\\s\\S]*") + f"(?:{core})" + ("$" if end else "[\\s\\S]*$")
+
+
+def _escaped(text: str, i: int) -> bool:
+    """True when text[i] is escaped by an odd run of backslashes."""
+    n = 0
+    while i - n - 1 >= 0 and text[i - n - 1] == "\\":
+        n += 1
+    return n % 2 == 1
+
+
+def _anchors_and_alternation(core: str) -> tuple[bool, bool]:
+    """(an unescaped ^ or $ outside a character class, a | at the top level)."""
+    depth, i, in_class, anchors, alternation = 0, 0, False, False, False
+    while i < len(core):
+        c = core[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if core[i + 1:i + 2] == "]" or core[i + 1:i + 3] == "^]":   # a leading ] is literal
+                i += 2 if core[i + 1] == "]" else 3
+                continue
+        elif c in "^$":
+            anchors = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            alternation = True
+        i += 1
+    return anchors, alternation
+
+
 def xgrammar_pattern(pattern: str) -> str:
     """The same regular expression, written around an xgrammar 0.2.9 bug: inside a JSON schema, an
     optional group that ends in a repetition (`(x[0-9]+)?`) loses its first part (`a1` matches
@@ -941,6 +1043,10 @@ def _exclusive(a: Any, b: Any, where: str) -> bool:
         return True
     if vb is not None and ta is not None and not ({_json_type(v) for v in vb} & ta):
         return True
+    if ta is not None and tb is not None and ta & tb == {"string"}:
+        fa, fb = _first_chars(a), _first_chars(b)
+        if fa is not None and fb is not None and not (fa & fb):
+            return True       # strings that cannot start alike (a uuid and a pattern ^\$...)
     if ta is not None and tb is not None and (ta & tb) - {"object"}:
         return False          # they share a non-object type: no property can tell them apart
     pa, pb = a.get("properties", {}), b.get("properties", {})
@@ -959,6 +1065,61 @@ def _exclusive(a: Any, b: Any, where: str) -> bool:
     if (ta is None or tb is None) and not (ta == {"object"} or tb == {"object"}):
         return False          # a non-object satisfies both when neither says "object"
     return any(forbids(b, n) for n in ra) or any(forbids(a, n) for n in rb)
+
+
+_STRING_KEYS = {"pattern", "format", "minLength", "maxLength"}
+
+
+def _string_only(s: Any) -> bool:
+    """A (raw, upgraded) schema whose keywords all test strings only (so every non-string satisfies it)."""
+    return isinstance(s, dict) and bool(s) and set(s) <= _STRING_KEYS
+
+
+_HEX = frozenset("0123456789abcdefABCDEF")
+_FORMAT_FIRST = {"uuid": _HEX, "date": frozenset("0123456789"), "date-time": frozenset("0123456789"),
+                 "ipv4": frozenset("0123456789"), "time": frozenset("0123456789")}
+
+
+def _first_chars(s: dict) -> frozenset[str] | None:
+    """The characters a string of the (raw, upgraded) schema must start with (it is never empty), None
+    when namazu cannot tell: read from a known format, or a pattern anchored at ^ whose first atom is a
+    literal or a class of literals and ranges."""
+    out = _FORMAT_FIRST.get(s.get("format", ""))
+    pattern = s.get("pattern")
+    if isinstance(pattern, str) and pattern.startswith("^"):
+        first = _pattern_first(pattern)
+        if first is not None:
+            out = first if out is None else out & first
+    return out
+
+
+def _pattern_first(pattern: str) -> frozenset[str] | None:
+    try:
+        from re import _parser as sre  # type: ignore[attr-defined]
+    except ImportError:                 # Python < 3.11
+        import sre_parse as sre  # type: ignore[no-redef]
+    try:
+        items = list(sre.parse(pattern))
+    except Exception:   # noqa: BLE001 -- checked elsewhere; here only "cannot tell"
+        return None
+    if len(items) < 2 or items[0] != (sre.AT, sre.AT_BEGINNING):
+        return None
+    op, arg = items[1]
+    if op in (sre.MAX_REPEAT, sre.MIN_REPEAT) and arg[0] >= 1 and len(arg[2]) == 1:
+        op, arg = list(arg[2])[0]
+    if op == sre.LITERAL:
+        return frozenset(chr(arg))
+    if op != sre.IN:
+        return None
+    chars: set[str] = set()
+    for kind, value in arg:
+        if kind == sre.LITERAL:
+            chars.add(chr(value))
+        elif kind == sre.RANGE and value[1] - value[0] < 4096:
+            chars.update(chr(c) for c in range(value[0], value[1] + 1))
+        else:
+            return None       # a negation, a category (\\d), a huge range: not read here
+    return frozenset(chars)
 
 
 _OBJECT_KEYS = {"properties", "required", "additionalProperties", "patternProperties", "minProperties",

@@ -81,12 +81,14 @@ class XGrammarBackend:
         if len(spec.text.encode("utf-8")) > MAX_GRAMMAR_BYTES:
             raise ValueError(f"the {spec.kind} is {len(spec.text)} characters; at most {MAX_GRAMMAR_BYTES} bytes")
         compiled = None
+        tried_llguidance = False
         if spec.kind == "json_schema" and self.llg is not None:
             from namazu.structured.llguidance_backend import prefers_llguidance
 
             if spec.compiler == "llguidance":       # only llguidance enforces it: its refusal is final
                 compiled = ("llguidance", self.llg.compile(spec.text))
             elif prefers_llguidance(json.loads(spec.text)):
+                tried_llguidance = True
                 try:
                     compiled = ("llguidance", self.llg.compile(spec.text))
                 except ValueError as err:           # xgrammar takes it, its open objects closed
@@ -94,7 +96,16 @@ class XGrammarBackend:
         if compiled is None and spec.compiler == "llguidance":
             raise ValueError("the JSON schema needs llguidance (lengths beside a pattern), which is not installed")
         if compiled is None:
-            compiled = ("xgrammar", self._compile_xgrammar(spec))
+            try:
+                compiled = ("xgrammar", self._compile_xgrammar(spec))
+            except ValueError as err:
+                # xgrammar refuses some schemas llguidance enforces (an integer bound past 2**63, say)
+                if spec.kind != "json_schema" or self.llg is None or tried_llguidance:
+                    raise
+                try:
+                    compiled = ("llguidance", self.llg.compile(spec.text))
+                except ValueError:
+                    raise err from None
         with self._lock:
             self.cache[spec] = compiled
             while len(self.cache) > self.cache_size:
