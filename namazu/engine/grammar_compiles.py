@@ -91,6 +91,10 @@ class GrammarCompiles:
             if entry[2] == 0 and future.cancel():
                 self.num_dropped += 1
                 self._forget(key, future)
+            elif future.done():
+                # The slot is free once a waiter has the result, not only when the pool thread's callback
+                # reaches the loop: a compile arriving in between must not be refused.
+                self._forget(key, future)
 
     def _forget(self, key: str, future: concurrent.futures.Future) -> None:
         entry = self._pending.get(key)

@@ -194,7 +194,8 @@ def test_the_chain_is_the_width_one_tree():
     q = torch.zeros(s, k, V).scatter_(2, tree.child_ids[:, :k], tree.child_q[:, :k])
     counters = base.unsqueeze(-1) + torch.arange(k + 1)
     tokens, n = verify_stochastic(processed, target, tree.tokens[:, 1:], q, torch.full((s,), k),
-                                  torch.zeros(s, dtype=torch.bool), seeds, counters)
+                                  torch.zeros(s, dtype=torch.bool), seeds, counters,
+                                  seeded=torch.zeros(s, dtype=torch.bool))
     assert torch.equal(n, out.num_accepted)
     j = torch.arange(k + 1)
     emitted = j <= n.unsqueeze(-1)
