@@ -32,13 +32,15 @@ def test_a_sequence_stops_drafting_where_its_tokens_per_step_do_not_beat_the_mea
     assert not p.wants(2, 0.0) and p.wants(3, 0.8)
 
 
-def test_every_probe_every_drafted_steps_one_runs_plain():
+def test_every_probe_every_drafted_steps_two_run_without_drafting():
+    # The first of the two still verifies what it holds; the second is the plain decode that measures r.
     p = DraftPolicy(max_tokens_per_step=4, probe_every=3)
     due = []
-    for _ in range(7):
-        p.observe_step(2, True, 1.0)
+    for _ in range(9):
         due.append(p.plain_probe_due())
-    assert due == [False, False, True, False, False, True, False]
+        if not due[-1]:
+            p.observe_step(2, True, 1.0)
+    assert due == [False, False, False, True, True, False, False, False, True]
 
 
 def test_a_drafter_that_is_never_accepted_stops_being_verified_and_outputs_do_not_change():
