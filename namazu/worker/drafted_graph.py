@@ -58,7 +58,7 @@ class DraftedTails:
         t0 = time.perf_counter()
         todo = [(e, sampled) for e in self.entries for sampled in self.variants]
         for e, sampled in tqdm(todo, desc="graph mode: compiling drafted steps", disable=not progress):
-            fn = own_code(_tail, f"_drafted_tail_b{e.bp}_{'sampled' if sampled else 'greedy'}")
+            fn = own_code(drafted_tail, f"_drafted_tail_b{e.bp}_{'sampled' if sampled else 'greedy'}")
             self.fns[(e.bp, sampled)] = torch.compile(fn, backend=compile_backend(self.graphs.backend, []),
                                                       dynamic=False, fullgraph=True)
             # The entry's own forward outputs (padding rows only): a step passes these very tensors, so the
@@ -135,8 +135,8 @@ class DraftedTails:
             self._called else contextlib.nullcontext()
         fn = self.fns.get((e.bp, sampled))
         if fn is None:         # the eager variant: under the host-sync guard like every eager op
-            return _tail(self.proposer, logits, greedy, captured, e.input_ids, e.positions, e.slot_mapping, table,
-                         t, sampled)
+            return drafted_tail(self.proposer, logits, greedy, captured, e.input_ids, e.positions, e.slot_mapping,
+                                table, t, sampled)
         with _disable_current_modes(), stance:
             out = fn(self.proposer, logits, greedy, captured, e.input_ids, e.positions, e.slot_mapping, table, t,
                      sampled)
@@ -148,7 +148,3 @@ class DraftedTails:
             self._zero_q[bp] = torch.zeros(bp, self.k, self.vocab_size, device=self.device)
         return self._zero_q[bp]
 
-
-def _tail(proposer, logits, greedy, captured, input_ids, positions, slot_mapping, block_tables, t, sampled):
-    return drafted_tail(proposer, logits, greedy, captured, input_ids, positions, slot_mapping, block_tables, t,
-                        sampled)
