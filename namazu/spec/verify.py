@@ -25,8 +25,12 @@ from namazu.layers.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, gumbel_noise, 
 def accepted_prefix(accept: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
     """accept [S, K] bool -> length of the accepted prefix [S], capped by each row's draft count."""
     k = accept.shape[1]
-    valid = torch.arange(k, device=accept.device) < num_drafts.unsqueeze(-1)
-    return torch.cumprod((accept & valid).long(), dim=1).sum(dim=1)
+    j = torch.arange(k, device=accept.device)
+    ok = accept & (j < num_drafts.unsqueeze(-1))
+    # The first position that is not accepted (k if none): a min, not a cumulative product, because
+    # inductor (torch 2.13, CPU) miscompiled the cumprod of the sampled drafted tail into an accepted
+    # count past the block, which its gathers then read out of bounds (a segfault).
+    return torch.where(ok, k, j).amin(dim=1)
 
 
 def verify_deterministic(target_tokens: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor
