@@ -13,6 +13,8 @@
    last bucket covers every larger batch) as JSON for namazu/kernels/tables/<device>.json or
    NAMAZU_CUDA_MOE_TABLE (docs/kernels.md).
 Stops timing new variants after --budget seconds and records what it measured; the check always runs.
+On a compute capability 10.x (Blackwell) device: the sm_100a W4A4 kernel (kernels/cuda_sm100.py) instead,
+checked the same way and recorded as the table's `w4a4` entry when it passed.
 """
 from __future__ import annotations
 
@@ -47,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokens = sorted(set(args.tokens))
     device, cap = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+    if cap[0] == cd.SM100_MAJOR:
+        return tune_blackwell(device, tuple(cap), tokens, args)
     if tuple(cap) != (9, 0):
-        # The cubins are arch-specific sm_90a code: they do not load on other GPUs (Blackwell included).
-        print(f"tune_cuda_moe: {device} is sm_{cap[0]}{cap[1]}; these kernels are sm_90a only: no table")
+        # The cubins are arch-specific sm_90a (and sm_100a) code: they do not load on other GPUs.
+        print(f"tune_cuda_moe: {device} is sm_{cap[0]}{cap[1]}; these kernels are sm_90a / sm_100a only: no table")
         return 0
     decode, prefill = cd.CubinDecode(), cd.CubinPrefill()
 
@@ -124,6 +128,48 @@ def main(argv: list[str] | None = None) -> int:
     print(f"variants checked: {len(checked) - len(failed)} of {len(checked)} passed"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def tune_blackwell(device: str, cap: tuple[int, int], tokens: list[int], args) -> int:
+    """On a 10.x device: the sm_100a W4A4 kernel checked against the W4A4 reference (quantizer byte-exact,
+    layer within CHECK_TOL), timed at Kimi-K2 shapes, and recorded as the table's `w4a4` entry only if it
+    passed (the Hopper variants do not load here: no W4A16 buckets)."""
+    from namazu.kernels import cuda_sm100 as bw
+
+    name = cd.SM100_VARIANTS[0].name
+    try:
+        kernels = bw.CubinSm100()
+        err = bw.check_sm100(kernels)
+        torch.cuda.synchronize()
+    except Exception as exc:   # a launch error is a failed check, recorded
+        print(f"  {name}: failed to run ({str(exc).splitlines()[0][:100]})", flush=True)
+        kernels, err = None, float("inf")
+    ok = err < cd.CHECK_TOL
+    print(f"  {name}: rel err {err:.2e} {'ok' if ok else 'FAILED'}", flush=True)
+    measured: dict[str, dict[str, float]] = {}
+    if ok:
+        e, h, i, k = 384, 7168, 2048, 8
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = bw.w4a4_weights(md.random_nvfp4_weights(e, h, i, device="cuda"), g)
+        t_end = time.monotonic() + args.budget
+        print("| tokens | variant | us | GB/s |\n|---|---|---|---|", flush=True)
+        for n in tokens:
+            if time.monotonic() > t_end:
+                break
+            x = torch.randn(n, h, generator=g, device="cuda").to(torch.bfloat16)
+            ids = torch.rand(n, e, generator=g, device="cuda").topk(k, dim=1).indices
+            tw = torch.rand(n, k, generator=g, device="cuda")
+            us = timeit_graph(lambda a=(x, ids, tw): kernels.moe(*a, w)) * 1e6
+            measured[str(n)] = {name: us}
+            print(f"| {n} | {name} | {us:,.1f} | {weight_bytes(ids, h, i) / us / 1e3:,.0f} |", flush=True)
+    table = cd.table_dict(device, cap, {name: ok}, [], measured, w4a4=name if ok else cd.DEFAULT)
+    cd.SelectionTable(table)   # what the runtime will parse: fail here, not at serving time
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"cuda_moe_table": table}, f, indent=1)
+        print(f"selection table written to {args.out}")
+    print(f"variants checked: {int(ok)} of 1 passed" + ("" if ok else f"; FAILED: {name}"))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""The Blackwell (sm_100a) W4A4 kernel on the device against the torch reference (a GPU test for a compute
+capability 10.x device: `make gpu-check` runs it there, where a skip is a failure; on other GPUs gpu-check
+leaves it out). The CPU half is tests/kernels/test_cuda_sm100.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from kernel_cases import TOL, make_case, rel_err
+
+from namazu.kernels import cuda_decode as cd
+from namazu.kernels import cuda_sm100 as bw
+from namazu.kernels import moe_dispatch as md
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != cd.SM100_MAJOR:
+    pytest.skip("needs a compute capability 10.x (Blackwell) device: the cubin is sm_100a code",
+                allow_module_level=True)
+
+# (tokens, hidden, inter, experts, top_k, experts receiving tokens): decode (one real row in a 128-row
+# block), several blocks per expert with ragged ends, idle experts, K of 2 to 8 stages.
+SIZES = [(1, 256, 128, 8, 2, None), (9, 512, 256, 16, 4, None), (150, 512, 384, 16, 8, 5),
+         (600, 1024, 256, 8, 4, None)]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return bw.CubinSm100()
+
+
+def nan_empty(shape, dtype, device):
+    if dtype == torch.uint8:
+        return torch.full(shape, 0x7F, dtype=dtype, device=device)   # E4M3 NaN / nibbles 0xF,0x7
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def test_activation_quantizer_is_byte_exact(kernels):
+    """Codes and scales of every row (padding rows zero) equal namazu.quant.nvfp4.quantize_activation."""
+    assert bw.check_quantize(kernels) == 0
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"n{s[0]}_h{s[1]}_i{s[2]}")
+def test_moe_matches_the_w4a4_reference(monkeypatch, kernels, size):
+    n, h, i, e, k, used = size
+    c = make_case(n, h, i, e, k, seed=1200 + n, experts_used=used, device="cuda", w4a4=True)
+    w = c.nvfp4
+    if used:   # idle experts' weights poisoned: a kernel that reads them turns the output NaN
+        w.w13_scale[used:] = float("nan")
+        w.w2_scale[used:] = float("nan")
+    monkeypatch.setattr(bw, "_empty", nan_empty)   # every element of every scratch buffer must be written
+    out = kernels.moe(c.x, c.topk_ids, c.topk_weights, w)
+    ref = md.torch_moe_nvfp4(c.x, c.topk_ids, c.topk_weights, w)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < TOL
+
+
+def test_check_passes(kernels):
+    """What the tuner records (bench/tune_cuda_moe.py) on the same device."""
+    assert bw.check_sm100(kernels) < cd.CHECK_TOL
+
+
+def test_graph_captured_and_never_syncs(kernels):
+    c = make_case(8, 512, 256, 16, 4, seed=1300, device="cuda", w4a4=True)
+    ref = kernels.moe(c.x, c.topk_ids, c.topk_weights, c.nvfp4)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernels.moe(c.x, c.topk_ids, c.topk_weights, c.nvfp4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.moe(c.x, c.topk_ids, c.topk_weights, c.nvfp4)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)   # no atomics: a replay is bit-exact
+
+
+def test_cuda_backend_runs_it_when_the_table_checked_it(monkeypatch, tmp_path):
+    from namazu.kernels import backends
+    table = cd.table_dict(torch.cuda.get_device_name(), torch.cuda.get_device_capability(),
+                          {"bw_w4a4_m128": True}, [], w4a4="bw_w4a4_m128")
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps({"cuda_moe_table": table}))
+    monkeypatch.setenv(cd.TABLE_ENV, str(path))
+    monkeypatch.setattr(cd, "_STATE", {})
+    calls = []
+    real = bw.sm100_moe_nvfp4
+    monkeypatch.setattr(bw, "sm100_moe_nvfp4", lambda *a: calls.append(1) or real(*a))
+    c = make_case(5, 512, 256, 16, 4, seed=1400, device="cuda", w4a4=True)
+    out = backends.build_backend("cuda", "cuda").nvfp4(c.x, c.topk_ids, c.topk_weights, c.nvfp4)
+    assert calls == [1]
+    assert rel_err(out, md.torch_moe_nvfp4(c.x, c.topk_ids, c.topk_weights, c.nvfp4)) < TOL
