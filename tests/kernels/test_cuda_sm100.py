@@ -175,6 +175,16 @@ def test_weight_rows_pair_gate_with_up(header):
     assert down == [192 + n for n in range(128)]
 
 
+def mma_operand(smem: torch.Tensor, tm: torch.Tensor, idx: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """The 128 x 64 values an MMA multiplies: E2M1 pairs at the descriptor's bytes `idx` (low nibble first)
+    times each row's scales, read from the tensor memory image `tm` [lane, column, byte] where the PTX ISA
+    puts them (row r in lane 32 * part[r] + r % 32, column r // 32, byte = 16-value block)."""
+    byte = smem[idx].to(torch.int64)
+    codes = torch.stack([byte & 0xF, byte >> 4], -1).reshape(128, 64).to(torch.uint8)
+    sf = torch.stack([tm[32 * int(part[r]) + ln, c] for r, (ln, c) in enumerate(map(ptx_sf_lane_col, range(128)))])
+    return e2m1_decode(codes).double() * sf.view(torch.float8_e4m3fn).double().repeat_interleave(16, dim=1)
+
+
 def test_one_tile_replayed_through_the_ptx_rules_gives_the_reference(header):
     """One CTA of gate_up with K = 256 (two stages, both buffers) simulated as the PTX ISA defines the MMA:
     operands gathered from the shared memory images through the descriptors, scales from the tensor memory
@@ -210,17 +220,8 @@ def test_one_tile_replayed_through_the_ptx_rules_gives_the_reference(header):
             start = j * 2 * lbo
             idx = torch.tensor([[start + canonical_k_major_byte(r, 2 * b, lbo, sbo) for b in range(32)]
                                 for r in range(128)])
-
-            def operand(smem, tm):
-                byte = smem[idx].to(torch.int64)
-                codes = torch.stack([byte & 0xF, byte >> 4], -1).reshape(128, 64).to(torch.uint8)
-                vals = e2m1_decode(codes).double()
-                lane_col = [ptx_sf_lane_col(r) for r in range(128)]
-                part = torch.randint(0, 4, (128,), generator=g)   # any partition holds the same words
-                sf = torch.stack([tm[32 * int(part[r]) + ln, c] for r, (ln, c) in enumerate(lane_col)])
-                sf = sf.view(torch.float8_e4m3fn).double()
-                return vals * sf.repeat_interleave(16, dim=1)
-            acc += operand(smem_a, tm_a) @ operand(smem_b, tm_b).T
+            part = torch.randint(0, 4, (128,), generator=g)   # any lane partition holds the same words
+            acc += mma_operand(smem_a, tm_a, idx, part) @ mma_operand(smem_b, tm_b, idx, part).T
 
     def deq(codes, sf):
         c = torch.stack([codes.long() & 0xF, codes.long() >> 4], -1).reshape(codes.shape[0], -1).to(torch.uint8)
@@ -346,6 +347,15 @@ def test_select_w4a4_never_elsewhere(fake_device, name, cap):
     state, path, x, _, w4a4 = fake_device
     path.write_text(json.dumps(bw_table()))
     state["name"], state["cap"] = name, cap
+    assert cd.select_w4a4(x, w4a4) is None
+
+
+def test_select_w4a4_checks_the_capability_itself(fake_device, monkeypatch):
+    """Even a table that (wrongly) applied to a 9.x device could not put the sm_100a kernel there."""
+    state, _, x, _, w4a4 = fake_device
+    monkeypatch.setattr(cd, "_active_table", lambda index: cd.SelectionTable(bw_table()))
+    assert cd.select_w4a4(x, w4a4) == cd.Sm100Variant()
+    state["cap"] = (9, 0)
     assert cd.select_w4a4(x, w4a4) is None
 
 
