@@ -63,6 +63,10 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 __device__ __forceinline__ void tc_fence_before() { asm volatile("tcgen05.fence::before_thread_sync;\n" ::: "memory"); }
 __device__ __forceinline__ void tc_fence_after() { asm volatile("tcgen05.fence::after_thread_sync;\n" ::: "memory"); }
 
+__device__ __forceinline__ void tmem_store1(uint32_t taddr, uint32_t v) {
+  asm volatile("tcgen05.st.sync.aligned.32x32b.x1.b32 [%0], {%1};\n" ::"r"(taddr), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ void tmem_store4(uint32_t taddr, const uint32_t (&v)[4]) {
   asm volatile("tcgen05.st.sync.aligned.32x32b.x4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(taddr), "r"(v[0]),
                "r"(v[1]), "r"(v[2]), "r"(v[3])
@@ -111,7 +115,9 @@ struct Tile {
 
 // Stage `s` of the tile into buffer `buf`: 128 rows x 64 bytes of A and of W by cp.async (16 bytes a core
 // matrix row, 4 per thread per operand), and this warp's lane partition of the stage's scales (2 MMAs x
-// A and B x 4 columns) by tcgen05.st.
+// A and B) by tcgen05.st, in the arrangement kSfLane names (nvfp4_moe_sm100.h: 32 x 4 words duplicated in
+// every partition, or one word per lane = row).
+template <bool kSfLane>
 __device__ __forceinline__ void load_stage(const Tile& t, int s, uint32_t a_smem, uint32_t b_smem, uint32_t tmem,
                                            int buf) {
   const int tid = threadIdx.x;
@@ -129,16 +135,27 @@ __device__ __forceinline__ void load_stage(const Tile& t, int s, uint32_t a_smem
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int64_t word = (int64_t)s * (NVFP4_SM100_BK / 16) + j * 4;
-    uint32_t sa[4], sb[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint32_t r = nvfp4_sm100_sf_row(lane, c);
-      sa[c] = *reinterpret_cast<const uint32_t*>(t.a_sf + r * t.ks + word);
+    const uint32_t col_a = nvfp4_sm100_sf_col(NVFP4_SM100_SFA_COL, buf, j);
+    const uint32_t col_b = nvfp4_sm100_sf_col(NVFP4_SM100_SFB_COL, buf, j);
+    if constexpr (kSfLane) {
+      const uint32_t r = nvfp4_sm100_sf_lane_row(warp, lane);
       const int64_t wrow = nvfp4_sm100_weight_row(t.gate_up, t.n0, t.n_out, r);
-      sb[c] = *reinterpret_cast<const uint32_t*>(t.w_sf + wrow * t.ks + word);
+      tmem_store1(nvfp4_sm100_tmem_addr(tmem, 32 * warp, col_a),
+                  *reinterpret_cast<const uint32_t*>(t.a_sf + r * t.ks + word));
+      tmem_store1(nvfp4_sm100_tmem_addr(tmem, 32 * warp, col_b),
+                  *reinterpret_cast<const uint32_t*>(t.w_sf + wrow * t.ks + word));
+    } else {
+      uint32_t sa[4], sb[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const uint32_t r = nvfp4_sm100_sf_row(lane, c);
+        sa[c] = *reinterpret_cast<const uint32_t*>(t.a_sf + r * t.ks + word);
+        const int64_t wrow = nvfp4_sm100_weight_row(t.gate_up, t.n0, t.n_out, r);
+        sb[c] = *reinterpret_cast<const uint32_t*>(t.w_sf + wrow * t.ks + word);
+      }
+      tmem_store4(nvfp4_sm100_tmem_addr(tmem, 32 * warp, col_a), sa);
+      tmem_store4(nvfp4_sm100_tmem_addr(tmem, 32 * warp, col_b), sb);
     }
-    tmem_store4(nvfp4_sm100_tmem_addr(tmem, 32 * warp, nvfp4_sm100_sf_col(NVFP4_SM100_SFA_COL, buf, j)), sa);
-    tmem_store4(nvfp4_sm100_tmem_addr(tmem, 32 * warp, nvfp4_sm100_sf_col(NVFP4_SM100_SFB_COL, buf, j)), sb);
   }
 }
 
@@ -197,7 +214,7 @@ __device__ __forceinline__ void epilogue(const Nvfp4Sm100Args& p, uint32_t tmem,
   }
 }
 
-template <bool kGateUp>
+template <bool kGateUp, bool kSfLane>
 __device__ __forceinline__ void gemm_tile(const Nvfp4Sm100Args& p) {
   __shared__ alignas(1024) uint8_t smem_a[2][NVFP4_SM100_STAGE_BYTES];
   __shared__ alignas(1024) uint8_t smem_b[2][NVFP4_SM100_STAGE_BYTES];
@@ -238,7 +255,7 @@ __device__ __forceinline__ void gemm_tile(const Nvfp4Sm100Args& p) {
   const uint32_t idesc = nvfp4_sm100_instr_desc(NVFP4_SM100_BM, NVFP4_SM100_BN);
   const int stages = (int)(p.k_dim / NVFP4_SM100_BK);
 
-  load_stage(t, 0, smem_u32(smem_a[0]), smem_u32(smem_b[0]), tmem, 0);
+  load_stage<kSfLane>(t, 0, smem_u32(smem_a[0]), smem_u32(smem_b[0]), tmem, 0);
   for (int s = 0; s < stages; ++s) {
     const int buf = s & 1;
     publish_stage();
@@ -261,7 +278,7 @@ __device__ __forceinline__ void gemm_tile(const Nvfp4Sm100Args& p) {
       // ((s - 1) / 2)-th completion of its barrier.
       if (s >= 1) mbar_wait(&bars[nbuf], ((s - 1) >> 1) & 1);
       tc_fence_after();
-      load_stage(t, s + 1, smem_u32(smem_a[nbuf]), smem_u32(smem_b[nbuf]), tmem, nbuf);
+      load_stage<kSfLane>(t, s + 1, smem_u32(smem_a[nbuf]), smem_u32(smem_b[nbuf]), tmem, nbuf);
     }
   }
   // The last commit covers every MMA this thread issued before it.
@@ -286,13 +303,17 @@ __device__ __forceinline__ uint32_t e2m1_code(float x) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(NVFP4_SM100_THREADS) nvfp4_sm100_gemm_gate_up(const Nvfp4Sm100Args p) {
-  gemm_tile<true>(p);
-}
-
-extern "C" __global__ void __launch_bounds__(NVFP4_SM100_THREADS) nvfp4_sm100_gemm_down(const Nvfp4Sm100Args p) {
-  gemm_tile<false>(p);
-}
+// Two scale arrangements, each a complete kernel pair: which one the MMA reads is the one fact here that rests
+// on figures of the PTX ISA rather than its text, so the device check (bench/tune_cuda_moe.py) decides; only
+// a pair that passed there can be selected.
+#define NVFP4_SM100_GEMM(name, gate_up, sf_lane)                                                          \
+  extern "C" __global__ void __launch_bounds__(NVFP4_SM100_THREADS) name(const Nvfp4Sm100Args p) {       \
+    gemm_tile<gate_up, sf_lane>(p);                                                                      \
+  }
+NVFP4_SM100_GEMM(nvfp4_sm100_gemm_gate_up, true, false)
+NVFP4_SM100_GEMM(nvfp4_sm100_gemm_down, false, false)
+NVFP4_SM100_GEMM(nvfp4_sm100_gemm_gate_up_sflane, true, true)
+NVFP4_SM100_GEMM(nvfp4_sm100_gemm_down_sflane, false, true)
 
 // One thread per 16-value block, grid-stride over max_rows x k_dim/16 blocks.
 extern "C" __global__ void __launch_bounds__(NVFP4_SM100_QUANT_THREADS)

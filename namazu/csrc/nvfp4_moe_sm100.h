@@ -107,6 +107,10 @@ NVFP4_HD uint32_t nvfp4_sm100_instr_desc(uint32_t m, uint32_t n) {
 // thread of lane t stores the words of rows t, t+32, t+64, t+96 in that order.
 NVFP4_HD uint32_t nvfp4_sm100_sf_row(uint32_t lane, uint32_t column) { return (lane & 31) + 32 * column; }
 
+// The other reading (the `_sflane` kernels): one word per lane and MMA, row m in lane m (partition m / 32),
+// a single column. Warp w's thread t stores the word of row 32w + t with tcgen05.st 32x32b.x1.
+NVFP4_HD uint32_t nvfp4_sm100_sf_lane_row(uint32_t warp, uint32_t lane) { return 32 * warp + lane; }
+
 NVFP4_HD uint32_t nvfp4_sm100_tmem_addr(uint32_t base, uint32_t lane, uint32_t column) {
   return base + (lane << 16) + column;
 }

@@ -67,9 +67,10 @@ def _cuda_w4a4(x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.Tensor:
     """The Blackwell W4A4 kernel (block-scaled FP4 MMA, kernels/cuda_sm100.py) on a 10.x device whose
     recorded table says it passed its device check there; the torch emulation everywhere else (9.x too)."""
     from namazu.kernels import cuda_decode
-    if cuda_decode.select_w4a4(x, w) is not None:
+    variant = cuda_decode.select_w4a4(x, w)
+    if variant is not None:
         from namazu.kernels import cuda_sm100
-        return cuda_sm100.sm100_moe_nvfp4(x, topk_ids, topk_weights, w)
+        return cuda_sm100.sm100_moe_nvfp4(x, topk_ids, topk_weights, w, variant)
     return moe_dispatch.torch_moe_nvfp4(x, topk_ids, topk_weights, w)
 
 

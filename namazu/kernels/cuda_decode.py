@@ -99,17 +99,25 @@ class PrefillVariant:
 PREFILL_VARIANTS = tuple(PrefillVariant(b) for b in PREFILL_BLOCKS)
 
 
+SM100_SF = ("x4", "lane")   # scale-factor arrangements in tensor memory (nvfp4_moe_sm100.h)
+
+
 @dataclass(frozen=True)
 class Sm100Variant:
-    """The Blackwell W4A4 grouped GEMM (nvfp4_moe_sm100.cu): one MMA tile of 128 rows per CTA."""
-    block_m: int = 128
+    """The Blackwell W4A4 grouped GEMM (nvfp4_moe_sm100.cu): one MMA tile of 128 rows per CTA, the block
+    scales in tensor memory as 32 x 4 words duplicated in every lane partition (`x4`, the default) or one
+    word per lane = row (`lane`); the device check tells which the MMA reads."""
+    sf: str = "x4"
 
     @property
     def name(self) -> str:
-        return f"bw_w4a4_m{self.block_m}"
+        return "bw_w4a4_m128" + ("" if self.sf == "x4" else f"_sf{self.sf}")
+
+    def kernel(self, gate_up: bool) -> str:
+        return f"nvfp4_sm100_gemm_{'gate_up' if gate_up else 'down'}" + ("" if self.sf == "x4" else f"_sf{self.sf}")
 
 
-SM100_VARIANTS = (Sm100Variant(),)
+SM100_VARIANTS = tuple(Sm100Variant(sf) for sf in SM100_SF)
 ANY_VARIANT = Variant | PrefillVariant | Sm100Variant
 
 

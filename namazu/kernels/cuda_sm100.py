@@ -31,8 +31,8 @@ BK = 128            # NVFP4_SM100_BK
 THREADS = 128       # NVFP4_SM100_THREADS
 QUANT_THREADS = 128
 MAX_QUANT_CTAS = 4096
-QUANT, GATE_UP, DOWN = "nvfp4_sm100_quant_act", "nvfp4_sm100_gemm_gate_up", "nvfp4_sm100_gemm_down"
-KERNELS = (QUANT, GATE_UP, DOWN)
+QUANT = "nvfp4_sm100_quant_act"
+KERNELS = (QUANT, *(v.kernel(gu) for v in cd.SM100_VARIANTS for gu in (True, False)))
 
 
 class Sm100Args(ctypes.Structure):
@@ -108,7 +108,7 @@ class CubinSm100(cd._Cubin):
         self._launch(QUANT, *quant_grid(bd.max_rows, k), args)
         return codes, scale
 
-    def _gemm(self, a, bd, packed, scale, alpha, tw, out, gate_up: bool) -> None:
+    def _gemm(self, v: cd.Sm100Variant, a, bd, packed, scale, alpha, tw, out, gate_up: bool) -> None:
         codes, sf = a
         n_out = out.shape[1]
         args = Sm100Args(a_codes=codes.data_ptr(), a_scale=sf.data_ptr(), sorted_pairs=bd.sorted_pairs.data_ptr(),
@@ -116,10 +116,10 @@ class CubinSm100(cd._Cubin):
                          w_packed=packed.data_ptr(), w_scale=scale.data_ptr(), alpha=alpha.data_ptr(),
                          topk_weights=tw.data_ptr() if tw is not None else None, out=out.data_ptr(),
                          max_rows=bd.max_rows, num_pairs=bd.num_pairs, k_dim=codes.shape[1] * 2, n_out=n_out)
-        self._launch(GATE_UP if gate_up else DOWN, *gemm_grid(bd.max_rows, n_out, gate_up), args)
+        self._launch(v.kernel(gate_up), *gemm_grid(bd.max_rows, n_out, gate_up), args)
 
-    def moe(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-            w: NVFP4MoEWeights) -> torch.Tensor:
+    def moe(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: NVFP4MoEWeights,
+            v: cd.Sm100Variant = cd.SM100_VARIANTS[0]) -> torch.Tensor:
         """[N, H] in x's dtype; five launches (two quantizations, two GEMMs, the k-row sum), no host sync."""
         check_shapes(w)
         n, hidden = x.shape
@@ -133,12 +133,12 @@ class CubinSm100(cd._Cubin):
         alpha2 = (s2 * w.w2_gs.float()).contiguous()
         a13 = self.quantize(xb, bd, s13, top_k)
         act = _empty((bd.max_rows, inter), torch.bfloat16, x.device)
-        self._gemm(a13, bd, w.w13_packed.contiguous(), w.w13_scale.contiguous().view(torch.uint8), alpha13, None,
+        self._gemm(v, a13, bd, w.w13_packed.contiguous(), w.w13_scale.contiguous().view(torch.uint8), alpha13, None,
                    act, True)
         a2 = self.quantize(act, bd, s2, 0)
         pair_out = _empty((n * top_k, hidden), torch.float32, x.device)
         tw = topk_weights.reshape(-1).float().contiguous()
-        self._gemm(a2, bd, w.w2_packed.contiguous(), w.w2_scale.contiguous().view(torch.uint8), alpha2, tw,
+        self._gemm(v, a2, bd, w.w2_packed.contiguous(), w.w2_scale.contiguous().view(torch.uint8), alpha2, tw,
                    pair_out, False)
         # Freeing the temporaries while the launches are queued is safe: the caching allocator hands their
         # memory only to work queued later on the same stream.
@@ -148,12 +148,12 @@ class CubinSm100(cd._Cubin):
 _LOADED: dict[str, CubinSm100] = {}
 
 
-def sm100_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    w: NVFP4MoEWeights) -> torch.Tensor:
-    """The routed experts on the Blackwell kernel (the cubin loaded once per process)."""
+def sm100_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: NVFP4MoEWeights,
+                    v: cd.Sm100Variant) -> torch.Tensor:
+    """The routed experts on the Blackwell kernel variant `v` (the cubin loaded once per process)."""
     if "k" not in _LOADED:
         _LOADED["k"] = CubinSm100()
-    return _LOADED["k"].moe(x, topk_ids, topk_weights, w)
+    return _LOADED["k"].moe(x, topk_ids, topk_weights, w, v)
 
 
 # ---- the device check (bench/tune_cuda_moe.py) -----------------------------------------------------------
@@ -186,9 +186,9 @@ def check_quantize(kernels: CubinSm100, device: str = "cuda") -> int:
     return int((codes != ref_c).sum() + (sf != ref_s).sum())
 
 
-def check_sm100(kernels: CubinSm100, device: str = "cuda") -> float:
-    """The largest relative error against torch_moe_nvfp4 (W4A4) over CHECK_CASES (inf if non-finite or
-    if the quantizer differs from the reference in a single byte)."""
+def check_sm100(kernels: CubinSm100, v: cd.Sm100Variant, device: str = "cuda") -> float:
+    """The largest relative error of `v` against torch_moe_nvfp4 (W4A4) over CHECK_CASES (inf if non-finite
+    or if the quantizer differs from the reference in a single byte)."""
     from namazu.kernels import moe_dispatch as md
 
     if check_quantize(kernels, device):
@@ -201,7 +201,7 @@ def check_sm100(kernels: CubinSm100, device: str = "cuda") -> float:
         x = torch.randn(n, h, generator=g, device=device).to(torch.bfloat16)
         ids = torch.rand(n, used or e, generator=g, device=device).topk(k, dim=1).indices
         tw = torch.rand(n, k, generator=g, device=device) + 0.1
-        out = kernels.moe(x, ids, tw, w).float()
+        out = kernels.moe(x, ids, tw, w, v).float()
         ref = md.torch_moe_nvfp4(x, ids, tw, w).float()
         if not torch.isfinite(out).all():
             return float("inf")

@@ -81,6 +81,11 @@ def ptx_sf_lane_col(row: int) -> tuple[int, int]:
     return row % 32, row // 32
 
 
+def lane_rule_sf(row: int) -> tuple[int, int]:
+    """The other reading, which the `_sflane` kernels implement: row m in lane m, one column."""
+    return row, 0
+
+
 # ---- the header's functions, compiled with gcc ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -97,6 +102,7 @@ int main(void) {{
   for (unsigned r = 0; r < 128; ++r) for (unsigned b = 0; b < 64; ++b) P("off", nvfp4_sm100_smem_offset(r, b));
   {descs} {instrs}
   for (unsigned l = 0; l < 32; ++l) for (unsigned c = 0; c < 4; ++c) P("sfrow", nvfp4_sm100_sf_row(l, c));
+  for (unsigned w = 0; w < 4; ++w) for (unsigned l = 0; l < 32; ++l) P("sflane", nvfp4_sm100_sf_lane_row(w, l));
   for (unsigned s = 0; s < 2; ++s) for (unsigned j = 0; j < 2; ++j) {{
     P("sfa", nvfp4_sm100_sf_col(NVFP4_SM100_SFA_COL, s, j)); P("sfb", nvfp4_sm100_sf_col(NVFP4_SM100_SFB_COL, s, j)); }}
   P("taddr", nvfp4_sm100_tmem_addr(0x00000020u, 96, 5));
@@ -167,6 +173,8 @@ def test_scale_words_land_where_the_mma_reads_them(header):
             assert ptx_sf_lane_col(int(sf_row[lane, c])) == (lane, c)
     assert sorted(sf_row.flatten().tolist()) == list(range(128))
     assert header["taddr"] == [(96 << 16) + 0x20 + 5]
+    # the `_sflane` kernels: warp w's thread t stores row 32w + t's word in its own lane, one column
+    assert [lane_rule_sf(r) for r in header["sflane"]] == [(lane, 0) for lane in range(128)]
 
 
 def test_weight_rows_pair_gate_with_up(header):
@@ -175,21 +183,37 @@ def test_weight_rows_pair_gate_with_up(header):
     assert down == [192 + n for n in range(128)]
 
 
-def mma_operand(smem: torch.Tensor, tm: torch.Tensor, idx: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+def mma_operand(smem: torch.Tensor, tm: torch.Tensor, idx: torch.Tensor, part: torch.Tensor, rule) -> torch.Tensor:
     """The 128 x 64 values an MMA multiplies: E2M1 pairs at the descriptor's bytes `idx` (low nibble first)
-    times each row's scales, read from the tensor memory image `tm` [lane, column, byte] where the PTX ISA
-    puts them (row r in lane 32 * part[r] + r % 32, column r // 32, byte = 16-value block)."""
+    times each row's scales, read from the tensor memory image `tm` [lane, column, byte] where `rule` puts
+    them (ptx_sf_lane_col: row r in lane 32 * part[r] + r % 32, column r // 32; lane_rule_sf: lane r,
+    column 0), byte = 16-value block."""
     byte = smem[idx].to(torch.int64)
     codes = torch.stack([byte & 0xF, byte >> 4], -1).reshape(128, 64).to(torch.uint8)
-    sf = torch.stack([tm[32 * int(part[r]) + ln, c] for r, (ln, c) in enumerate(map(ptx_sf_lane_col, range(128)))])
+    spots = [rule(r) for r in range(128)]
+    if rule is ptx_sf_lane_col:
+        spots = [(32 * int(part[r]) + ln, c) for r, (ln, c) in enumerate(spots)]
+    sf = torch.stack([tm[ln, c] for ln, c in spots])
     return e2m1_decode(codes).double() * sf.view(torch.float8_e4m3fn).double().repeat_interleave(16, dim=1)
 
 
-def test_one_tile_replayed_through_the_ptx_rules_gives_the_reference(header):
+def stored_scale_rows(header, arrangement: str) -> dict[tuple[int, int], int]:
+    """{(lane, column): row} of the scale words one MMA's tcgen05.st calls leave in tensor memory, per the
+    header: `x4` (every warp stores its partition's 32 lanes x 4 columns), `lane` (one column)."""
+    if arrangement == "x4":
+        rows = torch.tensor(header["sfrow"]).view(32, 4)
+        return {(lane, c): int(rows[lane % 32, c]) for lane in range(128) for c in range(4)}
+    return {(32 * w + t, 0): r for w in range(4) for t, r in enumerate(header["sflane"][32 * w:32 * w + 32])}
+
+
+@pytest.mark.parametrize("arrangement,rule,right", [("x4", ptx_sf_lane_col, True), ("lane", lane_rule_sf, True),
+                                                    ("x4", lane_rule_sf, False)])
+def test_one_tile_replayed_through_the_ptx_rules_gives_the_reference(header, arrangement, rule, right):
     """One CTA of gate_up with K = 256 (two stages, both buffers) simulated as the PTX ISA defines the MMA:
     operands gathered from the shared memory images through the descriptors, scales from the tensor memory
     image the tcgen05.st pattern builds, products summed; alpha and the gate/up pairing of the epilogue;
-    against the dequantized ModelOpt tensors."""
+    against the dequantized ModelOpt tensors. Each kernel variant's stores read by its own rule give the
+    reference; read by the other rule they do not (the device check can tell the two apart)."""
     g = torch.Generator().manual_seed(5)
     k, n_out, n0, rows = 256, 128, 64, 128
     a_codes = torch.randint(0, 256, (rows, k // 2), generator=g, dtype=torch.uint8)
@@ -199,7 +223,7 @@ def test_one_tile_replayed_through_the_ptx_rules_gives_the_reference(header):
     alpha = 0.37
     off = torch.tensor(header["off"]).view(128, 64)
     wrow = torch.tensor(header["wtile"])   # MMA column -> weight row, from the header (n0 64, n_out 128)
-    sf_row = torch.tensor(header["sfrow"]).view(32, 4)
+    stored = stored_scale_rows(header, arrangement)
     _, _, _, _, lbo, sbo, _, _ = header["const"]
     acc = torch.zeros(128, 128, dtype=torch.float64)
     for s in range(k // 128):
@@ -212,24 +236,22 @@ def test_one_tile_replayed_through_the_ptx_rules_gives_the_reference(header):
             tm_a = torch.zeros(128, 4, 4, dtype=torch.uint8)
             tm_b = torch.zeros(128, 4, 4, dtype=torch.uint8)
             word = 8 * s + 4 * j
-            for lane in range(128):
-                for c in range(4):
-                    r = int(sf_row[lane % 32, c])
-                    tm_a[lane, c] = a_sf.view(torch.uint8)[r, word:word + 4]
-                    tm_b[lane, c] = w_sf.view(torch.uint8)[wrow[r], word:word + 4]
+            for (lane, c), r in stored.items():
+                tm_a[lane, c] = a_sf.view(torch.uint8)[r, word:word + 4]
+                tm_b[lane, c] = w_sf.view(torch.uint8)[wrow[r], word:word + 4]
             start = j * 2 * lbo
             idx = torch.tensor([[start + canonical_k_major_byte(r, 2 * b, lbo, sbo) for b in range(32)]
                                 for r in range(128)])
             part = torch.randint(0, 4, (128,), generator=g)   # any lane partition holds the same words
-            acc += mma_operand(smem_a, tm_a, idx, part) @ mma_operand(smem_b, tm_b, idx, part).T
+            acc += mma_operand(smem_a, tm_a, idx, part, rule) @ mma_operand(smem_b, tm_b, idx, part, rule).T
 
     def deq(codes, sf):
         c = torch.stack([codes.long() & 0xF, codes.long() >> 4], -1).reshape(codes.shape[0], -1).to(torch.uint8)
         return e2m1_decode(c).double() * sf.double().repeat_interleave(16, dim=1)
     ref = deq(a_codes, a_sf) @ deq(w_codes, w_sf).T
     gate, up = alpha * acc[:, :64], alpha * acc[:, 64:]
-    torch.testing.assert_close(gate, alpha * ref[:, n0:n0 + 64], rtol=1e-12, atol=1e-9)
-    torch.testing.assert_close(up, alpha * ref[:, n_out + n0:n_out + n0 + 64], rtol=1e-12, atol=1e-9)
+    want = torch.cat([alpha * ref[:, n0:n0 + 64], alpha * ref[:, n_out + n0:n_out + n0 + 64]], 1)
+    assert torch.allclose(torch.cat([gate, up], 1), want, rtol=1e-12, atol=1e-9) == right
 
 
 @pytest.mark.parametrize("struct,c_name", [(bw.Sm100Args, "Nvfp4Sm100Args"), (bw.QuantArgs, "Nvfp4Sm100QuantArgs")])
@@ -290,6 +312,11 @@ def test_table_format_gains_the_w4a4_entry():
     del old["w4a4"]                                                            # a table from before: none
     assert cd.SelectionTable(old).choose_w4a4() is None
     assert cd.parse_variant("bw_w4a4_m128") == cd.Sm100Variant()
+    assert cd.parse_variant("bw_w4a4_m128_sflane") == cd.Sm100Variant("lane")
+    assert cd.SelectionTable(bw_table(checked={"bw_w4a4_m128_sflane": True},
+                                      w4a4="bw_w4a4_m128_sflane")).choose_w4a4() == cd.Sm100Variant("lane")
+    assert [v.kernel(True) for v in cd.SM100_VARIANTS] == ["nvfp4_sm100_gemm_gate_up",
+                                                          "nvfp4_sm100_gemm_gate_up_sflane"]
 
 
 @pytest.mark.parametrize("over,match", [

@@ -64,11 +64,12 @@ def sm100_build(tmp_path_factory) -> tuple[str, Path]:
 
 
 def test_blackwell_kernel_compiles_for_sm100a(sm100_build):
-    """The quantizer and the two tcgen05 GEMMs: no spills, no stack frame, and nothing from nvcc or ptxas
-    but its resource report (a warning there, e.g. of an unsupported qualifier, would mean wrong code)."""
+    """The quantizer and the tcgen05 GEMMs (gate_up and down for each of the two scale arrangements): no
+    spills, no stack frame, and nothing from nvcc or ptxas but its resource report (a warning there, e.g. of
+    an unsupported qualifier or unreachable code, would mean wrong code)."""
     log, _ = sm100_build
-    assert log.count("Compiling entry function") == 3, log
-    assert log.count("0 bytes spill stores") == 3 and log.count("0 bytes stack frame") == 3, log
+    assert log.count("Compiling entry function") == 5, log
+    assert log.count("0 bytes spill stores") == 5 and log.count("0 bytes stack frame") == 5, log
     noise = [ln for ln in log.splitlines() if ln.strip() and not ln.startswith("ptxas info")
              and "bytes stack frame" not in ln]
     assert noise == [], noise
@@ -76,19 +77,23 @@ def test_blackwell_kernel_compiles_for_sm100a(sm100_build):
 
 def test_blackwell_sass_has_the_fp4_tensor_core_path(sm100_build):
     """SASS of the sm_100a cubin: the block-scaled MMA (UTCOMMA.4X: kind::mxf4nvf4 scale_vec::4X), its
-    commit (UTCBAR), tensor-memory stores of the scales (STTM) and loads of the accumulator (LDTM), the
-    allocation (UTCATOMSWS), two MMAs per K stage in each of the two GEMMs."""
+    commit (UTCBAR), tensor-memory stores of the scales (STTM.x4, or single-column STTM for the `_sflane`
+    arrangement) and loads of the accumulator (LDTM), the allocation (UTCATOMSWS), two MMAs per K stage in
+    each GEMM."""
     _, cubin = sm100_build
     sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     kernels = {}
     for block in sass.split("Function : ")[1:]:
         kernels[block.split()[0]] = block
-    assert set(kernels) == {"nvfp4_sm100_quant_act", "nvfp4_sm100_gemm_gate_up", "nvfp4_sm100_gemm_down"}
-    for name in ("nvfp4_sm100_gemm_gate_up", "nvfp4_sm100_gemm_down"):
+    gemms = [f"nvfp4_sm100_gemm_{op}{sf}" for sf in ("", "_sflane") for op in ("gate_up", "down")]
+    assert set(kernels) == {"nvfp4_sm100_quant_act", *gemms}
+    for name in gemms:
         body = kernels[name]
         assert body.count("UTCOMMA.4X ") == 2, name
-        for op in ("UTCBAR", "STTM.x4", "LDTM.x16", "UTCATOMSWS", "LDGSTS"):
+        for op in ("UTCBAR", "LDTM.x16", "UTCATOMSWS", "LDGSTS"):
             assert op in body, (name, op)
+        single = "STTM tmem" in body   # .x1: one word per lane
+        assert (single, "STTM.x4 " in body) == ((True, False) if name.endswith("_sflane") else (False, True)), name
     assert "UTCOMMA" not in kernels["nvfp4_sm100_quant_act"]
 
 
