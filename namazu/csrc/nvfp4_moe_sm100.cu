@@ -272,17 +272,20 @@ __device__ __forceinline__ void gemm_tile(const Nvfp4Sm100Args& p) {
       }
       mma_commit(&bars[buf]);
     }
+    __syncwarp();   // warp 0 whole again before the next .sync.aligned tcgen05 instruction
     if (s + 1 < stages) {
       const int nbuf = buf ^ 1;
       // Buffer nbuf (shared memory and scale columns) was last read by the MMAs of stage s - 1: the
       // ((s - 1) / 2)-th completion of its barrier.
       if (s >= 1) mbar_wait(&bars[nbuf], ((s - 1) >> 1) & 1);
+      __syncwarp();   // lanes leave the spin one by one; tcgen05.st is warp-collective
       tc_fence_after();
       load_stage<kSfLane>(t, s + 1, smem_u32(smem_a[nbuf]), smem_u32(smem_b[nbuf]), tmem, nbuf);
     }
   }
   // The last commit covers every MMA this thread issued before it.
   mbar_wait(&bars[(stages - 1) & 1], ((stages - 1) >> 1) & 1);
+  __syncwarp();
   tc_fence_after();
   epilogue<kGateUp>(p, tmem, row0, n0, p.alpha[e]);
   tc_fence_before();
