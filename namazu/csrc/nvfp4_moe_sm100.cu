@@ -297,13 +297,6 @@ __device__ __forceinline__ void gemm_tile(const Nvfp4Sm100Args& p) {
   }
 }
 
-// E2M1 code of an already-scaled value: nearest-even with saturation (namazu.quant.nvfp4.e2m1_encode).
-__device__ __forceinline__ uint32_t e2m1_code(float x) {
-  const float a = fabsf(x);
-  uint32_t idx = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return idx | (x < 0.0f ? 8u : 0u);
-}
-
 }  // namespace
 
 // Two scale arrangements, each a complete kernel pair: which one the MMA reads is the one fact here that rests
@@ -351,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(NVFP4_SM100_QUANT_THREADS)
       uint32_t lo = 0, hi = 0;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        const uint32_t c = denom > 0.0f ? e2m1_code(x[j] / denom) : 0u;
+        const uint32_t c = denom > 0.0f ? nvfp4_sm100_e2m1_code(x[j] / denom) : 0u;
         if (j < 8) lo |= c << (4 * j);
         else hi |= c << (4 * (j - 8));
       }

@@ -130,6 +130,17 @@ NVFP4_HD int64_t nvfp4_sm100_weight_row(int gate_up, int64_t n0, int64_t n_out, 
 // Columns of output one CTA produces along n_out: 64 for gate_up (each from a gate and an up row), 128.
 NVFP4_HD int64_t nvfp4_sm100_cols_per_cta(int gate_up) { return gate_up ? 64 : 128; }
 
+// E2M1 code of an already-scaled activation value (the quantizer's last step): round to nearest, ties to the
+// even code, saturating at 6; the sign from x < 0 (so -0 and NaN give code 0), as
+// namazu.quant.nvfp4.e2m1_encode: the index is the number of decision bounds |x| passes, `>=` where the
+// upper neighbour is even (0.75, 1.75, 3.5) and `>` where the lower one is (0.25, 1.25, 2.5, 5).
+NVFP4_HD uint32_t nvfp4_sm100_e2m1_code(float x) {
+  const float a = x < 0.0f ? -x : x;
+  const uint32_t idx = (uint32_t)(a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                       (a >= 3.5f) + (a > 5.0f);
+  return idx | (x < 0.0f ? 8u : 0u);
+}
+
 #ifdef __cplusplus
 }
 #endif

@@ -254,6 +254,34 @@ def test_one_tile_replayed_through_the_ptx_rules_gives_the_reference(header, arr
     assert torch.allclose(torch.cat([gate, up], 1), want, rtol=1e-12, atol=1e-9) == right
 
 
+def test_quantizer_rounding_matches_the_reference(tmp_path):
+    """The quantizer's E2M1 rounding (nvfp4_sm100_e2m1_code, compiled with gcc) against
+    namazu.quant.nvfp4.e2m1_encode on every bf16 value (signs, zeros, subnormals, inf, NaN) and on the 64
+    fp32 neighbours either side of each decision bound (the ties and the values just off them)."""
+    cc = shutil.which("gcc") or pytest.skip("no gcc")
+    from namazu.quant.nvfp4 import e2m1_encode
+    bf16 = (torch.arange(65536, dtype=torch.int32) << 16).view(torch.float32)
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    around = (bounds.view(torch.int32)[:, None] + torch.arange(-64, 65)).view(torch.float32).flatten()
+    x = torch.cat([bf16, around, -around])
+    (tmp_path / "x.bin").write_bytes(x.numpy().tobytes())
+    src = tmp_path / "enc.c"
+    src.write_text(f'''#include <stdio.h>
+#include "{HEADER}"
+int main(void) {{
+  FILE* f = fopen("{tmp_path / "x.bin"}", "rb"); float v;
+  while (fread(&v, sizeof v, 1, f) == 1) putchar((int)nvfp4_sm100_e2m1_code(v));
+  return 0;
+}}
+''')
+    res = subprocess.run([cc, "-std=c11", "-O2", str(src), "-o", str(tmp_path / "enc")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    got = torch.frombuffer(bytearray(subprocess.run([str(tmp_path / "enc")], capture_output=True, check=True).stdout),
+                           dtype=torch.uint8)
+    assert got.numel() == x.numel()
+    assert torch.equal(got, e2m1_encode(x))
+
+
 @pytest.mark.parametrize("struct,c_name", [(bw.Sm100Args, "Nvfp4Sm100Args"), (bw.QuantArgs, "Nvfp4Sm100QuantArgs")])
 def test_structs_match_the_c_header(tmp_path, struct, c_name):
     cc = shutil.which("gcc") or pytest.skip("no gcc")
