@@ -154,6 +154,13 @@ def tune_blackwell(device: str, cap: tuple[int, int], tokens: list[int], args) -
                 print(f"  {v.name}: failed to run ({str(exc).splitlines()[0][:100]})", flush=True)
         checked[v.name] = err < cd.CHECK_TOL
         print(f"  {v.name}: rel err {err:.2e} {'ok' if checked[v.name] else 'FAILED'}", flush=True)
+        if kernels is not None:   # per-GEMM errors, random and uniform scales: what a failure points at
+            try:
+                diag = {u: bw.gemm_errors(kernels, v, uniform=u) for u in (False, True)}
+                print(f"    {v.name} per GEMM: " + ", ".join(f"{g} {e:.1e}{' (uniform scales)' if u else ''}"
+                                                          for u, d in diag.items() for g, e in d.items()), flush=True)
+            except Exception as exc:
+                print(f"    {v.name} per GEMM: failed ({str(exc).splitlines()[0][:100]})", flush=True)
     passing = [v for v in cd.SM100_VARIANTS if checked[v.name]]
     measured: dict[str, dict[str, float]] = {}
     if passing:

@@ -218,3 +218,65 @@ def w4a4_weights(w: NVFP4MoEWeights, g: torch.Generator) -> NVFP4MoEWeights:
     s13 = (4.5 + torch.rand(e, generator=g, device=dev)) / (6 * 448)
     s2 = (0.5 + torch.rand(e, generator=g, device=dev)) / (6 * 448)
     return dataclasses.replace(w, a13_scale=s13.float(), a2_scale=s2.float())
+
+
+def _dequant_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [rows, K] of NVFP4 codes [rows, K/2] (low nibble first) and E4M3 scale bytes [rows, K/16]."""
+    from namazu.quant.nvfp4 import e2m1_decode, unpack_nibbles
+
+    sf = scale.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=-1)
+    return e2m1_decode(unpack_nibbles(codes)) * sf
+
+
+def gemm_errors(kernels: CubinSm100, v: cd.Sm100Variant, uniform: bool = False, device: str = "cuda") -> dict:
+    """Each GEMM alone against a dequantized product of the very codes it was given (the quantizer's own
+    output), for diagnosing a failing check on the device: `gate_up` (bf16 SiLU-and-mul rows) and `down`
+    (fp32 rows per pair). With `uniform`, every weight scale is 1 and x is +-1 (so every activation scale of
+    the gate_up input is equal, padding rows' included): a gate_up right there but wrong with random scales
+    reads the scale words from the wrong place; wrong even there, the descriptors, the pipeline or the
+    accumulator readout (down's input scales still vary)."""
+    from namazu.kernels import moe_dispatch as md
+
+    g = torch.Generator(device=device).manual_seed(11)
+    n, h, inter, e, k = 37, 512, 256, 4, 2
+    w = md.random_nvfp4_weights(e, h, inter, device=device, seed=12)
+    x = torch.randn(n, h, generator=g, device=device)
+    if uniform:
+        w.w13_scale.view(torch.uint8).fill_(0x38)   # E4M3 1.0
+        w.w2_scale.view(torch.uint8).fill_(0x38)
+        x = torch.where(x < 0, -1.0, 1.0)
+    w = w4a4_weights(w, g)
+    if uniform:   # one input scale for every expert, so every real row's block scales are the same byte
+        w.a13_scale = w.a13_scale[:1].expand(e).contiguous()
+    ids = torch.rand(n, e, generator=g, device=device).topk(k, dim=1).indices
+    tw = torch.rand(n, k, generator=g, device=device) + 0.1
+    bd = block_dispatch(ids, e, BM)
+    s13, s2 = w.a13_scale.float(), w.a2_scale.float()
+    a13 = kernels.quantize(x.to(torch.bfloat16).contiguous(), bd, s13, k)
+    if uniform:   # padding rows (zero codes) get that byte too: no scale word differs from another
+        a13[1].fill_(int(a13[1].max()))
+    act = torch.zeros(bd.max_rows, inter, dtype=torch.bfloat16, device=device)
+    u8 = torch.uint8
+    kernels._gemm(v, a13, bd, w.w13_packed, w.w13_scale.view(u8), (s13 * w.w13_gs).contiguous(), None, act, True)
+    a2 = kernels.quantize(act, bd, s2, 0)
+    out = torch.zeros(bd.num_pairs, h, dtype=torch.float32, device=device)
+    tw_flat = tw.reshape(-1).float().contiguous()
+    kernels._gemm(v, a2, bd, w.w2_packed, w.w2_scale.view(u8), (s2 * w.w2_gs).contiguous(), tw_flat, out, False)
+    rows = torch.nonzero(bd.sorted_pairs < bd.num_pairs).flatten()
+    rows = rows[rows < bd.total_rows]
+    expert = bd.block_expert.long()[rows // BM]
+    pair = bd.sorted_pairs.long()[rows]
+    ref_act, ref_out = torch.empty(len(rows), inter, device=device), torch.empty(len(rows), h, device=device)
+    for ex in expert.unique().tolist():
+        m = expert == ex
+        w13 = _dequant_rows(w.w13_packed[ex], w.w13_scale[ex].view(u8)) * w.w13_gs[ex]
+        hh = (_dequant_rows(*(t[rows[m]] for t in a13)) * s13[ex]) @ w13.T
+        hh = hh.to(torch.bfloat16).float()
+        ref_act[m] = (torch.nn.functional.silu(hh[:, :inter]) * hh[:, inter:]).to(torch.bfloat16).float()
+        w2 = _dequant_rows(w.w2_packed[ex], w.w2_scale[ex].view(u8)) * w.w2_gs[ex]
+        ref_out[m] = ((_dequant_rows(*(t[rows[m]] for t in a2)) * s2[ex]) @ w2.T) * tw_flat[pair[m], None]
+
+    def rel(got, ref):
+        return float((got.float() - ref).norm() / ref.norm().clamp_min(1e-12)) if torch.isfinite(got).all() \
+            else float("inf")
+    return {"gate_up": rel(act[rows], ref_act), "down": rel(out[pair], ref_out)}

@@ -319,6 +319,78 @@ def test_check_shapes_wants_w4a4_and_aligned_sizes():
         bw.check_shapes(dataclasses.replace(w, a13_scale=torch.ones(2), a2_scale=torch.ones(2)))
 
 
+# ---- the host flow, with the kernels emulated by their contract --------------------------------------------
+
+class EmulatedKernels(bw.CubinSm100):
+    """CubinSm100 with its three launches replaced by torch code following the contract of
+    nvfp4_moe_sm100.h: the real host flow (`moe`: dispatch, scales, alpha, buffers, the k-row sum) and the
+    device-check code (check_quantize, check_sm100, gemm_errors) run on the CPU through it."""
+
+    def __init__(self):   # no cubin, no driver
+        pass
+
+    def quantize(self, src, bd, input_scale, a_div):
+        from namazu.quant.nvfp4 import pack_nibbles, quantize_activation
+        k = src.shape[1]
+        p = torch.arange(bd.max_rows)
+        pair = bd.sorted_pairs.long()
+        real = (p < bd.total_rows) & (pair < bd.num_pairs)
+        src_row = pair.clamp(max=bd.num_pairs - 1) // a_div if a_div else p
+        scale = input_scale[bd.block_expert.long()[p // bw.BM]]
+        codes, sf = quantize_activation(src[src_row].float(), scale)
+        return (torch.where(real[:, None], pack_nibbles(codes), 0),
+                torch.where(real[:, None], sf.view(torch.uint8), 0).reshape(bd.max_rows, k // 16))
+
+    def _gemm(self, v, a, bd, packed, scale, alpha, tw, out, gate_up):
+        codes, sf = a
+        n_out = out.shape[1]
+        for b in range(int(bd.total_rows) // bw.BM):
+            e, rows = int(bd.block_expert[b]), slice(b * bw.BM, (b + 1) * bw.BM)
+            acc = bw._dequant_rows(codes[rows], sf[rows]) @ bw._dequant_rows(packed[e], scale[e]).T
+            if gate_up:
+                g, u = ((alpha[e] * acc[:, :n_out]).to(torch.bfloat16).float(),
+                        (alpha[e] * acc[:, n_out:]).to(torch.bfloat16).float())
+                out[rows] = (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+            else:
+                for r in range(bw.BM):
+                    pair = int(bd.sorted_pairs[b * bw.BM + r])
+                    if pair < bd.num_pairs:
+                        out[pair] = alpha[e] * tw[pair] * acc[r]
+
+
+def test_host_flow_matches_the_w4a4_reference_with_emulated_kernels():
+    from kernel_cases import make_case, rel_err
+    c = make_case(6, 256, 128, 8, 2, seed=77, w4a4=True)
+    out = EmulatedKernels().moe(c.x, c.topk_ids, c.topk_weights, c.nvfp4)
+    assert out.shape == c.x.shape and out.dtype == c.x.dtype
+    assert rel_err(out, md.torch_moe_nvfp4(c.x, c.topk_ids, c.topk_weights, c.nvfp4)) < 1e-2
+
+
+def test_device_check_code_runs_and_passes_a_right_kernel():
+    """What the tuner and the GPU test call, run here on the emulation: a right kernel passes every part."""
+    k, v = EmulatedKernels(), cd.Sm100Variant()
+    assert bw.check_quantize(k, "cpu") == 0
+    assert bw.check_sm100(k, v, "cpu") < cd.CHECK_TOL
+    for uniform in (False, True):
+        errs = bw.gemm_errors(k, v, uniform=uniform, device="cpu")
+        assert set(errs) == {"gate_up", "down"} and max(errs.values()) < 1e-3, errs   # bf16 ties only
+
+
+def test_device_check_catches_a_kernel_reading_scales_of_other_rows():
+    """An emulated kernel that reads row r's activation scales from row r ^ 1 (what a wrong tensor-memory
+    arrangement does): the layer check fails, and the per-GEMM diagnosis says gate_up is right with uniform
+    scales and wrong with random ones."""
+    class WrongScales(EmulatedKernels):
+        def _gemm(self, v, a, bd, *rest):
+            codes, sf = a
+            swap = torch.arange(sf.shape[0]) ^ 1
+            super()._gemm(v, (codes, sf[swap]), bd, *rest)
+    k, v = WrongScales(), cd.Sm100Variant()
+    assert bw.check_sm100(k, v, "cpu") > cd.CHECK_TOL
+    assert bw.gemm_errors(k, v, uniform=False, device="cpu")["gate_up"] > 1e-2
+    assert bw.gemm_errors(k, v, uniform=True, device="cpu")["gate_up"] < 1e-3
+
+
 # ---- selection --------------------------------------------------------------------------------------------
 
 B200, BW_CAP = "NVIDIA B200", (10, 0)

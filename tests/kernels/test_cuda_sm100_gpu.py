@@ -75,6 +75,13 @@ def test_exactly_one_scale_arrangement_is_right(errors):
     assert sum(err < cd.CHECK_TOL for err in errors.values()) == 1, errors
 
 
+@pytest.mark.parametrize("uniform", [False, True])
+def test_each_gemm_matches_its_dequantized_product(kernels, variant, uniform):
+    """gate_up and down one at a time, against the dequantized product of the very codes they were given."""
+    errs = bw.gemm_errors(kernels, variant, uniform=uniform)
+    assert max(errs.values()) < 1e-2, errs
+
+
 def test_graph_captured_and_never_syncs(kernels, variant):
     c = make_case(8, 512, 256, 16, 4, seed=1300, device="cuda", w4a4=True)
     ref = kernels.moe(c.x, c.topk_ids, c.topk_weights, c.nvfp4, variant)
