@@ -59,8 +59,8 @@ def test_moe_matches_the_w4a4_reference(monkeypatch, kernels, variant, size):
     c = make_case(n, h, i, e, k, seed=1200 + n, experts_used=used, device="cuda", w4a4=True)
     w = c.nvfp4
     if used:   # idle experts' weights poisoned: a kernel that reads them turns the output NaN
-        w.w13_scale[used:] = float("nan")
-        w.w2_scale[used:] = float("nan")
+        w.w13_scale.view(torch.uint8)[used:] = 0x7F   # E4M3 NaN
+        w.w2_scale.view(torch.uint8)[used:] = 0x7F
     monkeypatch.setattr(bw, "_empty", nan_empty)   # every element of every scratch buffer must be written
     out = kernels.moe(c.x, c.topk_ids, c.topk_weights, w, variant)
     ref = md.torch_moe_nvfp4(c.x, c.topk_ids, c.topk_weights, w)
