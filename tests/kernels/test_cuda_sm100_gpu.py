@@ -19,7 +19,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != cd.
 
 # (tokens, hidden, inter, experts, top_k, experts receiving tokens): decode (one real row in a 128-row
 # block), several blocks per expert with ragged ends, idle experts, K of 2 to 8 stages.
-SIZES = [(1, 256, 128, 8, 2, None), (9, 512, 256, 16, 4, None), (150, 512, 384, 16, 8, 5),
+SIZES = [(1, 256, 128, 8, 2, None), (9, 512, 256, 16, 4, None), (150, 512, 384, 16, 4, 5),
          (600, 1024, 256, 8, 4, None)]
 
 
