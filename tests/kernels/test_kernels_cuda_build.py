@@ -45,9 +45,15 @@ def test_device_chosen_kernels_compile_for_sm90a(tmp_path, source, kernels):
 
 
 def cuobjdump() -> str:
-    """cuobjdump from PATH, beside nvcc, or NAMAZU_CUOBJDUMP (pip's nvidia-cuda-cuobjdump ships one)."""
+    """cuobjdump from NAMAZU_CUOBJDUMP, PATH, beside nvcc, or the one triton's NVIDIA backend ships (the
+    dev requirements install triton, so CI reads the SASS too)."""
+    try:
+        import triton
+        shipped = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    except ImportError:
+        shipped = None
     for cand in (os.environ.get("NAMAZU_CUOBJDUMP"), shutil.which("cuobjdump"),
-                 str(Path(nvcc()).resolve().parent / "cuobjdump")):
+                 str(Path(nvcc()).resolve().parent / "cuobjdump"), shipped):
         if cand and os.access(cand, os.X_OK):
             return cand
     pytest.skip("cuobjdump is not installed here (set NAMAZU_CUOBJDUMP): the SASS of the sm_100a cubin is not read")
