@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from namazu.layers.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, gumbel_noise, hash_uniform
+from namazu.layers.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, first_argmax, gumbel_noise, hash_uniform
 
 
 def accepted_prefix(accept: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,7 @@ def verify_stochastic(processed: torch.Tensor, target_tokens: torch.Tensor, draf
 
     residual = (p - q).clamp_min(0.0)
     noise = gumbel_noise(flat_seeds, counters[:, :k].reshape(-1), v, STREAM_RESIDUAL).view(s, k, v)
-    resampled = (residual.log() + noise).argmax(dim=-1)
+    resampled = first_argmax(residual.log() + noise)
     # Exact-match rows never need the residual: their token at the first mismatch is the target's own
     # sample, already in target_tokens.
     resampled = torch.where(exact, target_tokens[:, :k], resampled)
