@@ -88,6 +88,16 @@ class LLGuidanceCompiler:
             raise ValueError(f"the JSON schema does not compile: {m.get_error()}")
         return m
 
+    def compile_lark(self, lark_text: str) -> Any:
+        """A matcher for an llguidance Lark grammar (free_order.py writes them); ValueError if it fails."""
+        try:
+            m = self.llg.LLMatcher(self.tok, self.llg.LLMatcher.grammar_from_lark(lark_text), log_level=0)
+        except Exception as err:   # noqa: BLE001 -- llguidance raises its own types for a bad grammar
+            raise ValueError(f"the grammar does not compile: {err}") from None
+        if m.is_error():
+            raise ValueError(f"the grammar does not compile: {m.get_error()}")
+        return m
+
 
 class LLMatcherGrammar(StepwiseGrammar):
     """The `Grammar` protocol over one llguidance matcher (one per sequence)."""

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from namazu.structured.grammar import StepwiseGrammar, token_mask_words
-from namazu.structured.json_schema import normalize_json_schema
+from namazu.structured.json_schema import normalize_json_schema_unordered
 
 MAX_GRAMMAR_BYTES = 256 * 1024   # a bound on compile work per request
 log = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ class GrammarSpec:
     kind: str
     text: str = ""
     compiler: str = ""     # "llguidance" where only llguidance enforces the schema; "" = by the rule
+    free_order: str = ""   # the schema before any_order.py, where free_order.py should take its keys in any order
 
 
 class XGrammarBackend:
@@ -80,9 +81,9 @@ class XGrammarBackend:
             self.misses += 1
         if len(spec.text.encode("utf-8")) > MAX_GRAMMAR_BYTES:
             raise ValueError(f"the {spec.kind} is {len(spec.text)} characters; at most {MAX_GRAMMAR_BYTES} bytes")
-        compiled = None
+        compiled = self._compile_free_order(spec)
         tried_llguidance = False
-        if spec.kind == "json_schema" and self.llg is not None:
+        if spec.kind == "json_schema" and self.llg is not None and compiled is None:
             from namazu.structured.llguidance_backend import prefers_llguidance
 
             if spec.compiler == "llguidance":       # only llguidance enforces it: its refusal is final
@@ -111,6 +112,22 @@ class XGrammarBackend:
             while len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
         return compiled
+
+    def _compile_free_order(self, spec: GrammarSpec) -> Any:
+        """llguidance's grammar with objects' keys in any order (free_order.py), or None: not needed,
+        llguidance not installed, or a schema it cannot write (the ordinary path then fixes the order)."""
+        if spec.kind != "json_schema" or not spec.free_order or self.llg is None:
+            return None
+        from namazu.structured.free_order import lark_grammar
+
+        try:
+            text = lark_grammar(json.loads(spec.free_order))
+            if len(text.encode("utf-8")) > MAX_GRAMMAR_BYTES:
+                raise ValueError(f"the free-order grammar is {len(text)} characters")
+            return ("llguidance", self.llg.compile_lark(text))
+        except ValueError as err:
+            log.debug("keys in the schema's order, the free-order grammar was not written: %s", err)
+            return None
 
     def _compile_xgrammar(self, spec: GrammarSpec) -> Any:
         try:
@@ -168,9 +185,12 @@ def json_schema_spec(schema: Any, strict: bool = True) -> GrammarSpec:
             schema = json.loads(schema)
         except (json.JSONDecodeError, RecursionError) as err:
             raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
-    prepared, _relaxed, needs_llguidance = normalize_json_schema(schema, strict)
+    from namazu.structured.free_order import needs_free_order
+
+    prepared, unordered, needs_llguidance = normalize_json_schema_unordered(schema, strict)
     return GrammarSpec("json_schema", json.dumps(prepared, ensure_ascii=False),   # property order matters
-                       "llguidance" if needs_llguidance else "")
+                       "llguidance" if needs_llguidance else "",
+                       json.dumps(unordered, ensure_ascii=False) if needs_free_order(unordered) else "")
 
 
 class MatcherGrammar(StepwiseGrammar):
