@@ -29,12 +29,13 @@ from typing import Any
 from namazu.structured.any_order import MAX_ANY_ORDER
 from namazu.structured.llguidance_backend import JSON_OPTIONS
 
-MAX_KEYS = 63             # bits 0..62: declared keys seen; bit 63: a key was written
+MAX_KEYS = 63             # bits 0..62: declared keys seen (the first 63, required first); bit 63: a key was written
 WROTE = 1 << 63
 # A JSON string as llguidance writes one under JSON_OPTIONS: no control characters, no DEL, no \u.
 _STRING = r'/"([^"\\\x00-\x1F\x7F]|\\["\\bfnrt])*"/'
 _OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "minProperties", "maxProperties",
-                "patternProperties"}
+                "patternProperties", "propertyNames"}
+_KEY_KEYS = {"type", "enum", "const", "pattern", "minLength", "maxLength", "format"}   # a key's own schema
 _ARRAY_KEYS = {"type", "items", "minItems", "maxItems"}
 _TYPES = ("null", "boolean", "object", "array", "number", "string")
 # the keywords that apply to one type only (JSON Schema ignores them for an instance of another)
@@ -82,7 +83,8 @@ def needs_free_order(schema: Any) -> bool:
     more than MAX_ANY_ORDER declared properties, or at least one beside undeclared ones."""
     for s in _objects(schema):
         props = s.get("properties")
-        if isinstance(props, dict) and props and s.get("type") == "object":
+        t = s.get("type")
+        if isinstance(props, dict) and props and (t is None or t == "object" or isinstance(t, list) and "object" in t):
             if len(props) > MAX_ANY_ORDER or s.get("additionalProperties", True) is not False:
                 return True
     return False
@@ -169,19 +171,23 @@ class _Lark:
         patterns = s.get("patternProperties", {})
         if patterns and not self.pattern_apart(s):
             return self.leaf(s)
+        names = self.key_schema(s)
+        if "propertyNames" in s and (names is None or props or forbidden or patterns):
+            return self.leaf(s)
         required = [k for k in props if k in set(s.get("required", []))]
-        if len(props) > MAX_KEYS:
-            raise Unsupported("an object of more than 63 declared properties")
         if len(required) != len(set(s.get("required", []))):
             raise Unsupported("a required property that is forbidden or undeclared")
         extra = s.get("additionalProperties", True)
         lo, hi = s.get("minProperties"), s.get("maxProperties")
-        if (extra is not False or patterns) and (lo is not None or hi is not None):
-            return self.leaf(s)       # undeclared keys are not counted: llguidance's own object
+        uncounted = extra is not False or patterns or len(props) > MAX_KEYS
+        if uncounted and (hi is not None or (lo or 0) > 1) or len(required) > MAX_KEYS:
+            return self.leaf(s)       # keys that are not counted: llguidance's own object (fixed order)
         order = required + [k for k in props if k not in required]     # the required keys are bits 0..r-1
-        n = len(order)
+        n = min(len(order), MAX_KEYS)
         end = [f"is_ones([0:{len(required)}])"] if required else []
-        if lo is not None:
+        if uncounted and lo == 1:
+            end.append("bit_set(63)")          # some key was written
+        elif lo is not None:
             end.append(f"bit_count_ge([0:{n}], {int(lo)})")
         room = [f"bit_count_lt([0:{n}], {int(hi)})"] if hi is not None else []
         param = f"{name}_k"
@@ -191,8 +197,11 @@ class _Lark:
             term = f"K{name.upper()}_{bit}"
             keys.append(term)
             self.lines.append(f"{term}: {_lit(_lit(key))}")
-            alts.append(f'sep::_ {term} ": " {self.rule(props[key])} {param}::bit_or({hex(WROTE | 1 << bit)}) '
-                        f"%if {_cond([f'bit_clear({bit})', *room])}")
+            if bit < MAX_KEYS:
+                alts.append(f'sep::_ {term} ": " {self.rule(props[key])} {param}::bit_or({hex(WROTE | 1 << bit)}) '
+                            f"%if {_cond([f'bit_clear({bit})', *room])}")
+            else:    # past 63 bits, an optional key is not tracked: it may come twice (json keeps the last)
+                alts.append(f'sep::_ {term} ": " {self.rule(props[key])} {param}::set_bit(63)')
         for i, key in enumerate(forbidden):
             keys.append(f"K{name.upper()}_F{i}")
             self.lines.append(f"{keys[-1]}: {_lit(_lit(key))}")
@@ -200,12 +209,23 @@ class _Lark:
             if value is not False:      # a key llguidance's own string-with-pattern checks
                 key = self.rule({"type": "string", "pattern": pattern})
                 alts.append(f'sep::_ {key} ": " {self.rule(value)} {param}::set_bit(63)')
-        if extra is not False:
+        if extra is not False and names is not None:      # a map: every key checked by propertyNames
+            alts.append(f'sep::_ {self.rule(names)} ": " {self.rule(extra)} {param}::set_bit(63)')
+        elif extra is not False:
             other = f"O{name.upper()}"
             self.lines.append(f"{other}: STRING & ~({' | '.join(keys)})" if keys else f"{other}: STRING")
             alts.append(f'sep::_ {other} ": " {self.rule(extra)} {param}::set_bit(63)')
         self.lines.append(f"{param}::_ : " + "\n    | ".join(alts))
         return f'"{{" {param}::0x0'
+
+    def key_schema(self, s: dict) -> Any:
+        """The string schema every key must satisfy (`propertyNames`, through one $ref), or None."""
+        names = s.get("propertyNames")
+        if isinstance(names, dict) and set(names) == {"$ref"} and isinstance(names["$ref"], str):
+            names = self.defs.get(names["$ref"][len("#/$defs/"):]) if names["$ref"].startswith("#/$defs/") else None
+        if not isinstance(names, dict) or not set(names) <= _KEY_KEYS or names.get("type", "string") != "string":
+            return None
+        return {**names, "type": "string"}
 
     @staticmethod
     def pattern_apart(s: dict) -> bool:

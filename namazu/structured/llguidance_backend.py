@@ -80,10 +80,14 @@ class LLGuidanceCompiler:
         if getattr(tokenizer, "kind", None) != "hf" or not hasattr(backend, "to_str"):
             raise ValueError("llguidance needs a Hugging Face tokenizer")
         self.tok = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(stop_ids))
+        # Ten times llguidance's default fuel for building a grammar's regexes (about 200 ms at most): with
+        # the default, a pattern of 50 counted words under maxLength 500 ran out of it and then refused a
+        # valid 11-word string (JSONSchemaBench o21115), over-constraint with no error.
+        self.limits = llguidance.LLParserLimits(initial_lexer_fuel=10_000_000)
 
     def compile(self, schema_text: str) -> Any:
         grammar = self.llg.LLMatcher.grammar_from_json_schema(schema_text, defaults=JSON_OPTIONS)
-        m = self.llg.LLMatcher(self.tok, grammar, log_level=0)
+        m = self.llg.LLMatcher(self.tok, grammar, log_level=0, limits=self.limits)
         if m.is_error():
             raise ValueError(f"the JSON schema does not compile: {m.get_error()}")
         return m
@@ -91,7 +95,8 @@ class LLGuidanceCompiler:
     def compile_lark(self, lark_text: str) -> Any:
         """A matcher for an llguidance Lark grammar (free_order.py writes them); ValueError if it fails."""
         try:
-            m = self.llg.LLMatcher(self.tok, self.llg.LLMatcher.grammar_from_lark(lark_text), log_level=0)
+            m = self.llg.LLMatcher(self.tok, self.llg.LLMatcher.grammar_from_lark(lark_text), log_level=0,
+                                   limits=self.limits)
         except Exception as err:   # noqa: BLE001 -- llguidance raises its own types for a bad grammar
             raise ValueError(f"the grammar does not compile: {err}") from None
         if m.is_error():

@@ -36,6 +36,7 @@ class GrammarSpec:
     text: str = ""
     compiler: str = ""     # "llguidance" where only llguidance enforces the schema; "" = by the rule
     free_order: str = ""   # the schema before any_order.py, where free_order.py should take its keys in any order
+    free_order_strict: bool = False   # a free-order grammar that cannot be written is a refusal (strict)
 
 
 class XGrammarBackend:
@@ -126,6 +127,9 @@ class XGrammarBackend:
                 raise ValueError(f"the free-order grammar is {len(text)} characters")
             return ("llguidance", self.llg.compile_lark(text))
         except ValueError as err:
+            if spec.free_order_strict:      # refused by name rather than served with one key order only
+                raise ValueError("the schema's objects cannot take their keys in any order (JSON Schema gives "
+                                 f"keys no order; not strict, they follow the schema's order): {err}") from None
             log.debug("keys in the schema's order, the free-order grammar was not written: %s", err)
             return None
 
@@ -190,7 +194,8 @@ def json_schema_spec(schema: Any, strict: bool = True) -> GrammarSpec:
     prepared, unordered, needs_llguidance = normalize_json_schema_unordered(schema, strict)
     return GrammarSpec("json_schema", json.dumps(prepared, ensure_ascii=False),   # property order matters
                        "llguidance" if needs_llguidance else "",
-                       json.dumps(unordered, ensure_ascii=False) if needs_free_order(unordered) else "")
+                       json.dumps(unordered, ensure_ascii=False) if needs_free_order(unordered) else "",
+                       strict and needs_free_order(unordered))
 
 
 class MatcherGrammar(StepwiseGrammar):
