@@ -202,7 +202,7 @@ def run_subset(path: Path, engines: list[Any], tokenizer: Any, limit: int | None
 def _reason(msg: str) -> str:
     """A short bucket for a refusal message (the keyword it names)."""
     msg = re.sub(r"\[[0-9:]+\] \S+:\d+: ", "", msg)        # xgrammar's "[hh:mm:ss] file.cc:line: "
-    for word in ("'not'", "contains", "oneOf", "if/then/else", "uniqueItems", "minProperties", "dependent",
+    for word in ("any order", "'not'", "contains", "oneOf", "if/then/else", "uniqueItems", "minProperties", "dependent",
                  "format", "allOf", "$ref", "pattern", "unevaluated", "accepts no", "accepts nothing", "nests",
                  "too large", "$dynamicRef", "$recursiveRef", "propert"):
         if word in msg:

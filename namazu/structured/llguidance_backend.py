@@ -2,6 +2,9 @@
 
 Which compiler a JSON schema gets (after `json_schema.normalize_json_schema`) is one rule:
 
+0. a schema with an object whose keys `any_order.py` cannot free (more than 3 declared properties, or
+   undeclared ones beside declared ones) is written as an llguidance grammar that takes them in any
+   order (`free_order.py`); where that grammar cannot be written, strict refuses and otherwise 1-3 apply;
 1. a schema only llguidance enforces (lengths beside a pattern that cannot be folded into it, lengths
    beside an email format: xgrammar drops the lengths) goes to llguidance; its refusal is final;
 2. a schema with an object open to undeclared properties (no `additionalProperties: false`, as JSON

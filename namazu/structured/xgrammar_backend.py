@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -128,8 +129,9 @@ class XGrammarBackend:
             return ("llguidance", self.llg.compile_lark(text))
         except ValueError as err:
             if spec.free_order_strict:      # refused by name rather than served with one key order only
+                detail = " ".join(re.split(r"\n\s*\d+ \|", str(err))[0].split())[:400]   # not llguidance's listing
                 raise ValueError("the schema's objects cannot take their keys in any order (JSON Schema gives "
-                                 f"keys no order; not strict, they follow the schema's order): {err}") from None
+                                 f"keys no order; not strict, they follow the schema's order): {detail}") from None
             log.debug("keys in the schema's order, the free-order grammar was not written: %s", err)
             return None
 

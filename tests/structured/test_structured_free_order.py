@@ -90,10 +90,13 @@ def test_forbidden_keys_type_lists_maps_and_untyped_objects(backend):   # noqa: 
     nullable = {"type": ["object", "null"], "properties": PROPS, "required": ["id"], "additionalProperties": False}
     exact_on(backend, nullable, [None, "s", {"id": 1}, dict(reversed(FULL.items())), {"kind": "a"}])
     services = {"type": "object", "additionalProperties": False,
-                "patternProperties": {"^[a-z]+$": CLOSED}, "properties": {"version": {"type": "string"}}}
-    exact_on(backend, services, [{"web": dict(reversed(FULL.items())), "version": "3"},
-                                 {"version": "3", "db": {"kind": "a", "id": 1}, "web": {"id": 1, "kind": "b"}},
-                                 {"Web": {"id": 1, "kind": "a"}}, {"web": {"id": 1}}, {}])
+                "patternProperties": {"^s-[a-z]+$": CLOSED}, "properties": {"version": {"type": "string"}}}
+    exact_on(backend, services, [{"s-web": dict(reversed(FULL.items())), "version": "3"},
+                                 {"version": "3", "s-db": {"kind": "a", "id": 1}, "s-web": {"id": 1, "kind": "b"}},
+                                 {"s-Web": {"id": 1, "kind": "a"}}, {"s-web": {"id": 1}}, {}, {"version": 3}])
+    # "version" matches the pattern too: both schemas apply to it (llguidance's own object, fixed order)
+    overlapping = {**services, "patternProperties": {"^[a-z]+$": CLOSED}}
+    exact_on(backend, overlapping, [{"version": "3"}, {"web": {"id": 1, "kind": "b"}}, {"version": {"id": 1, "kind": "a"}}])
     untyped = {"properties": PROPS, "required": ["id"]}      # admits every type; objects are checked
     exact_on(backend, untyped, [1, "s", [1], None, {"kind": "a", "id": 1}, {"kind": "a"}, {"id": "1"}])
 
@@ -128,13 +131,23 @@ def test_the_grammar_grows_linearly_with_the_keys():
     assert size(40) < 5 * size(10)       # a grammar of every order would grow by 2^30
 
 
-def test_a_schema_the_free_order_grammar_cannot_hold_keeps_the_ordinary_path(backend):   # noqa: F811
-    # llguidance's regexes have no look-ahead; xgrammar compiles the schema, in the schema's key order
+def test_a_schema_the_free_order_grammar_cannot_hold_is_refused_under_strict(backend):   # noqa: F811
+    # llguidance's regexes have no look-around: strict refuses naming it, not strict keeps the schema's order
     schema = {"type": "object", "properties": {**PROPS, "main": {"type": "string", "pattern": "^(?!org\\.)[a-z.]+$"}},
               "additionalProperties": False}
-    spec = json_schema_spec(schema)
-    assert spec.free_order and backend[0].compiler_for(spec) == "xgrammar"
-    assert accepts(backend, spec, {"id": 1, "main": "com.x"})
+    with pytest.raises(ValueError, match="any order.*look-around"):
+        backend[0].compile(json_schema_spec(schema))
+    relaxed = json_schema_spec(schema, strict=False)
+    assert relaxed.free_order and backend[0].compiler_for(relaxed) == "xgrammar"
+    assert accepts(backend, relaxed, {"id": 1, "main": "com.x"})
+
+
+def test_a_long_counted_pattern_under_a_length_is_not_refused_for_lack_of_fuel(backend):   # noqa: F811
+    # with llguidance's default regex fuel this valid 11-word string was refused (JSONSchemaBench o21115)
+    words = {"type": "string", "minLength": 1, "maxLength": 500, "pattern": "^(?:\\S+\\s+){0,49}\\S+$"}
+    exact_on(backend, {**OPEN, "properties": {**PROPS, "note": words}},
+             [{"id": 1, "kind": "a", "note": "The lab is near a bus stop and a train station."},
+              {"id": 1, "kind": "a", "note": " lead"}, {"note": " ".join(["w"] * 51), "id": 1, "kind": "a"}])
 
 
 SCHEMAS = [CLOSED, OPEN, {"type": "array", "items": CLOSED, "maxItems": 2},
