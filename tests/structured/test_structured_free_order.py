@@ -8,7 +8,7 @@ import random
 
 import jsonschema
 import pytest
-from test_structured_keywords import validator
+from test_structured_keywords import ENFORCED, OPEN_WALKS, validator
 from test_structured_rewrites import accepts, backend, exact_on, walks_validate  # noqa: F401 -- fixture
 
 from namazu import LLM, SamplingParams
@@ -119,6 +119,30 @@ def test_arrays_of_objects_keep_their_bounds(backend):   # noqa: F811
     schema = {"type": "array", "items": CLOSED, "minItems": 2, "maxItems": 3}
     item = dict(reversed(FULL.items()))
     exact_on(backend, schema, [[item] * n for n in range(5)] + [[item, {"id": 1}], [{"kind": "a", "id": 1}] * 2])
+
+
+# valid seeds of the open schemas whose random walks rarely end (test_structured_keywords.OPEN_WALKS)
+SEEDS = {"allOf-ref": {"id": 1, "tag": "x"}, "if-then-else": {"kind": "a", "v": 1, "w": "ab"},
+         "oneOf-discriminator": {"kind": "b", "s": "abc", "n": 2}, "open-object": {"a": 1},
+         "required-undeclared": {"x": 1, "y": 2}}
+
+
+@pytest.mark.parametrize("name", OPEN_WALKS)
+def test_open_objects_in_random_key_orders(backend, name):   # noqa: F811
+    """Their seeds' keys in random orders, some dropped, some values wrong, undeclared keys anywhere:
+    accepted exactly when jsonschema says the object is valid."""
+    schema, seed, rng = ENFORCED[name], SEEDS[name], random.Random(name)
+    values = []
+    for _ in range(80):
+        items = rng.sample(list(seed.items()), rng.randint(len(seed) - 1, len(seed)))
+        if items and rng.random() < 0.3:
+            items[0] = (items[0][0], rng.choice(["long string", 7, None]))
+        for _ in range(rng.randint(0, 2)):
+            items.insert(rng.randint(0, len(items)), (rng.choice(["zz", "q1"]), rng.choice([0, "s", [1]])))
+        values.append(dict(items))
+    exact_on(backend, schema, values)
+    valid = [v for v in values if validator(schema).is_valid(v)]
+    assert any(list(v)[0] not in seed for v in valid), "no valid object with an undeclared key first"
 
 
 def test_the_grammar_grows_linearly_with_the_keys():
