@@ -14,12 +14,16 @@ where bit 63 says a key was written (so a ", " comes first), OTHER is any JSON s
 keys (an undeclared key can never spell a declared one), and min/maxProperties on a closed object count
 the bits. The rule is materialized lazily per value during parsing: its size is linear in the keys.
 
-Each value is translated the same way where it is an object, an array of them, an `anyOf` or a `$ref`
-(a rule per definition, so recursion stays a rule); any other sub-schema is a leaf compiled by
+Each value is translated the same way where it is an object, an array (its bounds kept by a counter in
+the parameter), an `anyOf`, a `$ref` (a rule per definition, so recursion stays a rule), a type list
+with an object in it (the object part, or the other types alone), or a map (one `patternProperties`
+pattern no declared key matches, or `propertyNames`); any other sub-schema is a leaf compiled by
 llguidance's own JSON compiler (`%json {...}`, with namazu's separators and escapes). A sub-schema the
-translation does not read (an object with `patternProperties`, say) is a leaf too: it keeps
-llguidance's fixed order, narrower, never wider. Where the translation cannot be done at all
-(`Unsupported`) the schema takes the ordinary path.
+translation does not read (an object with two patterns, or counts beside undeclared keys) is a leaf
+too: it keeps llguidance's fixed order, narrower, never wider. Past 63 declared properties the optional
+keys beyond the 63rd are not tracked and may come twice (a JSON parser keeps the last, which was
+checked). Where the translation cannot be done at all (`Unsupported`, or llguidance refuses a leaf: a
+look-around pattern) the backend refuses a strict schema and fixes the order of a non-strict one.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from typing import Any
 from namazu.structured.any_order import MAX_ANY_ORDER
 from namazu.structured.llguidance_backend import JSON_OPTIONS
 
-MAX_KEYS = 63             # bits 0..62: declared keys seen (the first 63, required first); bit 63: a key was written
+MAX_KEYS = 63             # bits 0..62: the first 63 declared keys seen (required first); bit 63: a key was written
 WROTE = 1 << 63
 # A JSON string as llguidance writes one under JSON_OPTIONS: no control characters, no DEL, no \u.
 _STRING = r'/"([^"\\\x00-\x1F\x7F]|\\["\\bfnrt])*"/'

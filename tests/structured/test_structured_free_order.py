@@ -96,7 +96,8 @@ def test_forbidden_keys_type_lists_maps_and_untyped_objects(backend):   # noqa: 
                                  {"s-Web": {"id": 1, "kind": "a"}}, {"s-web": {"id": 1}}, {}, {"version": 3}])
     # "version" matches the pattern too: both schemas apply to it (llguidance's own object, fixed order)
     overlapping = {**services, "patternProperties": {"^[a-z]+$": CLOSED}}
-    exact_on(backend, overlapping, [{"version": "3"}, {"web": {"id": 1, "kind": "b"}}, {"version": {"id": 1, "kind": "a"}}])
+    exact_on(backend, overlapping, [{"version": "3"}, {"web": {"id": 1, "kind": "b"}},
+                                    {"version": {"id": 1, "kind": "a"}}])
     untyped = {"properties": PROPS, "required": ["id"]}      # admits every type; objects are checked
     exact_on(backend, untyped, [1, "s", [1], None, {"kind": "a", "id": 1}, {"kind": "a"}, {"id": "1"}])
 
@@ -157,8 +158,8 @@ def test_the_grammar_grows_linearly_with_the_keys():
 
 def test_a_schema_the_free_order_grammar_cannot_hold_is_refused_under_strict(backend):   # noqa: F811
     # llguidance's regexes have no look-around: strict refuses naming it, not strict keeps the schema's order
-    schema = {"type": "object", "properties": {**PROPS, "main": {"type": "string", "pattern": "^(?!org\\.)[a-z.]+$"}},
-              "additionalProperties": False}
+    main = {"type": "string", "pattern": "^(?!org\\.)[a-z.]+$"}
+    schema = {"type": "object", "properties": {**PROPS, "main": main}, "additionalProperties": False}
     with pytest.raises(ValueError, match="any order.*look-around"):
         backend[0].compile(json_schema_spec(schema))
     relaxed = json_schema_spec(schema, strict=False)
