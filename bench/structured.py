@@ -189,7 +189,10 @@ def instances(args, argv) -> None:
                f"{took:.0f} s on {args.threads} thread(s), load average {os.getloadavg()[0]:.1f}.")
     print(summary)
     if args.write:
-        command = "python bench/structured.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        given = list(sys.argv[1:] if argv is None else argv)
+        if "--outcomes" in given:            # a local file: not part of the command that makes the table
+            del given[given.index("--outcomes"):given.index("--outcomes") + 2]
+        command = "python bench/structured.py " + " ".join(given)
         write_section(INST_BEGIN, INST_END, f"## Structured output: JSONSchemaBench test instances\n\n"
                                             f"`{command.strip()}`\n\n{summary}")
 
