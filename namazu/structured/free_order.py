@@ -165,8 +165,28 @@ class _Lark:
         if '"$ref"' in text:
             if '"$ref": "#"' in text:
                 raise Unsupported("a reference to the root from a leaf")
-            s["$defs"] = self.defs
+            s["$defs"] = self.reachable(s)
         return "%json " + json.dumps({**s, "x-guidance": JSON_OPTIONS})
+
+    def reachable(self, s: Any) -> dict[str, Any]:
+        """The definitions a leaf references, directly or through each other (its own copy of them)."""
+        out: dict[str, Any] = {}
+        stack = [s]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, list):
+                stack.extend(x)
+            elif isinstance(x, dict):
+                ref = x.get("$ref")
+                if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                    target = ref[len("#/$defs/"):]
+                    if target not in self.defs:
+                        raise Unsupported(f"$ref {ref!r}")
+                    if target not in out:
+                        out[target] = self.defs[target]
+                        stack.append(self.defs[target])
+                stack.extend(v for k, v in x.items() if k not in ("enum", "const", "$ref"))
+        return out
 
     def obj(self, s: dict, name: str) -> str:
         # a property whose schema is false may not appear: it is no alternative, and no undeclared key

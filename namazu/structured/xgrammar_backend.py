@@ -194,10 +194,10 @@ def json_schema_spec(schema: Any, strict: bool = True) -> GrammarSpec:
     from namazu.structured.free_order import needs_free_order
 
     prepared, unordered, needs_llguidance = normalize_json_schema_unordered(schema, strict)
+    free = needs_free_order(unordered)
     return GrammarSpec("json_schema", json.dumps(prepared, ensure_ascii=False),   # property order matters
                        "llguidance" if needs_llguidance else "",
-                       json.dumps(unordered, ensure_ascii=False) if needs_free_order(unordered) else "",
-                       strict and needs_free_order(unordered))
+                       json.dumps(unordered, ensure_ascii=False) if free else "", strict and free)
 
 
 class MatcherGrammar(StepwiseGrammar):

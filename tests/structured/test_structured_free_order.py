@@ -146,6 +146,19 @@ def test_open_objects_in_random_key_orders(backend, name):   # noqa: F811
     assert any(list(v)[0] not in seed for v in valid), "no valid object with an undeclared key first"
 
 
+def test_a_leaf_carries_only_the_definitions_it_reaches(backend):   # noqa: F811
+    # two patterns make the map a leaf (llguidance's own object); it references "a", which references "b"
+    leafy = {"type": "object", "additionalProperties": False,
+             "patternProperties": {"^x": {"$ref": "#/$defs/a"}, "^y": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"m": leafy, "u": {"$ref": "#/$defs/unused"}, **PROPS},
+              "$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/b"}}, "b": {"type": "integer"},
+                        "unused": {"type": "object", "properties": {"never_here": {"type": "string"}}}}}
+    _, unordered, _ = normalize_json_schema_unordered(schema)
+    text = lark_grammar(unordered)
+    assert text.count("never_here") == 1 and text.count('"items"') >= 1
+    exact_on(backend, schema, [{"m": {"x1": [1, 2], "y": 3}, "id": 1}, {"m": {"x1": ["s"]}}, {"kind": "a", "m": {}}])
+
+
 def test_the_grammar_grows_linearly_with_the_keys():
     def size(n):
         schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)},
