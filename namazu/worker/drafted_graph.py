@@ -44,10 +44,13 @@ class DraftedTails:
         self.fns: dict[tuple[int, bool], Callable] = {}
         self._zero_q: dict[int, torch.Tensor] = {}
         self._called: set[tuple[int, bool]] = set()
-        # Both variants under every backend. Inductor (torch 2.13, CPU) once compiled the sampled one into
-        # kernels that read out of bounds: its argmax fused with the seeded noise's hash, and the cumprod of
-        # the accepted prefix; both are written as plain reductions now (`first_argmax`, `accepted_prefix`).
-        self.variants = (False, True)
+        # Inductor (torch 2.13, CPU) compiles the sampled variant into kernels that read out of bounds. Two
+        # of its miscompiles are avoided (an argmax fused with the seeded noise's hash, the cumprod of the
+        # accepted prefix: `first_argmax`, `accepted_prefix`), and with them the shipped drafter's sampled
+        # tail ran and matched eager mode; with the tests' random drafter it still segfaults at warm-up, so
+        # under inductor that variant runs the same function eagerly. Other backends (the tests' "eager"
+        # trace) compile both.
+        self.variants = (False,) if graphs.backend == "inductor" else (False, True)
         self.plain_entries = [e for (bp, tq), e in graphs.entries.items() if tq == 1]
         self.context_fns: dict[int, Callable] = {}
 

@@ -328,8 +328,7 @@ def test_graph_mode_drafts_and_outputs_equal_eager():
     """Graph mode pads a verify step's rows to its ladder entry; the drafter must still read the step's own
     rows (its hidden states, positions and slots), so greedy outputs equal plain decoding and the drafts
     are the eager mode's. Under inductor itself (the other graph tests trace with the "eager" backend):
-    the greedy and the sampled drafted tails, seeded sampled rows giving eager mode's tokens (inductor
-    once compiled the sampled tail into kernels that read out of bounds: tests/MUTATIONS.md P7)."""
+    the compiled greedy drafted tail, and seeded sampled rows giving eager mode's tokens."""
     ps = prompts(2, lo=4, hi=10, seed=9)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     seeded = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10, ignore_eos=True, seed=5 + i)
@@ -348,7 +347,7 @@ def test_graph_mode_drafts_and_outputs_equal_eager():
     assert_same_outputs(tiny_checkpoint(), ps, params, graph, eager)
     assert stats.num_draft_tokens > 0
     assert stats.acceptance_length_histogram == eager_stats.acceptance_length_histogram
-    assert (2, False) in called and (2, True) in called, called
+    assert (2, False) in called, called
     assert_same_outputs(tiny_checkpoint(), ps, seeded, graph_seeded, eager_seeded)
 
 
