@@ -132,13 +132,20 @@ class DraftPolicy:
         b = len(states)
         if not states:
             return {}
-        rates = [self.rates(st) for st in states]
+        # E_s(k) for every sequence and k once; the ascent then moves running totals (O(B K) a step: the
+        # plan runs on the engine's thread before every step).
+        gains = [self._expected(self.rates(st)) for st in states]
         plain_ms, fixed_ms, row_ms = self.step_costs(b)
         ks = [self.k_max] * b
+        tokens = sum(g[-1] for g in gains)
+        rows = self.k_max * b
         for _ in range(2):
             for i in range(b):
-                ks[i] = max(range(self.k_max + 1), key=lambda k: self._rate(rates, ks, i, k, fixed_ms, row_ms))
-        drafted = self._rate(rates, ks, 0, ks[0], fixed_ms, row_ms) if any(ks) else 0.0
+                base_t, base_r = tokens - gains[i][ks[i]], rows - ks[i]
+                best = max(range(self.k_max + 1),
+                           key=lambda k: self._per_ms(base_t + gains[i][k], base_r + k, fixed_ms, row_ms))
+                tokens, rows, ks[i] = base_t + gains[i][best], base_r + best, best
+        drafted = self._per_ms(tokens, rows, fixed_ms, row_ms)
         # Start only on a clear win, stop only where it no longer wins: noise does not flap the choice.
         was_on = any(st.k > 0 for st in states)
         if not any(ks) or drafted * plain_ms / b < (1.0 if was_on else self.margin):
@@ -213,10 +220,15 @@ class DraftPolicy:
         return st
 
     @staticmethod
-    def _rate(rates: list[list[float]], ks: list[int], i: int, k: int, fixed: float, row: float) -> float:
-        """Tokens per ms of a drafted step with sequence i at k and the others at ks."""
-        total_rows = sum(ks) - ks[i] + k
-        if total_rows == 0:
-            return 0.0
-        tokens = sum(expected_tokens(r, ks[j] if j != i else k) for j, r in enumerate(rates))
-        return tokens / (fixed + row * total_rows)
+    def _expected(rates: list[float]) -> list[float]:
+        """[E(0), E(1), ..., E(K)]."""
+        out, p = [1.0], 1.0
+        for a in rates:
+            p *= a
+            out.append(out[-1] + p)
+        return out
+
+    @staticmethod
+    def _per_ms(tokens: float, rows: int, fixed: float, row: float) -> float:
+        """Tokens per ms of a drafted step verifying `rows` drafts in all (none verified: not a drafted step)."""
+        return tokens / (fixed + row * rows) if rows else 0.0

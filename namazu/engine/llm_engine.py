@@ -301,8 +301,9 @@ class LLMEngine:
         if not self.scheduler.has_unfinished:
             return None
         if self.draft_policy is not None:
-            self._draft_plan = self.draft_policy.plan([(seq.seq_id, seq.params.temperature)
-                                                       for seq in self.scheduler.running])
+            # Above the drafting limit the scheduler drafts for no one: no plan to make.
+            running = self.scheduler.running if self.scheduler.speculation_fits() else []
+            self._draft_plan = self.draft_policy.plan([(seq.seq_id, seq.params.temperature) for seq in running])
         plan = self.scheduler.schedule(self._num_drafts if self.num_speculative_tokens else None)
         if plan.is_empty:
             return None

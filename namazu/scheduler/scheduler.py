@@ -124,7 +124,7 @@ class Scheduler:
             self._preempt(seq, why)
         return len(running)
 
-    def _speculation_fits(self) -> bool:
+    def speculation_fits(self) -> bool:
         limit = self.spec_disable_batch_size
         return limit == 0 or len(self.running) <= limit
 
@@ -138,7 +138,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         # A first guess, so a batch already too large spends no budget on drafts; the decision below is
         # the one that counts.
-        drafting = num_drafts is not None and self._speculation_fits()
+        drafting = num_drafts is not None and self.speculation_fits()
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
 
@@ -190,7 +190,7 @@ class Scheduler:
             bisect.insort(self.running, seq, key=self._key)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-        speculate = num_drafts is not None and self._speculation_fits()
+        speculate = num_drafts is not None and self.speculation_fits()
         if num_drafts is not None and not speculate:
             # Admissions pushed the batch past the threshold: verify nothing. The blocks grown for the
             # drafts are released by `commit`, as those of rejected drafts are.
