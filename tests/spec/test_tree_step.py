@@ -19,6 +19,7 @@ from scipy.stats import chi2
 from namazu import LLM, SamplingParams
 from namazu.assets import default_model_path
 from namazu.engine_config import EngineConfig
+from namazu.spec.dflash_proposer import DFlashProposer
 from namazu.spec.selection import SHIPPED_DRAFTER_DIR
 from namazu.spec.tree_step import TreeStep
 
@@ -82,6 +83,18 @@ def test_outputs_equal_decoding_without_speculation(paths, budget, async_sched, 
     assert off_chain(step, paths) > 0, "no accepted path used a later sibling: the test shows nothing"
 
 
+def test_a_tree_accepts_more_than_the_chain_at_t0():
+    """The same prompts, greedy: tokens per verify step with a 16-node tree above the chain's. Outputs are
+    the same either way; this is what shows the drafter's context follows the accepted path (a drafter
+    that read a rejected node's context, or counted from a node row's position, would draft worse)."""
+    length = {}
+    for budget in (0, 16):
+        with engine(budget) as llm:
+            generate(llm, GREEDY)
+            length[budget] = llm.engine.get_stats().mean_acceptance_length
+    assert length[16] > 1.05 * length[0], length
+
+
 @torch.no_grad()
 def test_logprobs_after_accepted_branches_equal_a_fresh_prefill(paths):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
@@ -120,8 +133,19 @@ def _context(llm: LLM, seq, n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def test_the_cache_after_tree_steps_equals_a_prefill(paths):
+def test_the_cache_after_tree_steps_equals_a_prefill(paths, monkeypatch):
+    """Both caches (the target's latents, the drafter's context) at every computed position, and the
+    drafter's anchors: each block it drafts starts from the emitted bonus token at that token's position."""
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    anchors = []
+    real = DFlashProposer.draft_block
+
+    def draft_block(self, inp, k):
+        out = real(self, inp, k)
+        anchors.append((out[0].tolist(), out[1].tolist()))
+        return out
+
+    monkeypatch.setattr(DFlashProposer, "draft_block", draft_block)
     with engine(16, async_scheduling=False, enable_prefix_caching=False) as llm:
         eng = llm.engine
         eng.add_request("a", TEXTS[0], params)
@@ -132,6 +156,8 @@ def test_the_cache_after_tree_steps_equals_a_prefill(paths):
         got = _latents(llm, seq, n)
         step = eng.executor.worker.runner.spec.tree
         got_ctx = _context(llm, seq, n)
+    assert len(anchors) >= 12 and all(tokens[p] == t for (t,), (p,) in anchors), anchors
+    anchors.clear()
     assert off_chain(step, paths) > 0 and n > len(seq.prompt_token_ids) + 12
     # The reference prefills the accepted tokens with the same drafter (its context cache too), no tree.
     with engine(0, async_scheduling=False, enable_prefix_caching=False) as ref:
@@ -149,10 +175,11 @@ def test_the_token_decided_at_the_root_follows_the_target_at_t1(paths):
     """Token 2 of each sequence (the first a tree decides: token 1 is the prompt's plain sample) against the
     dense model's p given the prompt and token 1, pooled over the values of token 1."""
     text = "Once upon a time"
-    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, n=48)
+    # max_tokens 4: the engine plans 2 of the tree's nodes, the root's two children (node order is by depth).
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, n=48)
     pairs = []
     with engine(6, max_num_seqs=48) as llm:
-        for _ in range(40):
+        for _ in range(60):
             out = llm.generate([text], params, use_tqdm=False)[0]
             pairs += [tuple(c.token_ids[:2]) for c in out.outputs]
         prompt = out.prompt_token_ids
@@ -175,7 +202,8 @@ def test_the_token_decided_at_the_root_follows_the_target_at_t1(paths):
         keep = e > 0
         stat += float((((c - e) ** 2)[keep] / e[keep]).sum())
         dof += int(keep.sum()) - 1
-    assert dof >= 10, f"too few samples per first token ({len(pairs)} pairs)"
+    assert dof >= 8, f"too few samples per first token ({len(pairs)} pairs)"
+    print(f"chi2 {stat:.1f} over {dof} dof")
     assert stat < chi2.ppf(1 - 1e-3, dof), f"chi2 {stat:.1f} over {dof} dof"
 
 
