@@ -214,3 +214,40 @@ def test_the_budget_is_checked_at_start_up():
         EngineConfig(speculative_tree_budget=8, tensor_parallel_size=2).validate()
     with pytest.raises(ValueError, match="DFlash"):
         EngineConfig(speculative_tree_budget=8, speculative_method="ngram", num_speculative_tokens=3).validate()
+
+
+def test_trees_and_chains_in_one_batch(monkeypatch):
+    """A request with a penalty joins sequences that verify trees: the steps it shares draft chains for
+    everyone (a penalty counts tokens along each path), and the steps in between verify trees beside chains.
+    Every request's tokens are still those of decoding without speculation."""
+    mixed = []
+    real = TreeStep.accept
+
+    def accept(self, plan, *args):
+        mixed.append(bool(plan.is_tree.any()) and not bool(plan.is_tree.all()))
+        return real(self, plan, *args)
+
+    monkeypatch.setattr(TreeStep, "accept", accept)
+    penalized = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3)
+    late_params = [GREEDY, penalized, GREEDY]
+    with engine(16, async_scheduling=False) as llm:
+        eng = llm.engine
+        for i, text in enumerate(TEXTS[:3]):
+            eng.add_request(f"early{i}", text, GREEDY)
+        done = {}
+        for step in range(200):
+            if step in (3, 9, 15):
+                j = (3, 9, 15).index(step)
+                eng.add_request(f"late{j}", TEXTS[3 + j], late_params[j])
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = (out.prompt_token_ids, out.outputs[0].token_ids)
+            if not eng.has_unfinished_requests():
+                break
+    ids = sorted(done)
+    params = {f"early{i}": GREEDY for i in range(3)} | {f"late{j}": p for j, p in enumerate(late_params)}
+    with engine(-1) as llm:
+        want = [llm.generate(None, params[r], prompt_token_ids=[done[r][0]], use_tqdm=False)[0].outputs[0].token_ids
+                for r in ids]
+    assert len(ids) == 6 and any(mixed), mixed
+    assert_same_outputs(MODEL, [done[r][0] for r in ids], [params[r] for r in ids], [done[r][1] for r in ids], want)
