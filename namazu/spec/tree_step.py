@@ -122,7 +122,9 @@ class TreeStep:
         cols = torch.arange(self.rows, device=target.device).clamp(max=k)
         first = row_layout[:, 0]
         exact = (st.temperature[first] == 0) | seeded_rows(st.seeds[first])
-        trees = DraftTree(*(x[slot_index] for x in self._trees))
+        # A chain sequence's slot may lie past the tree buffers (a sequence that never drafted a tree).
+        slot = torch.where(plan.is_tree, slot_index, 0)
+        trees = DraftTree(*(x[slot] for x in self._trees))
         verdict = verify_tree(self.tt, trees, processed[row_layout[:, cols]], target[:, cols], exact,
                               st.seeds[first], st.counters[first], num_nodes=plan.num_nodes)
         w = min(verdict.tokens.shape[1], k + 1)

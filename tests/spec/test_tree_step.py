@@ -228,7 +228,8 @@ def test_trees_and_chains_in_one_batch(monkeypatch):
         return real(self, plan, *args)
 
     monkeypatch.setattr(TreeStep, "accept", accept)
-    penalized = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3)
+    penalized = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3,
+                               presence_penalty=1.5, frequency_penalty=1.0)
     late_params = [GREEDY, penalized, GREEDY]
     with engine(16, async_scheduling=False) as llm:
         eng = llm.engine
