@@ -220,12 +220,16 @@ def test_trees_and_chains_in_one_batch(monkeypatch):
     """A request with a penalty joins sequences that verify trees: the steps it shares draft chains for
     everyone (a penalty counts tokens along each path), and the steps in between verify trees beside chains.
     Every request's tokens are still those of decoding without speculation."""
-    mixed = []
+    mixed, penalized_trees = [], []
     real = TreeStep.accept
 
-    def accept(self, plan, *args):
+    def accept(self, plan, processed, target, tokens, accepted, st, row_layout, slot_index):
         mixed.append(bool(plan.is_tree.any()) and not bool(plan.is_tree.all()))
-        return real(self, plan, *args)
+        first = row_layout[:, 0]
+        pen = (st.presence_penalty[first] != 0) | (st.frequency_penalty[first] != 0) | \
+            (st.repetition_penalty[first] != 1)
+        penalized_trees.append(int((pen & plan.is_tree).sum()))
+        return real(self, plan, processed, target, tokens, accepted, st, row_layout, slot_index)
 
     monkeypatch.setattr(TreeStep, "accept", accept)
     penalized = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3,
@@ -251,4 +255,6 @@ def test_trees_and_chains_in_one_batch(monkeypatch):
         want = [llm.generate(None, params[r], prompt_token_ids=[done[r][0]], use_tqdm=False)[0].outputs[0].token_ids
                 for r in ids]
     assert len(ids) == 6 and any(mixed), mixed
+    # Its rows would need the counts of each node's own path: it verifies chains only.
+    assert sum(penalized_trees) == 0
     assert_same_outputs(MODEL, [done[r][0] for r in ids], [params[r] for r in ids], [done[r][1] for r in ids], want)
