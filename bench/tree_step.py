@@ -1,7 +1,8 @@
 """Decode speed with draft trees (`--speculative-tree-budget N`) against the chain and speculation off, in one run.
 
     python bench/tree_step.py [--budgets 8 16] [--batch 1 8] [--temperatures 0 0.7] [--rounds 3]
-                              [--groups 4] [--output-len 48] [--threads 1] [--modes eager]
+                              [--groups 4] [--output-len 48] [--threads 1] [--modes eager] [--sync]
+                              [--ignore-eos]
 
 Setups, one inline engine each, kept for the whole run: off (no speculation); chain (the model's shipped DFlash2
 drafter named by flags, so it drafts at every batch size, --k drafts: its block size - 1); tree@N for each
@@ -11,9 +12,12 @@ round is run and not counted. Per setup, batch size and temperature (median over
 (the tokens after each prompt's first over the wall time from the batch's last first token to its end: the
 phase speculation speeds up), output tokens/s, engine ms per step, tokens per verify step (mean acceptance
 length), verify rows per verify step (1 + rows the engine planned), and the ratios to off and to the chain.
-Prompts: 64 held-out chat requests of the drafter's traffic mix (`namazu.spec.training.traffic`, valid split)
+Answers end at EOS or --output-len (--ignore-eos: always --output-len; past EOS the target writes text no
+drafter was trained on, which understates acceptance). Prompts: 64 held-out chat requests of the drafter's traffic mix (`namazu.spec.training.traffic`, valid split)
 through the default model's chat template, the same for every setup. T > 0 requests carry no seed, so their
 rows take the lossless rule with the drafter's q (a request's own seed takes exact matching, and accepts less).
+--sync turns async scheduling off in every setup: async planning assumes all N rows of the step in flight
+accepted, so near `max_tokens` it plans a tree's sequence fewer rows (docs/speculative.md, "In the step").
 """
 from __future__ import annotations
 
@@ -53,7 +57,8 @@ def _engines(args) -> dict[str, object]:
                           speculative_disable_batch_size=0)
             label = f"{mode}/{name}" if len(args.modes) > 1 else name
             llms[label] = LLM(None, executor="inline", threads=args.threads, kv_cache_memory="256MiB",
-                              enforce_eager=mode == "eager", max_num_seqs=max(args.batch), **kw)
+                              enforce_eager=mode == "eager", max_num_seqs=max(args.batch),
+                              async_scheduling=not args.sync, **kw)
     return llms
 
 
@@ -92,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=None, help="chain drafts and tree depth (default: block size - 1)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "graph"])
+    ap.add_argument("--sync", action="store_true", help="async scheduling off in every setup")
+    ap.add_argument("--ignore-eos", action="store_true")
     args = ap.parse_args(argv)
 
     from namazu import SamplingParams
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {os.getloadavg()[0]:.1f}")
     for r in range(-1, args.rounds):              # round -1: warm-up, not counted
         for temp in args.temperatures:
-            params = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=True)
+            params = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
             for bsz in args.batch:
                 first = (r + 1) * bsz * args.groups
                 batches = [[prompts[(first + g * bsz + i) % len(prompts)] for i in range(bsz)]

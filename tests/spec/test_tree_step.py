@@ -258,3 +258,18 @@ def test_trees_and_chains_in_one_batch(monkeypatch):
     # Its rows would need the counts of each node's own path: it verifies chains only.
     assert sum(penalized_trees) == 0
     assert_same_outputs(MODEL, [done[r][0] for r in ids], [params[r] for r in ids], [done[r][1] for r in ids], want)
+
+
+def test_graph_mode_runs_tree_steps_eagerly(paths, monkeypatch, caplog):
+    """With compiled steps (traced by the eager backend here, as the graph-mode tests do) a step that
+    verifies or drafts a tree runs eagerly, logged once; outputs stay greedy decoding's."""
+    monkeypatch.setenv("NAMAZU_GRAPH_BACKEND", "eager")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with engine(-1) as llm:
+        base, prompt_ids, _ = generate(llm, params, TEXTS[:3])
+    with caplog.at_level("INFO", logger="namazu.worker.model_runner"):
+        with engine(8, enforce_eager=False, max_num_seqs=4, kv_cache_memory="128MiB") as llm:
+            got, _, _ = generate(llm, params, TEXTS[:3])
+    assert_same_outputs(MODEL, prompt_ids, params, got, base)
+    assert len(paths) > 10
+    assert sum("draft tree run eagerly" in r.getMessage() for r in caplog.records) == 1
