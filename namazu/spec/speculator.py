@@ -102,11 +102,17 @@ class Speculator:
         ctx = self._context
         if ctx is not None:
             ctx.attach(target, num_blocks, block_size)
-        self._target_kv = target_kv
+        self._target_kv, self._block_size = target_kv, block_size
+        self._build_tree()
+
+    def _build_tree(self) -> None:
+        """The tree step for the proposer's shape (depth: its block; width: up to 4 of its candidates)."""
         if self.tree_budget:
+            if not callable(getattr(self.proposer, "propose_tree", None)):
+                raise ValueError(f"--speculative-tree-budget {self.tree_budget} needs a drafter that drafts trees")
             cfg = self.proposer.cfg
             depth = min(self.k, cfg.num_draft_tokens, len(DEFAULT_RATES))
-            self.tree = TreeStep(self.tree_budget, depth, cfg.selector_k, block_size, self.device)
+            self.tree = TreeStep(self.tree_budget, depth, cfg.selector_k, self._block_size, self.device)
 
     @property
     def draft_seconds(self) -> float:
@@ -124,8 +130,8 @@ class Speculator:
         self._stochastic = False
         for slot in list(self.drafts.counts):
             self.drafts.forget(slot)
-        if self.tree is not None:
-            self.tree.held.clear()
+        if self.tree is not None:     # no tree of the old drafter is verified; the new one's shape may differ
+            self._build_tree()
 
     # -- before the forward ---------------------------------------------------------------------------
     def forget_finished(self, seqs: WorkerSeqTable, finished: list[int]) -> None:

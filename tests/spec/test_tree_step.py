@@ -273,3 +273,28 @@ def test_graph_mode_runs_tree_steps_eagerly(paths, monkeypatch, caplog):
     assert_same_outputs(MODEL, prompt_ids, params, got, base)
     assert len(paths) > 10
     assert sum("draft tree run eagerly" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_replaced_drafter_drafts_trees_of_its_own_shape(paths, tmp_path):
+    """After `set_drafter` (here to a copy of the shipped checkpoint with 16 candidates per position: another
+    shape of the stored trees) the engine drafts and verifies trees again, and outputs stay greedy's."""
+    import json
+    import shutil
+
+    copy = tmp_path / "drafter"
+    shutil.copytree(DRAFTER, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["selector_k"] = 16
+    (copy / "config.json").write_text(json.dumps(cfg))
+    with engine(-1) as llm:
+        base, prompt_ids, _ = generate(llm, GREEDY, TEXTS[:3])
+    with engine(8) as llm:
+        first, _, _ = generate(llm, GREEDY, TEXTS[:3])
+        before = len(paths)
+        llm.set_drafter(str(copy))
+        second, _, _ = generate(llm, GREEDY, TEXTS[:3])
+        step = llm.engine.executor.worker.runner.spec.tree
+    assert before > 0 and len(paths) > before
+    assert step._trees.child_ids.shape[-1] == 16
+    for got in (first, second):
+        assert_same_outputs(MODEL, prompt_ids, GREEDY, got, base)
