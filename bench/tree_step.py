@@ -3,6 +3,7 @@
     python bench/tree_step.py [--budgets 8 16] [--batch 1 8] [--temperatures 0 0.7] [--rounds 3]
                               [--groups 4] [--output-len 48] [--threads 1] [--modes eager] [--sync]
                               [--ignore-eos]
+    python bench/tree_step.py --acceptance 48 [--budgets 24] [--temperatures 0 0.7 1.0] [--seeds 1 2]
 
 Setups, one inline engine each, kept for the whole run: off (no speculation); chain (the model's shipped DFlash2
 drafter named by flags, so it drafts at every batch size, --k drafts: its block size - 1); tree@N for each
@@ -16,6 +17,9 @@ Answers end at EOS or --output-len (--ignore-eos: always --output-len; past EOS 
 drafter was trained on, which understates acceptance). Prompts: 64 held-out chat requests of the drafter's traffic mix (`namazu.spec.training.traffic`, valid split)
 through the default model's chat template, the same for every setup. T > 0 requests carry no seed, so their
 rows take the lossless rule with the drafter's q (a request's own seed takes exact matching, and accepts less).
+--acceptance N: no timing; tokens per verify step of the chain and each tree on the first N prompts at
+once (16 sequences per step, synchronous scheduling, answers ending at EOS or --output-len), once per
+engine --seeds value (the engine-drawn per-sequence seeds at T > 0).
 --sync turns async scheduling off in every setup: async planning assumes all N rows of the step in flight
 accepted, so near `max_tokens` it plans a tree's sequence fewer rows (docs/speculative.md, "In the step").
 """
@@ -86,6 +90,32 @@ def _measure(llm, batches, params) -> dict[str, float]:
             "rows": 1 + (s1.num_draft_tokens - s0.num_draft_tokens) / verifies if verifies else 0.0}
 
 
+def _acceptance(args, prompts) -> None:
+    from namazu import LLM, SamplingParams
+    from namazu.assets import default_model_path
+    from namazu.spec.selection import SHIPPED_DRAFTER_DIR
+
+    drafter = str(default_model_path() / SHIPPED_DRAFTER_DIR)
+    budgets = [0] + args.budgets
+    print("| T | " + " | ".join("chain" if b == 0 else f"tree@{b}" for b in budgets) + " |")
+    print("|---:|" + "---:|" * len(budgets))
+    for temp in args.temperatures:
+        params = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
+        cells = []
+        for b in budgets:
+            taus = []
+            for seed in args.seeds:
+                with LLM(None, executor="inline", threads=args.threads, speculative_model=drafter,
+                         num_speculative_tokens=args.k, speculative_disable_batch_size=0, speculative_tree_budget=b,
+                         async_scheduling=False, seed=seed, max_num_seqs=16) as llm:
+                    llm.generate(prompt_token_ids=prompts[:args.acceptance], sampling_params=params, use_tqdm=False)
+                    taus.append(llm.engine.get_stats().mean_acceptance_length)
+            cells.append(taus)
+        chain = statistics.mean(cells[0])
+        print(f"| {temp:g} | " + " | ".join(
+            " / ".join(f"{t:.2f}" for t in taus) + f" ({statistics.mean(taus) / chain:.2f}x)" for taus in cells) + " |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", type=int, nargs="+", default=[8, 16])
@@ -99,11 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "graph"])
     ap.add_argument("--sync", action="store_true", help="async scheduling off in every setup")
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--acceptance", type=int, default=0, metavar="N",
+                    help="only tokens per verify step, on N prompts (no timing)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="engine seeds of --acceptance")
     args = ap.parse_args(argv)
 
     from namazu import SamplingParams
 
     prompts = _prompts()
+    if args.acceptance:
+        _acceptance(args, prompts)
+        return 0
     llms = _engines(args)
     names = list(llms)
     rows: dict[tuple[str, float, int], list[dict]] = {}
