@@ -1,7 +1,8 @@
 """Draft trees inside the engine's step (`--speculative-tree-budget N`, namazu/spec/tree_step.py), with the
 model's shipped DFlash2 drafter (so that trees are accepted, later siblings too):
-- greedy outputs equal decoding without speculation (up to near-ties, `assert_same_outputs`), for two
-  budgets, with and without async scheduling, and some accepted paths leave the rank-0 chain;
+- greedy and seeded outputs equal decoding without speculation (up to near-ties, `assert_same_outputs`), for
+  two budgets, with and without async scheduling, with no host read inside the step, and some accepted
+  paths leave the rank-0 chain;
 - every emitted token's logprob equals the dense model's at that prefix: the node rows of a tree (tree
   attention, rotary positions by depth) and the rows of the step after an accepted branch (whose context
   is the moved latents) give the logits of a fresh prefill of the accepted tokens;
@@ -73,7 +74,8 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, ign
 def test_outputs_equal_decoding_without_speculation(paths, budget, async_sched, params):
     with engine(-1, async_scheduling=async_sched) as llm:
         base, prompt_ids, _ = generate(llm, params)
-    with engine(budget, async_scheduling=async_sched) as llm:
+    # The step's one host read stays its only one: any other read inside it is an error here.
+    with engine(budget, async_scheduling=async_sched, debug_no_host_sync=True) as llm:
         got, _, _ = generate(llm, params)
         step = llm.engine.executor.worker.runner.spec.tree
         stats = llm.engine.get_stats()
