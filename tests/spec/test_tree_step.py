@@ -30,16 +30,30 @@ TEXTS = ["Tell me a story about a fox.", "Hello, who are you?", "List three colo
          "Write a JSON object with a name.", "What is two plus two?", "東京について教えて"]
 
 
+class Paths:
+    """The accepted path of every tree sequence of every step: kept as device tensors inside the step (no
+    host read there), read when the test iterates."""
+
+    def __init__(self):
+        self.raw: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def __iter__(self):
+        for is_tree, path, n in self.raw:
+            for s in torch.nonzero(is_tree).flatten().tolist():
+                yield path[s].tolist(), int(n[s])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 @pytest.fixture
 def paths(monkeypatch):
-    """Records the accepted path of every tree sequence of every step (a host read: tests only)."""
-    seen: list[tuple[list[int], int]] = []
+    seen = Paths()
     real = TreeStep.accept
 
     def accept(self, plan, *args):
         out = real(self, plan, *args)
-        for s in torch.nonzero(plan.is_tree).flatten().tolist():
-            seen.append((plan.path[s].tolist(), int(plan.num_accepted[s])))
+        seen.raw.append((plan.is_tree.clone(), plan.path.clone(), plan.num_accepted.clone()))
         return out
 
     monkeypatch.setattr(TreeStep, "accept", accept)
