@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="run JSONSchemaBench test instances from DIR (<Subset>.jsonl files) instead; no model")
     p.add_argument("--subsets", default=None, help="with --instances: comma-separated subset names")
     p.add_argument("--limit", type=int, default=None, help="with --instances: at most N schemas per subset")
+    p.add_argument("--outcomes", default=None, metavar="FILE",
+                   help="with --instances: write every schema's outcome and every wrong instance as JSON lines")
     args = p.parse_args(argv)
     if args.instances:
         return instances(args, argv)
@@ -170,9 +172,15 @@ def instances(args, argv) -> None:
     from structured_instances import run as run_instances
 
     t0 = time.perf_counter()
-    table, _ = run_instances(args.instances, args.subsets.split(",") if args.subsets else None, args.limit,
-                             args.model)
+    table, results = run_instances(args.instances, args.subsets.split(",") if args.subsets else None, args.limit,
+                                   args.model)
     took = time.perf_counter() - t0
+    if args.outcomes:
+        with open(args.outcomes, "w", encoding="utf-8") as f:
+            for tallies in results.values():
+                for engine, tally in tallies.items():
+                    for o in tally.outcomes:
+                        f.write(json.dumps({"engine": engine, **o}, ensure_ascii=False) + "\n")
     summary = (f"{table}\n\nCoverage: the schema compiled and every one of its test instances came out right "
                "(valid ones accepted to the end token, invalid ones refused before it). Over-constrained: "
                "valid instances refused; under-constrained: invalid instances accepted. Each compiler as its "
@@ -181,7 +189,10 @@ def instances(args, argv) -> None:
                f"{took:.0f} s on {args.threads} thread(s), load average {os.getloadavg()[0]:.1f}.")
     print(summary)
     if args.write:
-        command = "python bench/structured.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        given = list(sys.argv[1:] if argv is None else argv)
+        if "--outcomes" in given:            # a local file: not part of the command that makes the table
+            del given[given.index("--outcomes"):given.index("--outcomes") + 2]
+        command = "python bench/structured.py " + " ".join(given)
         write_section(INST_BEGIN, INST_END, f"## Structured output: JSONSchemaBench test instances\n\n"
                                             f"`{command.strip()}`\n\n{summary}")
 

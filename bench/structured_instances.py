@@ -56,6 +56,7 @@ class Tally:
     reasons: dict[str, int] = field(default_factory=dict)
     via: dict[str, int] = field(default_factory=dict)     # namazu: which compiler served the schema
     examples: list[str] = field(default_factory=list)
+    outcomes: list[dict] = field(default_factory=list)   # per schema and wrong instance, for --outcomes
 
 
 class NamazuEngine:
@@ -154,11 +155,15 @@ def run_subset(path: Path, engines: list[Any], tokenizer: Any, limit: int | None
                 compiled = e.compile(schema)
             except ValueError as err:            # namazu's refusal names the keyword
                 tally.refused += 1
+                tally.outcomes.append({"kind": "refused", "subset": path.stem, "name": row["name"],
+                                       "reason": str(err)[:300]})
                 key = _reason(str(err))
                 tally.reasons[key] = tally.reasons.get(key, 0) + 1
                 continue
             except Exception as err:             # noqa: BLE001 -- the compiler's own refusal or failure
                 tally.errors += 1
+                tally.outcomes.append({"kind": "error", "subset": path.stem, "name": row["name"],
+                                       "reason": str(err)[:300]})
                 key = _reason(str(err))
                 tally.reasons[key] = tally.reasons.get(key, 0) + 1
                 continue
@@ -177,6 +182,8 @@ def run_subset(path: Path, engines: list[Any], tokenizer: Any, limit: int | None
                         right = False
                         if len(tally.examples) < 8:
                             tally.examples.append(f"over  {path.stem}/{row['name']}")
+                        tally.outcomes.append({"kind": "over", "subset": path.stem, "name": row["name"],
+                                               "instance": tokenizer.decode(tokens)})
                 else:
                     tally.invalid += 1
                     if ok:
@@ -184,14 +191,18 @@ def run_subset(path: Path, engines: list[Any], tokenizer: Any, limit: int | None
                         right = False
                         if len(tally.examples) < 8:
                             tally.examples.append(f"under {path.stem}/{row['name']}")
+                        tally.outcomes.append({"kind": "under", "subset": path.stem, "name": row["name"],
+                                               "instance": tokenizer.decode(tokens)})
             tally.covered += right
+            if right:
+                tally.outcomes.append({"kind": "covered", "subset": path.stem, "name": row["name"]})
     return tallies, mislabeled
 
 
 def _reason(msg: str) -> str:
     """A short bucket for a refusal message (the keyword it names)."""
     msg = re.sub(r"\[[0-9:]+\] \S+:\d+: ", "", msg)        # xgrammar's "[hh:mm:ss] file.cc:line: "
-    for word in ("'not'", "contains", "oneOf", "if/then/else", "uniqueItems", "minProperties", "dependent",
+    for word in ("any order", "'not'", "contains", "oneOf", "if/then/else", "uniqueItems", "minProperties", "dependent",
                  "format", "allOf", "$ref", "pattern", "unevaluated", "accepts no", "accepts nothing", "nests",
                  "too large", "$dynamicRef", "$recursiveRef", "propert"):
         if word in msg:

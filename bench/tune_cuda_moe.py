@@ -13,6 +13,8 @@
    last bucket covers every larger batch) as JSON for namazu/kernels/tables/<device>.json or
    NAMAZU_CUDA_MOE_TABLE (docs/kernels.md).
 Stops timing new variants after --budget seconds and records what it measured; the check always runs.
+On a compute capability 10.x (Blackwell) device: the sm_100a W4A4 kernel (kernels/cuda_sm100.py) instead,
+checked the same way and recorded as the table's `w4a4` entry when it passed.
 """
 from __future__ import annotations
 
@@ -47,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokens = sorted(set(args.tokens))
     device, cap = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+    if cap[0] == cd.SM100_MAJOR:
+        return tune_blackwell(device, tuple(cap), tokens, args)
     if tuple(cap) != (9, 0):
-        # The cubins are arch-specific sm_90a code: they do not load on other GPUs (Blackwell included).
-        print(f"tune_cuda_moe: {device} is sm_{cap[0]}{cap[1]}; these kernels are sm_90a only: no table")
+        # The cubins are arch-specific sm_90a (and sm_100a) code: they do not load on other GPUs.
+        print(f"tune_cuda_moe: {device} is sm_{cap[0]}{cap[1]}; these kernels are sm_90a / sm_100a only: no table")
         return 0
     decode, prefill = cd.CubinDecode(), cd.CubinPrefill()
 
@@ -124,6 +128,67 @@ def main(argv: list[str] | None = None) -> int:
     print(f"variants checked: {len(checked) - len(failed)} of {len(checked)} passed"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def tune_blackwell(device: str, cap: tuple[int, int], tokens: list[int], args) -> int:
+    """On a 10.x device: each sm_100a W4A4 variant (the two scale arrangements in tensor memory) checked
+    against the W4A4 reference (quantizer byte-exact, layer within CHECK_TOL), the passing ones timed at
+    Kimi-K2 shapes, the fastest recorded as the table's `w4a4` entry (the Hopper variants do not load here:
+    no W4A16 buckets). Exactly one arrangement is what the MMA reads, so one failing is expected; none
+    passing fails the stage."""
+    from namazu.kernels import cuda_sm100 as bw
+
+    checked: dict[str, bool] = {}
+    kernels = None
+    try:
+        kernels = bw.CubinSm100()
+    except Exception as exc:   # a load error fails every variant, recorded
+        print(f"  sm_100a cubin: failed to load ({str(exc).splitlines()[0][:100]})", flush=True)
+    for v in cd.SM100_VARIANTS:
+        err = float("inf")
+        if kernels is not None:
+            try:
+                err = bw.check_sm100(kernels, v)
+                torch.cuda.synchronize()
+            except Exception as exc:
+                print(f"  {v.name}: failed to run ({str(exc).splitlines()[0][:100]})", flush=True)
+        checked[v.name] = err < cd.CHECK_TOL
+        print(f"  {v.name}: rel err {err:.2e} {'ok' if checked[v.name] else 'FAILED'}", flush=True)
+        if kernels is not None:   # per-GEMM errors, random and uniform scales: what a failure points at
+            try:
+                diag = {u: bw.gemm_errors(kernels, v, uniform=u) for u in (False, True)}
+                print(f"    {v.name} per GEMM: " + ", ".join(f"{g} {e:.1e}{' (uniform scales)' if u else ''}"
+                                                          for u, d in diag.items() for g, e in d.items()), flush=True)
+            except Exception as exc:
+                print(f"    {v.name} per GEMM: failed ({str(exc).splitlines()[0][:100]})", flush=True)
+    passing = [v for v in cd.SM100_VARIANTS if checked[v.name]]
+    measured: dict[str, dict[str, float]] = {}
+    if passing:
+        e, h, i, k = 384, 7168, 2048, 8
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = bw.w4a4_weights(md.random_nvfp4_weights(e, h, i, device="cuda"), g)
+        t_end = time.monotonic() + args.budget
+        print("| tokens | variant | us | GB/s |\n|---|---|---|---|", flush=True)
+        for n in tokens:
+            if time.monotonic() > t_end:
+                break
+            x = torch.randn(n, h, generator=g, device="cuda").to(torch.bfloat16)
+            ids = torch.rand(n, e, generator=g, device="cuda").topk(k, dim=1).indices
+            tw = torch.rand(n, k, generator=g, device="cuda")
+            for v in passing:
+                us = timeit_graph(lambda a=(x, ids, tw), v=v: kernels.moe(*a, w, v)) * 1e6
+                measured.setdefault(str(n), {})[v.name] = us
+                print(f"| {n} | {v.name} | {us:,.1f} | {weight_bytes(ids, h, i) / us / 1e3:,.0f} |", flush=True)
+    best = min(passing, key=lambda v: sum(m.get(v.name, 0.0) for m in measured.values())) if passing else None
+    table = cd.table_dict(device, cap, checked, [], measured, w4a4=best.name if best else cd.DEFAULT)
+    cd.SelectionTable(table)   # what the runtime will parse: fail here, not at serving time
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"cuda_moe_table": table}, f, indent=1)
+        print(f"selection table written to {args.out}")
+    print(f"sm_100a variants checked: {len(passing)} of {len(checked)} passed; w4a4 = "
+          f"{best.name if best else 'the torch reference (none passed)'}")
+    return 0 if passing else 1
 
 
 if __name__ == "__main__":

@@ -1,23 +1,29 @@
-"""Whether drafting pays, per sequence and per step, from what this engine measures.
+"""How many drafts each sequence verifies, per step, from what this engine measures.
 
-A drafted step emits E tokens per sequence (its acceptance length) and costs r plain steps (the drafter,
-and the verify rows of every drafting sequence). It pays where E > r. Neither number is a constant: E
-falls with temperature (the shipped drafter: about 3.7 tokens per verify step at T=0, 2.0 through the
-server at T=0.8) and on text unlike the drafter's training data; r depends on the mode (eager, graph),
-the batch size and the machine. So both are measured:
+A drafted step emits E(k) tokens for a sequence verifying k drafts, and costs the drafter plus the verify
+rows. Neither is a constant: acceptance falls with temperature (the shipped drafter: about 5 tokens per
+verify step at T=0 on its traffic, 2 through the server at T=0.8) and on text unlike the drafter's
+training data; what a verify row costs depends on the mode (an eager step's fixed overhead hides its rows,
+a compiled step's rows are most of it), the dtype, the batch size and the machine. So both are measured:
 
-- E per sequence: an exponential average of its tokens per verify step, started from the average of the
-  sequences in its temperature bucket (0, up to 0.5, up to 1, above 1), itself started optimistic so
-  that a new bucket gets measured;
-- r per batch-size bucket (powers of two): the average wall time of steps that verify and draft over that
-  of plain decode steps, both from the engine's own steps (prefill steps are not counted). Until both are
-  measured, r is `prior_ratio` (3: a drafted step measured 3.4-4.7 plain steps on a 2-core CPU, graph
-  mode, and 3.8 eager through the server; the first measurement replaces it).
+- Acceptance, per temperature bucket (0, up to 0.5, up to 1, above 1) and per sequence: for each draft
+  position i the share of verifies that reached it and accepted it (the conditional rate a_i), in decayed
+  counts. A sequence's rates are its own counts shrunk towards its bucket's (`shrink` pseudo-verifies), so
+  a sequence on unfamiliar text parts from its bucket within a few verifies. E(k) = 1 + sum over
+  i <= k of a_1 ... a_i. A bucket starts optimistic (every draft accepted) so that it gets measured.
+- Cost, per batch-size bucket (powers of two): plain decode steps' wall time (the median of a window), and
+  drafted steps' time as A + C * rows, fitted to the window's (verify rows, ms) pairs: the median per row
+  count, a line through them where several counts were seen, else C from the prior. Medians, because one
+  step that met a compile, a collection or a busy neighbour must not turn drafting off. Until a window holds
+  `min_samples` steps the prior holds: A = `prior_fixed` plain steps, C = `prior_row` per row (a 2-core
+  CPU: about 1.3 and 0.3).
 
-A sequence verifies drafts while E >= r * margin. One that stopped is probed again after
-`probe_every` of its steps (two steps: one drafts, the next verifies), and every `probe_every` drafted
-steps two steps run without drafting (the second a plain decode), so both averages stay current. With
-no sequence wanting drafts the step runs plain and the drafter does not run.
+Each step the plan picks every sequence's k in 0..K to maximise the batch's tokens per second,
+sum E_s(k_s) / (A + C * sum k_s), against B / t_plain for a plain step (coordinate ascent: K and B are
+small). Drafting starts only where it wins by `margin` and stops where it no longer wins at all, so the
+choice does not flap on noise. A sequence planned at 0 is probed with full blocks after `probe_every` of
+its steps, and every `probe_every` drafted steps two steps run plain (the second a plain decode) so that
+both costs stay measured. With no sequence drafting the step runs plain and the drafter does not run.
 
 `--speculative-adaptive` turns it on or off; the default is on for the drafter the model ships (the
 default setup must never be a loss) and off for a drafter the caller names (explicit users keep the
@@ -25,7 +31,9 @@ behaviour they asked for, as with the batch-size threshold).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 
 def temperature_bucket(t: float) -> int:
@@ -36,39 +44,114 @@ def batch_bucket(n: int) -> int:
     return max(1, n - 1).bit_length()
 
 
+class Acceptance:
+    """Decayed per-position counts: reached[i] verifies reached draft i, accepted[i] accepted it."""
+
+    def __init__(self, k: int, prior: float = 0.0, decay: float = 1 / 128):
+        self.reached = [prior] * k
+        self.accepted = [prior] * k
+        self.decay = decay
+
+    def observe(self, verified: int, accepted: int) -> None:
+        keep = 1.0 - self.decay
+        for i in range(len(self.reached)):
+            self.reached[i] *= keep
+            self.accepted[i] *= keep
+        for i in range(min(verified, accepted + 1, len(self.reached))):
+            self.reached[i] += 1.0
+            self.accepted[i] += i < accepted
+
+    def rates(self, towards: list[float] | None = None, shrink: float = 0.0) -> list[float]:
+        out = []
+        for i, (r, a) in enumerate(zip(self.reached, self.accepted)):
+            base = towards[i] if towards is not None else 1.0
+            out.append((a + shrink * base) / (r + shrink) if r + shrink > 0 else base)
+        return out
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """E(k): the verify's own token plus each draft's chance of being reached and accepted."""
+    total, p = 1.0, 1.0
+    for a in rates[:k]:
+        p *= a
+        total += p
+    return total
+
+
+@dataclass
+class _Costs:
+    plain: deque = field(default_factory=lambda: deque(maxlen=32))
+    drafted: deque = field(default_factory=lambda: deque(maxlen=32))   # (verify rows, ms)
+
+
+def _line(samples: deque, prior_row: float) -> tuple[float, float]:
+    """A and C of ms = A + C * rows: medians per row count, least squares through them weighted by count
+    (C >= 0); with one row count seen, C = prior_row and A its median less that."""
+    by_rows: dict[int, list[float]] = {}
+    for rows, ms in samples:
+        by_rows.setdefault(rows, []).append(ms)
+    pts = [(r, statistics.median(v), len(v)) for r, v in by_rows.items()]
+    if len(pts) >= 2:
+        w = sum(n for _, _, n in pts)
+        mx = sum(r * n for r, _, n in pts) / w
+        my = sum(m * n for _, m, n in pts) / w
+        var = sum(n * (r - mx) ** 2 for r, _, n in pts)
+        c = max(0.0, sum(n * (r - mx) * (m - my) for r, m, n in pts) / var)
+        return my - c * mx, c
+    (r, m, _), = pts
+    return m - prior_row * r, prior_row
+
+
 @dataclass
 class _SeqState:
-    ema: float
-    on: bool
+    bucket: int
+    acc: Acceptance
+    k: int = -1                  # the last planned k (-1: not planned yet)
     steps_off: int = 0
+    probe: bool = False
 
 
 class DraftPolicy:
-    def __init__(self, max_tokens_per_step: int, prior_ratio: float = 3.0, margin: float = 1.05,
-                 probe_every: int = 32, alpha: float = 0.25):
-        self.prior_ratio, self.margin = prior_ratio, margin
-        self.probe_every, self.alpha = probe_every, alpha
-        # Optimistic start per temperature bucket: every block accepted, so the first sequences draft.
-        self.bucket_ema = dict.fromkeys(range(4), float(max_tokens_per_step))
-        self.step_ms: dict[tuple[int, bool], float] = {}
+    def __init__(self, max_tokens_per_step: int, prior_fixed: float = 1.3, prior_row: float = 0.3,
+                 margin: float = 1.05, probe_every: int = 32, shrink: float = 8.0, min_samples: int = 3):
+        self.k_max = max_tokens_per_step - 1
+        self.prior_fixed, self.prior_row = prior_fixed, prior_row
+        self.margin, self.probe_every, self.shrink, self.min_samples = margin, probe_every, shrink, min_samples
+        # Optimistic start per temperature bucket: every draft accepted, so the first sequences draft.
+        self.buckets = [Acceptance(self.k_max, prior=1.0) for _ in range(4)]
+        self.costs: dict[int, _Costs] = {}
         self.seqs: dict[int, _SeqState] = {}
         self._drafted_steps = 0
         self._plain_left = 0
         self.num_probes = 0
 
     # -- what the engine asks ------------------------------------------------------------------------
-    def wants(self, seq_id: int, temperature: float, batch: int = 1) -> bool:
-        """Whether the sequence verifies drafts (and asks for them) in the step being planned, `batch`
-        sequences running."""
-        st = self.seqs.get(seq_id)
-        if st is None:
-            e = self.bucket_ema[temperature_bucket(temperature)]
-            st = self.seqs[seq_id] = _SeqState(e, e >= self.ratio(batch) * self.margin)
-        return st.on
+    def plan(self, seqs: list[tuple[int, float]]) -> dict[int, int]:
+        """k for each (seq_id, temperature) of the sequences the next step may run."""
+        states = [self._state(sid, t) for sid, t in seqs]
+        b = len(states)
+        if not states:
+            return {}
+        rates = [self.rates(st) for st in states]
+        plain_ms, fixed_ms, row_ms = self.step_costs(b)
+        ks = [self.k_max] * b
+        for _ in range(2):
+            for i in range(b):
+                ks[i] = max(range(self.k_max + 1), key=lambda k: self._rate(rates, ks, i, k, fixed_ms, row_ms))
+        drafted = self._rate(rates, ks, 0, ks[0], fixed_ms, row_ms) if any(ks) else 0.0
+        # Start only on a clear win, stop only where it no longer wins: noise does not flap the choice.
+        was_on = any(st.k > 0 for st in states)
+        if not any(ks) or drafted * plain_ms / b < (1.0 if was_on else self.margin):
+            ks = [0] * b
+        for i, st in enumerate(states):
+            if st.probe:        # until its verify is seen: the step that drafts, then the one that verifies
+                ks[i] = self.k_max
+            st.k = ks[i]
+        return {sid: k for (sid, _), k in zip(seqs, ks)}
 
     def plain_probe_due(self) -> bool:
-        """True for two steps once every `probe_every` drafted steps, to keep r measured: the first still
-        verifies the drafts it holds, the second is a plain decode (no drafts held, none asked for)."""
+        """True for two steps once every `probe_every` drafted steps, to keep the plain cost measured: the
+        first still verifies the drafts it holds, the second is a plain decode."""
         if self._plain_left == 0 and self._drafted_steps >= self.probe_every:
             self._drafted_steps, self._plain_left = 0, 2
         if self._plain_left:
@@ -76,41 +159,64 @@ class DraftPolicy:
             return True
         return False
 
-    def ratio(self, batch: int) -> float:
-        b = batch_bucket(batch)
-        drafted, plain = self.step_ms.get((b, True)), self.step_ms.get((b, False))
-        return drafted / plain if drafted and plain else self.prior_ratio
+    def rates(self, st: _SeqState) -> list[float]:
+        return st.acc.rates(self.buckets[st.bucket].rates(), self.shrink)
+
+    def step_costs(self, batch: int) -> tuple[float, float, float]:
+        """(plain step ms, drafted step's fixed ms, ms per verify row) at this batch size; in units of a
+        plain step where nothing is measured yet."""
+        c = self.costs.get(batch_bucket(batch))
+        plain = statistics.median(c.plain) if c and len(c.plain) >= self.min_samples else None
+        if plain is None:
+            return 1.0, self.prior_fixed, self.prior_row
+        if len(c.drafted) < self.min_samples:
+            return plain, self.prior_fixed * plain, self.prior_row * plain
+        fixed, row = _line(c.drafted, self.prior_row * plain)
+        return plain, max(fixed, 0.0), row
 
     # -- what the engine learns ----------------------------------------------------------------------
-    def observe_step(self, batch: int, drafted: bool, ms: float) -> None:
-        """A pure decode step (no prefill) of `batch` sampling sequences that verified and drafted, or
-        neither."""
-        key = (batch_bucket(batch), drafted)
-        old = self.step_ms.get(key)
-        self.step_ms[key] = ms if old is None else old + self.alpha * (ms - old)
-        if drafted:
+    def observe_step(self, batch: int, rows: int, ms: float) -> None:
+        """A pure decode step (no prefill) of `batch` sampling sequences that verified `rows` drafts and
+        drafted again, or (rows = 0) neither."""
+        c = self.costs.setdefault(batch_bucket(batch), _Costs())
+        if rows:
+            c.drafted.append((rows, ms))
             self._drafted_steps += 1
+        else:
+            c.plain.append(ms)
 
-    def observe_verify(self, seq_id: int, temperature: float, tokens: int, batch: int) -> None:
-        """A verify of the sequence emitted `tokens` (accepted drafts + 1)."""
-        st = self.seqs.get(seq_id)
-        if st is None:
-            return
-        st.ema += self.alpha * (tokens - st.ema)
-        b = temperature_bucket(temperature)
-        self.bucket_ema[b] += self.alpha * (tokens - self.bucket_ema[b])
-        st.on = st.ema >= self.ratio(batch) * self.margin
-        st.steps_off = 0
+    def observe_verify(self, seq_id: int, temperature: float, verified: int, accepted: int) -> None:
+        """A verify of `verified` drafts of the sequence accepted `accepted` of them."""
+        st = self._state(seq_id, temperature)
+        st.acc.observe(verified, accepted)
+        self.buckets[st.bucket].observe(verified, accepted)
+        st.steps_off, st.probe = 0, False
 
     def observe_plain(self, seq_id: int) -> None:
-        """The sequence took a step without verifying: a stopped one counts towards its probe."""
+        """The sequence took a step without verifying: one planned at 0 counts towards its probe."""
         st = self.seqs.get(seq_id)
-        if st is None or st.on:
+        if st is None or st.k != 0:
             return
         st.steps_off += 1
         if st.steps_off >= self.probe_every:
-            st.on, st.steps_off = True, 0
+            st.steps_off, st.probe = 0, True
             self.num_probes += 1
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _state(self, seq_id: int, temperature: float) -> _SeqState:
+        st = self.seqs.get(seq_id)
+        if st is None:
+            st = self.seqs[seq_id] = _SeqState(temperature_bucket(temperature), Acceptance(self.k_max))
+        return st
+
+    @staticmethod
+    def _rate(rates: list[list[float]], ks: list[int], i: int, k: int, fixed: float, row: float) -> float:
+        """Tokens per ms of a drafted step with sequence i at k and the others at ks."""
+        total_rows = sum(ks) - ks[i] + k
+        if total_rows == 0:
+            return 0.0
+        tokens = sum(expected_tokens(r, ks[j] if j != i else k) for j, r in enumerate(rates))
+        return tokens / (fixed + row * total_rows)

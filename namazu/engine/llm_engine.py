@@ -150,6 +150,7 @@ class LLMEngine:
             raise ValueError(f"--speculative-tree-budget needs a DFlash2 drafter; {type(self.drafter).__name__} "
                              "proposes one chain")
         self.draft_policy = DraftPolicy(self.num_speculative_tokens + 1) if choice.adaptive else None
+        self._draft_plan: dict[int, int] = {}
         self.executor = make_executor(config, self.model_path, self.drafter)
         try:
             self._plan_capacity()
@@ -294,9 +295,13 @@ class LLMEngine:
             cap = min(cap, seq.params.num_speculative_tokens)
         if cap <= 0:
             return 0
-        if self.draft_policy is not None and not self.draft_policy.wants(seq.seq_id, seq.params.temperature,
-                                                                        len(self.scheduler.running)):
-            return 0
+        if self.draft_policy is not None:
+            planned = self._draft_plan.get(seq.seq_id, 0)
+            # The policy sizes chains; a tree is verified whole or not at all (its first k nodes in node order
+            # are a shallow tree, not a shorter chain).
+            cap = min(cap, planned) if not self.config.speculative_tree_budget else cap * (planned > 0)
+            if cap <= 0:
+                return 0
         if seq.num_pending:
             # Planned before its drafts are known (async): the worker verifies what it has, which is
             # nothing when the step in flight was told not to draft.
@@ -306,6 +311,9 @@ class LLMEngine:
     def _launch(self) -> _Launched | None:
         if not self.scheduler.has_unfinished:
             return None
+        if self.draft_policy is not None:
+            self._draft_plan = self.draft_policy.plan([(seq.seq_id, seq.params.temperature)
+                                                       for seq in self.scheduler.running])
         plan = self.scheduler.schedule(self._num_drafts if self.num_speculative_tokens else None)
         if plan.is_empty:
             return None
@@ -336,16 +344,16 @@ class LLMEngine:
         policy = self.draft_policy
         if policy is None:
             return True
-        batch = len(scheduled)
-        wanted = any(policy.wants(it.seq.seq_id, it.seq.params.temperature, batch) for it in scheduled if it.samples)
+        wanted = any(self._draft_plan.get(it.seq.seq_id, 0) > 0 for it in scheduled if it.samples)
         return wanted and not policy.plain_probe_due()
 
-    def _observe_step(self, launched: _Launched, ms: float) -> None:
-        """A pure decode step's time for the draft policy: one that verified and drafted, or neither."""
-        rows = sum(item.num_drafts for item in launched.scheduled)
+    def _observe_step(self, launched: _Launched, result: StepResult, ms: float) -> None:
+        """A pure decode step's time for the draft policy, with the drafts it verified: one that verified
+        and drafted, or neither."""
+        rows = int(sum(result.num_drafts)) if launched.samplers else 0
         if launched.prompt_tokens or not launched.samplers or bool(rows) != launched.drafts_next:
             return
-        self.draft_policy.observe_step(len(launched.samplers), launched.drafts_next, ms)
+        self.draft_policy.observe_step(len(launched.samplers), rows, ms)
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
         result = self.executor.collect()
@@ -354,7 +362,7 @@ class LLMEngine:
         ms = 1000.0 * (done - max(launched.launched_at, self._collected_at))
         self.step_rates.observe(launched.prompt_tokens, ms)
         if self.draft_policy is not None:
-            self._observe_step(launched, ms)
+            self._observe_step(launched, result, ms)
         self._collected_at = done
         self._drafter_seconds += result.drafter_seconds
         touched: dict[str, RequestState] = {}
@@ -402,8 +410,8 @@ class LLMEngine:
             self._accept_hist[accepted] += 1
         if self.draft_policy is not None and item.samples:
             if result.num_drafts[s]:
-                self.draft_policy.observe_verify(seq.seq_id, seq.params.temperature, accepted + 1,
-                                                 len(result.accepted))
+                self.draft_policy.observe_verify(seq.seq_id, seq.params.temperature, int(result.num_drafts[s]),
+                                                 accepted)
             else:
                 self.draft_policy.observe_plain(seq.seq_id)
         seq.num_pending -= k + 1

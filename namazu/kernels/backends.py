@@ -13,8 +13,9 @@ on an H200 and it ran 1.5x the Triton NVFP4 kernel at decode sizes: CUDA_EXT_VAL
 Force one with the engine's `--moe-backend` flag or the NAMAZU_MOE_BACKEND environment variable.
 `resolve_moe_runtime` reads both (and the NVFP4 mode: `--nvfp4-mode` / NAMAZU_NVFP4_MODE) once; the
 runner hands the result to the model, whose expert modules keep it; there is no process-wide choice.
-A format a backend has no kernel for (BF16 on cpp, or on cuda without Triton; W4A4 on triton/cuda) runs on
-the torch reference; the start-up log line says so.
+A format a backend has no kernel for (BF16 on cpp, or on cuda without Triton; W4A4 on triton, and on cuda
+except on a Blackwell device whose table checked the sm_100a kernel) runs on the torch reference; the
+start-up log line says so.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ MODE_ENV = "NAMAZU_NVFP4_MODE"
 # True since the first GPU runs (bench/RESULTS.md, "GPU check"): every CUDA-extension test passed on an H200
 # (numerics, idle experts, CUDA-graph capture, no host sync).
 CUDA_EXT_VALIDATED = True
+# W4A4 on the cuda backend: the Blackwell kernel where a 10.x device's table checked it, else the reference.
+W4A4_CUDA = "cuda-sm100-if-checked/torch"
 
 # ---- the implementations -------------------------------------------------------------------------------
 
@@ -58,6 +61,17 @@ def _cuda_nvfp4(cache, x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.T
     if variant is not None:
         return cuda_decode.decode_moe_nvfp4(x, topk_ids, topk_weights, w, variant, cache=cache)
     return cuda_moe.cuda_moe_nvfp4(x, topk_ids, topk_weights, w)
+
+
+def _cuda_w4a4(x, topk_ids, topk_weights, w: NVFP4MoEWeights) -> torch.Tensor:
+    """The Blackwell W4A4 kernel (block-scaled FP4 MMA, kernels/cuda_sm100.py) on a 10.x device whose
+    recorded table says it passed its device check there; the torch emulation everywhere else (9.x too)."""
+    from namazu.kernels import cuda_decode
+    variant = cuda_decode.select_w4a4(x, w)
+    if variant is not None:
+        from namazu.kernels import cuda_sm100
+        return cuda_sm100.sm100_moe_nvfp4(x, topk_ids, topk_weights, w, variant)
+    return moe_dispatch.torch_moe_nvfp4(x, topk_ids, topk_weights, w)
 
 
 def _triton_bf16(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
@@ -128,8 +142,8 @@ def build_backend(name: str, device_type: str) -> MoEBackend:
         from namazu.kernels.cuda_decode import DecodePrepackCache
         fp4 = functools.partial(_cuda_nvfp4, DecodePrepackCache())
         if availability("triton", device_type)[0]:
-            return MoEBackend(name, device_type, "triton", "cuda", "torch", _triton_bf16, fp4, ref_fp4)
-        return MoEBackend(name, device_type, "torch", "cuda", "torch", ref_bf16, fp4, ref_fp4)
+            return MoEBackend(name, device_type, "triton", "cuda", W4A4_CUDA, _triton_bf16, fp4, _cuda_w4a4)
+        return MoEBackend(name, device_type, "torch", "cuda", W4A4_CUDA, ref_bf16, fp4, _cuda_w4a4)
     return MoEBackend("torch", device_type, "torch", "torch", "torch", ref_bf16, ref_fp4, ref_fp4)
 
 

@@ -12,6 +12,9 @@ tokens), large-batch grouped GEMM (nvfp4_moe_prefill.cu, 64/128-row blocks), and
                                  when the table is for another device or other kernel sources
   select_decode                  the real path's question (backends.py's cuda NVFP4): which variant, if
                                  any, runs this call; None means the default, the 16-row grouped GEMM
+  Sm100Variant / select_w4a4     the Blackwell W4A4 kernel (kernels/cuda_sm100.py): named in a table
+                                 recorded on a compute capability 10.x device only, chosen only there and
+                                 only if it passed its check on that device; never on 9.x
 
 No table or a stale one: the grouped GEMM (cuda_moe.py) runs at every size, as before.
 """
@@ -47,6 +50,9 @@ SPLITS = (1, 2, 4, 8)
 TABLE_ENV = "NAMAZU_CUDA_MOE_TABLE"
 TABLE_DIR = Path(__file__).resolve().parent / "tables"
 TABLE_VERSION = 1
+SM100_SOURCES = ("nvfp4_moe_sm100.cu", "nvfp4_moe_sm100.h")
+SM100_ARCH = "sm_100a"
+SM100_MAJOR = 10   # compute capability major of the devices the sm_100a cubin runs on (B200, GB200)
 
 
 @dataclass(frozen=True)
@@ -91,11 +97,38 @@ class PrefillVariant:
 
 
 PREFILL_VARIANTS = tuple(PrefillVariant(b) for b in PREFILL_BLOCKS)
-ANY_VARIANT = Variant | PrefillVariant
+
+
+SM100_SF = ("x4", "lane")   # scale-factor arrangements in tensor memory (nvfp4_moe_sm100.h)
+
+
+@dataclass(frozen=True)
+class Sm100Variant:
+    """The Blackwell W4A4 grouped GEMM (nvfp4_moe_sm100.cu): one MMA tile of 128 rows per CTA, the block
+    scales in tensor memory as 32 x 4 words duplicated in every lane partition (`x4`, the default) or one
+    word per lane = row (`lane`); the device check tells which the MMA reads."""
+    sf: str = "x4"
+
+    @property
+    def name(self) -> str:
+        return "bw_w4a4_m128" + ("" if self.sf == "x4" else f"_sf{self.sf}")
+
+    def kernel(self, gate_up: bool) -> str:
+        return f"nvfp4_sm100_gemm_{'gate_up' if gate_up else 'down'}" + ("" if self.sf == "x4" else f"_sf{self.sf}")
+
+
+SM100_VARIANTS = tuple(Sm100Variant(sf) for sf in SM100_SF)
+ANY_VARIANT = Variant | PrefillVariant | Sm100Variant
 
 
 def parse_variant(name: str) -> ANY_VARIANT:
-    """A decode (nt<N>_w<W>_s<S>) or large-batch (pf_m<BM>) variant by name; raises if it is not compiled."""
+    """A decode (nt<N>_w<W>_s<S>), large-batch (pf_m<BM>) or Blackwell (bw_w4a4_m128) variant by name;
+    raises if it is not compiled."""
+    if name.startswith("bw_"):
+        found = [v for v in SM100_VARIANTS if v.name == name]
+        if not found:
+            raise ValueError(f"Blackwell variant {name!r} is not compiled ({[v.name for v in SM100_VARIANTS]})")
+        return found[0]
     m = re.fullmatch(r"pf_m(\d+)", name)
     if m is None:
         return Variant.parse(name)
@@ -104,8 +137,11 @@ def parse_variant(name: str) -> ANY_VARIANT:
     return PrefillVariant(int(m.group(1)))
 
 
-def table_digest() -> str:
-    """The kernel sources a table measured: all of them, so an edit of any kernel invalidates it."""
+def table_digest(capability: tuple[int, int] = (9, 0)) -> str:
+    """The kernel sources a table measured: all of the device's kernels (the sm_90a ones, or the sm_100a one
+    on a 10.x device), so an edit of any of them invalidates it."""
+    if capability[0] == SM100_MAJOR:
+        return cl.sources_digest(SM100_SOURCES, SM100_ARCH)
     return cl.sources_digest(SOURCES + PREFILL_SOURCES, ARCH)
 
 
@@ -346,7 +382,9 @@ class SelectionTable:
     """A recorded tuning run (bench/tune_cuda_moe.py --out): JSON with `version`, `device`, `capability`,
     `sources` (the digest of the kernel sources it measured), `checked` {variant: passed?} and `buckets`
     [{max_tokens, variant}] ascending. `choose(n)` returns the bucket's variant only if it passed its check;
-    a table for another device, capability or source digest chooses nothing."""
+    a table for another device, capability or source digest chooses nothing. Optional `w4a4`: the W4A4
+    kernel (a Blackwell variant, or `default` = none); Blackwell variants belong only to tables recorded on
+    a 10.x device and Hopper variants only to 9.x ones, anything else is a malformed table."""
 
     def __init__(self, data: dict, origin: str = "<table>"):
         self.origin = origin
@@ -366,6 +404,16 @@ class SelectionTable:
                                  f"(the decode kernels cover up to {MAX_DECODE_TOKENS})")
         if [b.max_tokens for b in self.buckets] != sorted({b.max_tokens for b in self.buckets}):
             raise ValueError(f"{origin}: buckets must have strictly ascending max_tokens")
+        w4a4 = data.get("w4a4", DEFAULT)
+        self.w4a4 = None if w4a4 == DEFAULT else parse_variant(str(w4a4))
+        if self.w4a4 is not None and not isinstance(self.w4a4, Sm100Variant):
+            raise ValueError(f"{origin}: w4a4 names {self.w4a4.name}, not a W4A4 (Blackwell) kernel")
+        if any(isinstance(b.variant, Sm100Variant) for b in self.buckets):
+            raise ValueError(f"{origin}: buckets choose W4A16 kernels; the Blackwell W4A4 kernel goes in w4a4")
+        blackwell = self.capability[:1] == (SM100_MAJOR,)
+        for v in [*self.checked, self.w4a4, *(b.variant for b in self.buckets)]:
+            if v is not None and isinstance(v, Sm100Variant) != blackwell:
+                raise ValueError(f"{origin}: variant {v.name} cannot run on compute capability {self.capability}")
 
     @classmethod
     def load(cls, path: str | Path) -> SelectionTable:
@@ -397,6 +445,16 @@ class SelectionTable:
                 return b.variant
         return None
 
+    def choose_w4a4(self) -> Sm100Variant | None:
+        """The W4A4 kernel, only if it passed its check on the device the table was recorded on."""
+        if self.w4a4 is None:
+            return None
+        if not self.checked.get(self.w4a4, False):
+            logger.warning("%s: W4A4 variant %s did not pass its check; W4A4 stays on the reference", self.origin,
+                           self.w4a4.name)
+            return None
+        return self.w4a4
+
 
 def default_table_path(device: str) -> Path:
     return Path(os.environ[TABLE_ENV]) if os.environ.get(TABLE_ENV) else TABLE_DIR / f"{device_slug(device)}.json"
@@ -415,7 +473,7 @@ def _active_table(device_index: int) -> SelectionTable | None:
     if path.is_file():
         try:
             t = SelectionTable.load(path)
-            why = t.applies_to(name, cap, table_digest())
+            why = t.applies_to(name, cap, table_digest(tuple(cap)))
             if why:
                 logger.warning("CUDA MoE decode table %s not used: %s", path, why)
             else:
@@ -440,6 +498,20 @@ def select_decode(x: torch.Tensor, w: NVFP4MoEWeights) -> ANY_VARIANT | None:
         return None
     table = _active_table(x.device.index if x.device.index is not None else torch.cuda.current_device())
     return table.choose(x.shape[0]) if table is not None else None
+
+
+def select_w4a4(x: torch.Tensor, w: NVFP4MoEWeights) -> Sm100Variant | None:
+    """The Blackwell W4A4 kernel for a W4A4 call on a 10.x device whose table says it passed its check there;
+    None (the torch reference) everywhere else, 9.x included."""
+    if x.device.type != "cuda" or w.a13_scale is None or w.a2_scale is None:
+        return None
+    if w.hidden_size % TILE_K or w.intermediate_size % TILE_K:
+        return None
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index)[0] != SM100_MAJOR:
+        return None
+    table = _active_table(index)
+    return table.choose_w4a4() if table is not None else None
 
 
 def decode_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: NVFP4MoEWeights,
@@ -496,8 +568,9 @@ def check_variant(kernels: CubinDecode | CubinPrefill, v: ANY_VARIANT, device: s
 
 
 def table_dict(device: str, capability: tuple[int, int], checked: dict[str, bool], buckets: list[tuple[int, str]],
-               measured: dict | None = None) -> dict:
+               measured: dict | None = None, w4a4: str = DEFAULT) -> dict:
     """The JSON SelectionTable reads (`measured`: the timings behind the choice, kept for the record)."""
     return {"version": TABLE_VERSION, "device": device, "capability": list(capability),
-            "sources": table_digest(), "checked": checked,
-            "buckets": [{"max_tokens": t, "variant": v} for t, v in buckets], "measured": measured or {}}
+            "sources": table_digest(tuple(capability)), "checked": checked,
+            "buckets": [{"max_tokens": t, "variant": v} for t, v in buckets], "w4a4": w4a4,
+            "measured": measured or {}}

@@ -170,12 +170,23 @@ def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits
 
 
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension (the first index of the largest value, as torch.argmax) as a max and a
+    min. Inductor (torch 2.13, CPU) miscompiled an argmax fused with the seeded noise's int64 hash (the
+    kernel failed at run time, or read out of bounds inside the drafted step's sampled tail); these two
+    plain reductions compile right. A row holding NaN gives its last index, not an index past the end."""
+    n = x.shape[-1]
+    top = x.amax(dim=-1, keepdim=True)
+    index = torch.arange(n, device=x.device)
+    return torch.where(x == top, index, n - 1).amin(dim=-1)
+
+
 def sample_from_processed(processed: torch.Tensor, t: SamplingTensors, stream: int = STREAM_SAMPLE) -> torch.Tensor:
     """Greedy rows take the argmax, others the exponential race with their own seeded noise."""
-    greedy = processed.argmax(dim=-1)
+    greedy = first_argmax(processed)
     if t.all_greedy:
         return greedy
-    raced = (processed + gumbel_noise(t.seeds, t.counters, processed.shape[-1], stream)).argmax(dim=-1)
+    raced = first_argmax(processed + gumbel_noise(t.seeds, t.counters, processed.shape[-1], stream))
     return torch.where(t.temperature > 0, raced, greedy)
 
 

@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import torch
 
-from namazu.layers.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, gumbel_noise, hash_uniform
+from namazu.layers.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, first_argmax, gumbel_noise, hash_uniform
 
 
 def accepted_prefix(accept: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
     """accept [S, K] bool -> length of the accepted prefix [S], capped by each row's draft count."""
     k = accept.shape[1]
-    valid = torch.arange(k, device=accept.device) < num_drafts.unsqueeze(-1)
-    return torch.cumprod((accept & valid).long(), dim=1).sum(dim=1)
+    j = torch.arange(k, device=accept.device)
+    ok = accept & (j < num_drafts.unsqueeze(-1))
+    # The first position that is not accepted (k if none): a min, not a cumulative product, because
+    # inductor (torch 2.13, CPU) miscompiled the cumprod of the sampled drafted tail into an accepted
+    # count past the block, which its gathers then read out of bounds (a segfault).
+    return torch.where(ok, k, j).amin(dim=1)
 
 
 def verify_deterministic(target_tokens: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor
@@ -66,7 +70,7 @@ def verify_stochastic(processed: torch.Tensor, target_tokens: torch.Tensor, draf
 
     residual = (p - q).clamp_min(0.0)
     noise = gumbel_noise(flat_seeds, counters[:, :k].reshape(-1), v, STREAM_RESIDUAL).view(s, k, v)
-    resampled = (residual.log() + noise).argmax(dim=-1)
+    resampled = first_argmax(residual.log() + noise)
     # Exact-match rows never need the residual: their token at the first mismatch is the target's own
     # sample, already in target_tokens.
     resampled = torch.where(exact, target_tokens[:, :k], resampled)

@@ -16,7 +16,8 @@ from namazu.structured.schema_formats import ENFORCED_FORMATS
 from namazu.structured.schema_normalize import UNSUPPORTED, SchemaNormalizer
 
 FORMATS = ENFORCED_FORMATS
-__all__ = ["FORMATS", "UNSUPPORTED", "check_json_schema", "normalize_json_schema", "prepare_json_schema",
+__all__ = ["FORMATS", "UNSUPPORTED", "check_json_schema", "normalize_json_schema",
+           "normalize_json_schema_unordered", "prepare_json_schema",
            "relax_json_schema"]
 
 
@@ -33,6 +34,14 @@ def normalize_json_schema(schema: Any, strict: bool = True) -> tuple[Any, list[s
     norm = SchemaNormalizer(schema, strict, llguidance=llguidance_available())
     out = norm.run()
     return out, list(dict.fromkeys(norm.relaxed)), norm.needs_llguidance
+
+
+def normalize_json_schema_unordered(schema: Any, strict: bool = True) -> tuple[Any, Any, bool]:
+    """(the schema as namazu compiles it, the same before any_order.py wrote small objects' key orders,
+    whether only llguidance enforces it); ValueError as normalize_json_schema."""
+    norm = SchemaNormalizer(schema, strict, llguidance=llguidance_available())
+    out = norm.run()
+    return out, norm.unordered, norm.needs_llguidance
 
 
 def prepare_json_schema(schema: Any, strict: bool = True) -> tuple[Any, list[str]]:

@@ -2,6 +2,9 @@
 
 Which compiler a JSON schema gets (after `json_schema.normalize_json_schema`) is one rule:
 
+0. a schema with an object whose keys `any_order.py` cannot free (more than 3 declared properties, or
+   undeclared ones beside declared ones) is written as an llguidance grammar that takes them in any
+   order (`free_order.py`); where that grammar cannot be written, strict refuses and otherwise 1-3 apply;
 1. a schema only llguidance enforces (lengths beside a pattern that cannot be folded into it, lengths
    beside an email format: xgrammar drops the lengths) goes to llguidance; its refusal is final;
 2. a schema with an object open to undeclared properties (no `additionalProperties: false`, as JSON
@@ -80,12 +83,27 @@ class LLGuidanceCompiler:
         if getattr(tokenizer, "kind", None) != "hf" or not hasattr(backend, "to_str"):
             raise ValueError("llguidance needs a Hugging Face tokenizer")
         self.tok = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(stop_ids))
+        # Ten times llguidance's default fuel for building a grammar's regexes (about 200 ms at most): with
+        # the default, a pattern of 50 counted words under maxLength 500 ran out of it and then refused a
+        # valid 11-word string (JSONSchemaBench o21115), over-constraint with no error.
+        self.limits = llguidance.LLParserLimits(initial_lexer_fuel=10_000_000)
 
     def compile(self, schema_text: str) -> Any:
         grammar = self.llg.LLMatcher.grammar_from_json_schema(schema_text, defaults=JSON_OPTIONS)
-        m = self.llg.LLMatcher(self.tok, grammar, log_level=0)
+        m = self.llg.LLMatcher(self.tok, grammar, log_level=0, limits=self.limits)
         if m.is_error():
             raise ValueError(f"the JSON schema does not compile: {m.get_error()}")
+        return m
+
+    def compile_lark(self, lark_text: str) -> Any:
+        """A matcher for an llguidance Lark grammar (free_order.py writes them); ValueError if it fails."""
+        try:
+            m = self.llg.LLMatcher(self.tok, self.llg.LLMatcher.grammar_from_lark(lark_text), log_level=0,
+                                   limits=self.limits)
+        except Exception as err:   # noqa: BLE001 -- llguidance raises its own types for a bad grammar
+            raise ValueError(f"the grammar does not compile: {err}") from None
+        if m.is_error():
+            raise ValueError(f"the grammar does not compile: {m.get_error()}")
         return m
 
 

@@ -188,6 +188,7 @@ class SchemaNormalizer:
             out = {"anyOf": [out]} if not isinstance(out, dict) else dict(out)
             out["$defs"] = self.defs
         check_productive(out)
+        self.unordered = out       # before any_order: free_order.py writes every order another way
         out, self.orders = any_order(out)
         return out
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from namazu.structured.grammar import StepwiseGrammar, token_mask_words
-from namazu.structured.json_schema import normalize_json_schema
+from namazu.structured.json_schema import normalize_json_schema_unordered
 
 MAX_GRAMMAR_BYTES = 256 * 1024   # a bound on compile work per request
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ class GrammarSpec:
     kind: str
     text: str = ""
     compiler: str = ""     # "llguidance" where only llguidance enforces the schema; "" = by the rule
+    free_order: str = ""   # the schema before any_order.py, where free_order.py should take its keys in any order
+    free_order_strict: bool = False   # a free-order grammar that cannot be written is a refusal (strict)
 
 
 class XGrammarBackend:
@@ -80,9 +83,9 @@ class XGrammarBackend:
             self.misses += 1
         if len(spec.text.encode("utf-8")) > MAX_GRAMMAR_BYTES:
             raise ValueError(f"the {spec.kind} is {len(spec.text)} characters; at most {MAX_GRAMMAR_BYTES} bytes")
-        compiled = None
+        compiled = self._compile_free_order(spec)
         tried_llguidance = False
-        if spec.kind == "json_schema" and self.llg is not None:
+        if spec.kind == "json_schema" and self.llg is not None and compiled is None:
             from namazu.structured.llguidance_backend import prefers_llguidance
 
             if spec.compiler == "llguidance":       # only llguidance enforces it: its refusal is final
@@ -111,6 +114,26 @@ class XGrammarBackend:
             while len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
         return compiled
+
+    def _compile_free_order(self, spec: GrammarSpec) -> Any:
+        """llguidance's grammar with objects' keys in any order (free_order.py), or None: not needed,
+        llguidance not installed, or a schema it cannot write (the ordinary path then fixes the order)."""
+        if spec.kind != "json_schema" or not spec.free_order or self.llg is None:
+            return None
+        from namazu.structured.free_order import lark_grammar
+
+        try:
+            text = lark_grammar(json.loads(spec.free_order))
+            if len(text.encode("utf-8")) > MAX_GRAMMAR_BYTES:
+                raise ValueError(f"the free-order grammar is {len(text)} characters")
+            return ("llguidance", self.llg.compile_lark(text))
+        except ValueError as err:
+            if spec.free_order_strict:      # refused by name rather than served with one key order only
+                detail = " ".join(re.split(r"\n\s*\d+ \|", str(err))[0].split())[:400]   # not llguidance's listing
+                raise ValueError("the schema's objects cannot take their keys in any order (JSON Schema gives "
+                                 f"keys no order; not strict, they follow the schema's order): {detail}") from None
+            log.debug("keys in the schema's order, the free-order grammar was not written: %s", err)
+            return None
 
     def _compile_xgrammar(self, spec: GrammarSpec) -> Any:
         try:
@@ -168,9 +191,13 @@ def json_schema_spec(schema: Any, strict: bool = True) -> GrammarSpec:
             schema = json.loads(schema)
         except (json.JSONDecodeError, RecursionError) as err:
             raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
-    prepared, _relaxed, needs_llguidance = normalize_json_schema(schema, strict)
+    from namazu.structured.free_order import needs_free_order
+
+    prepared, unordered, needs_llguidance = normalize_json_schema_unordered(schema, strict)
+    free = needs_free_order(unordered)
     return GrammarSpec("json_schema", json.dumps(prepared, ensure_ascii=False),   # property order matters
-                       "llguidance" if needs_llguidance else "")
+                       "llguidance" if needs_llguidance else "",
+                       json.dumps(unordered, ensure_ascii=False) if free else "", strict and free)
 
 
 class MatcherGrammar(StepwiseGrammar):

@@ -1,6 +1,9 @@
 """Graph mode's drafted step: `spec/drafted_step.drafted_tail` compiled per verify entry of the ladder, run
 right after the entry's compiled forward, so that a step that verifies and drafts has no eager op between
-its inputs and its packed result but the draft buffer's gather and write.
+its inputs and its packed result but the draft buffer's gather and write. A plain decode entry gets the
+drafter's context write compiled the same way: it runs on every step, drafting or not (the drafter reads
+the context of every position once drafting resumes), and eagerly it was about 20 small ops, an eighth of
+a compiled plain step at batch 1.
 
 Per verify entry (Bp sequences x 1 + K rows) up to the batch size at which the engine still drafts, two
 compiled variants: every sequence greedy, and sampled (temperature, top-k, top-p, min-p and seeds as
@@ -41,10 +44,12 @@ class DraftedTails:
         self.fns: dict[tuple[int, bool], Callable] = {}
         self._zero_q: dict[int, torch.Tensor] = {}
         self._called: set[tuple[int, bool]] = set()
-        # Inductor (torch 2.13, CPU) compiles the sampled variant into a fused sampling + rejection kernel
-        # that segfaults on its first call; there that variant runs the same function eagerly. Other
-        # backends (the tests' "eager" trace) compile both.
-        self.variants = (False,) if graphs.backend == "inductor" else (False, True)
+        # Both variants under every backend. Inductor (torch 2.13, CPU) once compiled the sampled one into
+        # kernels that read out of bounds: its argmax fused with the seeded noise's hash, and the cumprod of
+        # the accepted prefix; both are written as plain reductions now (`first_argmax`, `accepted_prefix`).
+        self.variants = (False, True)
+        self.plain_entries = [e for (bp, tq), e in graphs.entries.items() if tq == 1]
+        self.context_fns: dict[int, Callable] = {}
 
     def use_proposer(self, proposer) -> None:
         self.proposer = proposer
@@ -65,7 +70,25 @@ class DraftedTails:
             # compiled tail's guards (shapes, strides) hold from its first real call on.
             logits, _, captured = self.graphs.launch(e, 2)
             self.run(e, 2, logits, e.greedy, captured, self.padding_inputs(e.bp, sampled), sampled)
+        for e in tqdm(self.plain_entries, desc="graph mode: compiling drafter context writes", disable=not progress):
+            fn = own_code(_write_context, f"_write_context_b{e.bp}")
+            self.context_fns[e.bp] = torch.compile(fn, backend=compile_backend(self.graphs.backend, []),
+                                                   dynamic=False, fullgraph=True)
+            _, _, captured = self.graphs.launch(e, 2)
+            self.write_context(e, captured)
         return time.perf_counter() - t0
+
+    def writes_context(self, entry: GraphEntry) -> bool:
+        return entry.bp in self.context_fns and entry.tq == 1
+
+    def write_context(self, e: GraphEntry, captured: dict[int, torch.Tensor]) -> None:
+        """The drafter's context entries of every row of a plain entry's forward (padding rows write the
+        scratch slot, as in the target's cache)."""
+        stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if (e.bp, None) in \
+            self._called else contextlib.nullcontext()
+        with _disable_current_modes(), stance:
+            self.context_fns[e.bp](self.proposer, captured, e.positions, e.slot_mapping)
+        self._called.add((e.bp, None))
 
     def eligible(self, b: StepBatch, entry: GraphEntry, world_size: int) -> str | None:
         """None when the tail covers this graph step, else why not (for a once-per-reason log line)."""
@@ -148,3 +171,7 @@ class DraftedTails:
             self._zero_q[bp] = torch.zeros(bp, self.k, self.vocab_size, device=self.device)
         return self._zero_q[bp]
 
+
+def _write_context(proposer, captured: dict[int, torch.Tensor], positions: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    proposer.write_context(captured, positions, slot_mapping)

@@ -106,6 +106,7 @@ class Forward:
     logit_rows: torch.Tensor                     # [R] rows of the sampled positions
     all_logits: torch.Tensor | None = None       # graph mode: every row's logits
     greedy: torch.Tensor | None = None           # graph mode: every row's argmax
+    context_written: bool = False                # graph mode: the drafter's context write was compiled in
 
 
 class ModelRunner:
@@ -329,7 +330,8 @@ class ModelRunner:
             else:
                 st = self._sampling_tensors(b, prep)
                 site = self._draft_site(b, inp) if self.spec.on_device else None
-                self.spec.extend_context(b, fwd.hidden, fwd.captured, site)
+                if not fwd.context_written:
+                    self.spec.extend_context(b, fwd.hidden, fwd.captured, site)
                 values = self._sample_and_verify(b, prep, inp, fwd, st, site) if len(b.attn.logit_rows) else {}
                 values.update(self._prompt_logprobs(b, inp, fwd))
             layout_out = result_layout(b)
@@ -392,9 +394,15 @@ class ModelRunner:
             if drafts_in is not None:
                 entry.input_ids.index_put_((pad[inp.draft_flat],), drafts_in)
             all_logits, hidden, captured = self.graphs.launch(entry, inp.width)
+            written = self.tails is not None and self.world_size == 1 and self.tails.writes_context(entry)
+            if written:
+                t0 = time.perf_counter()
+                self.tails.write_context(entry, captured)
+                self.spec.proposer.draft_seconds += time.perf_counter() - t0
             if want_hidden and not inp.tail:   # the eager drafter reads the step's own rows, as positions are
                 hidden, captured = hidden[pad], {i: h[pad] for i, h in captured.items()}
-            return Forward(hidden, captured, entry.input_ids, pad[inp.logit_rows], all_logits, entry.greedy)
+            return Forward(hidden, captured, entry.input_ids, pad[inp.logit_rows], all_logits, entry.greedy,
+                           context_written=written)
         input_ids = inp.input_ids
         if drafts_in is not None:
             input_ids = input_ids.index_put((inp.draft_flat,), drafts_in)

@@ -75,8 +75,9 @@ def test_cuda_backend_runs_bf16_experts_on_triton_when_it_can(monkeypatch):
     monkeypatch.setattr(backends, "availability",
                         lambda name, dev: (usable[name], "") if name in usable else real(name, dev))
     b = backends.build_backend("cuda", "cuda")
-    assert (b.bf16_impl, b.w4a16_impl, b.w4a4_impl) == ("triton", "cuda", "torch")
+    assert (b.bf16_impl, b.w4a16_impl, b.w4a4_impl) == ("triton", "cuda", backends.W4A4_CUDA)
     assert b._bf16 is backends._triton_bf16 and b._w4a16.func is backends._cuda_nvfp4
+    assert b._w4a4 is backends._cuda_w4a4
     usable["triton"] = False
     b = backends.build_backend("cuda", "cuda")
     assert (b.bf16_impl, b.w4a16_impl) == ("torch", "cuda")

@@ -44,6 +44,65 @@ def test_device_chosen_kernels_compile_for_sm90a(tmp_path, source, kernels):
     assert res.stderr.count("0 bytes stack frame") == entries, res.stderr
 
 
+def cuobjdump() -> str:
+    """cuobjdump from NAMAZU_CUOBJDUMP, PATH, beside nvcc, or the one triton's NVIDIA backend ships (the
+    dev requirements install triton, so CI reads the SASS too)."""
+    try:
+        import triton
+        shipped = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    except ImportError:
+        shipped = None
+    for cand in (os.environ.get("NAMAZU_CUOBJDUMP"), shutil.which("cuobjdump"),
+                 str(Path(nvcc()).resolve().parent / "cuobjdump"), shipped):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    pytest.skip("cuobjdump is not installed here (set NAMAZU_CUOBJDUMP): the SASS of the sm_100a cubin is not read")
+
+
+@pytest.fixture(scope="module")
+def sm100_build(tmp_path_factory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp("sm100") / "k.cubin"
+    cmd = [nvcc(), "-cubin", "-gencode=arch=compute_100a,code=sm_100a", "-O3", "-Xptxas", "-v",
+           str(CSRC / "nvfp4_moe_sm100.cu"), "-o", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return res.stderr, out
+
+
+def test_blackwell_kernel_compiles_for_sm100a(sm100_build):
+    """The quantizer and the tcgen05 GEMMs (gate_up and down for each of the two scale arrangements): no
+    spills, no stack frame, and nothing from nvcc or ptxas but its resource report (a warning there, e.g. of
+    an unsupported qualifier or unreachable code, would mean wrong code)."""
+    log, _ = sm100_build
+    assert log.count("Compiling entry function") == 5, log
+    assert log.count("0 bytes spill stores") == 5 and log.count("0 bytes stack frame") == 5, log
+    noise = [ln for ln in log.splitlines() if ln.strip() and not ln.startswith("ptxas info")
+             and "bytes stack frame" not in ln]
+    assert noise == [], noise
+
+
+def test_blackwell_sass_has_the_fp4_tensor_core_path(sm100_build):
+    """SASS of the sm_100a cubin: the block-scaled MMA (UTCOMMA.4X: kind::mxf4nvf4 scale_vec::4X), its
+    commit (UTCBAR), tensor-memory stores of the scales (STTM.x4, or single-column STTM for the `_sflane`
+    arrangement) and loads of the accumulator (LDTM), the allocation (UTCATOMSWS), two MMAs per K stage in
+    each GEMM."""
+    _, cubin = sm100_build
+    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    kernels = {}
+    for block in sass.split("Function : ")[1:]:
+        kernels[block.split()[0]] = block
+    gemms = [f"nvfp4_sm100_gemm_{op}{sf}" for sf in ("", "_sflane") for op in ("gate_up", "down")]
+    assert set(kernels) == {"nvfp4_sm100_quant_act", *gemms}
+    for name in gemms:
+        body = kernels[name]
+        assert body.count("UTCOMMA.4X ") == 2, name
+        for op in ("UTCBAR", "LDTM.x16", "UTCATOMSWS", "LDGSTS"):
+            assert op in body, (name, op)
+        single = "STTM tmem" in body   # .x1: one word per lane
+        assert (single, "STTM.x4 " in body) == ((True, False) if name.endswith("_sflane") else (False, True)), name
+    assert "UTCOMMA" not in kernels["nvfp4_sm100_quant_act"]
+
+
 def test_torch_cuda_binding_parses(tmp_path):
     """The binding needs a CUDA torch to build; here it is syntax-checked against the CPU torch's headers
     plus the CUDA toolkit's, with the one generated CUDA header the CPU wheel lacks stubbed."""

@@ -327,16 +327,29 @@ def test_flags_and_their_errors():
 def test_graph_mode_drafts_and_outputs_equal_eager():
     """Graph mode pads a verify step's rows to its ladder entry; the drafter must still read the step's own
     rows (its hidden states, positions and slots), so greedy outputs equal plain decoding and the drafts
-    are the eager mode's."""
+    are the eager mode's. Under inductor itself (the other graph tests trace with the "eager" backend):
+    the greedy and the sampled drafted tails, seeded sampled rows giving eager mode's tokens (inductor
+    once compiled the sampled tail into kernels that read out of bounds: tests/MUTATIONS.md P7)."""
     ps = prompts(2, lo=4, hi=10, seed=9)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    seeded = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10, ignore_eos=True, seed=5 + i)
+              for i in range(len(ps))]
     base, _ = run(ps, params)
     eager, eager_stats = run(ps, params, make_proposer(), max_num_seqs=2)
-    graph, stats = run(ps, params, make_proposer(), max_num_seqs=2, enforce_eager=False)
+    eager_seeded, _ = run(ps, seeded, make_proposer(), max_num_seqs=2)
+    with LLM(tiny_checkpoint(), executor="inline", drafter=make_proposer(), num_speculative_tokens=K,
+             max_num_seqs=2, enforce_eager=False) as llm:
+        outs = llm.generate(prompt_token_ids=ps, sampling_params=params, use_tqdm=False)
+        graph, stats = [[c.token_ids for c in o.outputs] for o in outs], llm.engine.get_stats()
+        outs = llm.generate(prompt_token_ids=ps, sampling_params=seeded, use_tqdm=False)
+        graph_seeded = [[c.token_ids for c in o.outputs] for o in outs]
+        called = llm.engine.executor.worker.runner.tails._called
     assert_same_outputs(tiny_checkpoint(), ps, params, eager, base)
     assert_same_outputs(tiny_checkpoint(), ps, params, graph, eager)
     assert stats.num_draft_tokens > 0
     assert stats.acceptance_length_histogram == eager_stats.acceptance_length_histogram
+    assert (2, False) in called and (2, True) in called, called
+    assert_same_outputs(tiny_checkpoint(), ps, seeded, graph_seeded, eager_seeded)
 
 
 # -- blocks that end where the drafter is unsure (--speculative-min-confidence) ----------------------------

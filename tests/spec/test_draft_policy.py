@@ -6,40 +6,99 @@ from engine_helpers import prompts, tiny_checkpoint
 from test_dflash import make_proposer
 
 from namazu import LLM, SamplingParams
-from namazu.engine.draft_policy import DraftPolicy
+from namazu.engine.draft_policy import Acceptance, DraftPolicy, expected_tokens
 
 
-def test_a_sequence_stops_drafting_where_its_tokens_per_step_do_not_beat_the_measured_cost():
+def _measured(p, plain_ms, fixed_ms, row_ms, rows=(1, 3, 6), batch=1):
+    for _ in range(4):
+        p.observe_step(batch, 0, plain_ms)
+        for r in rows:
+            p.observe_step(batch, r, fixed_ms + row_ms * r)
+
+
+def test_expected_tokens_and_the_conditional_rates():
+    acc = Acceptance(3)
+    acc.observe(verified=3, accepted=1)    # draft 1 accepted, draft 2 rejected, draft 3 never reached
+    acc.observe(verified=3, accepted=3)
+    keep = 1 - acc.decay
+    assert acc.reached == [keep + 1, keep + 1, 1.0] and acc.accepted == [keep + 1, 1.0, 1.0]
+    assert acc.rates() == [1.0, 1 / (keep + 1), 1.0]
+    assert abs(expected_tokens([0.5, 0.5, 0.5], 3) - (1 + 0.5 + 0.25 + 0.125)) < 1e-12
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+
+
+def test_the_plan_picks_the_block_length_that_maximises_tokens_per_second():
+    p = DraftPolicy(max_tokens_per_step=7, margin=1.0)
+    _measured(p, plain_ms=2.0, fixed_ms=3.0, row_ms=1.0)
+    plain, fixed, row = p.step_costs(1)
+    assert abs(plain - 2.0) < 1e-9 and abs(fixed - 3.0) < 1e-9 and abs(row - 1.0) < 1e-9
+    for _ in range(200):                   # draft 1 always accepted, draft 2 half the time, the rest never
+        p.observe_verify(1, 0.0, verified=6, accepted=1)
+        p.observe_verify(1, 0.0, verified=6, accepted=2)
+    rates = p.rates(p.seqs[1])
+    best = max(range(7), key=lambda k: expected_tokens(rates, k) / (3.0 + k) if k else 1 / 2.0)
+    assert best == 2                       # by hand: E = 1, 2, 2.5, 2.5.. over 2, 4, 5, 6.. ms
+    assert p.plan([(1, 0.0)]) == {1: best}
+    # Rows cost nothing extra (a compiled step pads to its entry): the whole block.
+    q = DraftPolicy(max_tokens_per_step=7, margin=1.0)
+    _measured(q, plain_ms=2.0, fixed_ms=3.0, row_ms=0.0)
+    q.seqs = p.seqs
+    q.buckets = p.buckets
+    assert q.plan([(1, 0.0)]) == {1: 6}
+
+
+def test_a_sequence_stops_where_drafting_does_not_pay_and_is_probed_with_a_full_block():
     p = DraftPolicy(max_tokens_per_step=7, probe_every=4)
-    assert p.wants(1, 0.0) and p.ratio(1) == p.prior_ratio
-    for _ in range(3):
-        p.observe_step(1, True, 6.0)
-        p.observe_step(1, False, 2.0)
-    assert abs(p.ratio(1) - 3.0) < 1e-9
-    for _ in range(8):
-        p.observe_verify(1, 0.0, 5, batch=1)      # 5 tokens per drafted step at 3x the cost: pays
-    assert p.wants(1, 0.0)
+    assert p.plan([(1, 0.0)]) == {1: 6}    # optimistic start: unmeasured buckets draft
+    _measured(p, plain_ms=2.0, fixed_ms=3.0, row_ms=1.0)
     for _ in range(12):
-        p.observe_verify(1, 0.0, 2, batch=1)      # 2 tokens at 3x: a loss
-    assert not p.wants(1, 0.0)
+        p.observe_verify(1, 0.0, verified=6, accepted=0)
+    assert p.plan([(1, 0.0)]) == {1: 0}
     for _ in range(3):
         p.observe_plain(1)
-    assert not p.wants(1, 0.0)
-    p.observe_plain(1)                            # the fourth plain step: probed again
-    assert p.wants(1, 0.0) and p.num_probes == 1
-    # A new sequence of the same temperature starts from what its bucket measured; another bucket does not.
-    p.bucket_ema[0] = 1.2
-    assert not p.wants(2, 0.0) and p.wants(3, 0.8)
+    assert p.plan([(1, 0.0)]) == {1: 0}
+    p.observe_plain(1)                     # its fourth plain step: probed, with a full block, until the verify
+    assert p.plan([(1, 0.0)]) == {1: 6} and p.plan([(1, 0.0)]) == {1: 6} and p.num_probes == 1
+    p.observe_verify(1, 0.0, verified=6, accepted=0)
+    assert p.plan([(1, 0.0)]) == {1: 0}
+    # A new sequence of the same temperature starts from its bucket's rates; another bucket does not.
+    assert p.plan([(2, 0.0)]) == {2: 0} and p.plan([(3, 0.8)]) == {3: 6}
+
+
+def test_one_slow_step_does_not_turn_drafting_off():
+    p = DraftPolicy(max_tokens_per_step=7)
+    _measured(p, plain_ms=2.0, fixed_ms=3.0, row_ms=0.2)
+    for _ in range(20):
+        p.observe_verify(1, 0.0, verified=6, accepted=6)
+    assert p.plan([(1, 0.0)]) == {1: 6}
+    p.observe_step(1, 6, 5000.0)           # a compile, a collection, a busy neighbour
+    p.observe_step(1, 0, 0.01)
+    assert p.plan([(1, 0.0)]) == {1: 6}
+
+
+def test_drafting_starts_on_a_clear_win_and_stops_only_where_it_loses():
+    p = DraftPolicy(max_tokens_per_step=2, margin=1.3)
+    _measured(p, plain_ms=1.0, fixed_ms=1.5, row_ms=0.0, rows=(1,))
+    for _ in range(400):                   # E(1) = 1.8 against a cost of 1.5 plain steps: a 1.2x win
+        p.observe_verify(1, 0.0, verified=1, accepted=1)
+        p.observe_verify(1, 0.0, verified=1, accepted=1)
+        p.observe_verify(1, 0.0, verified=1, accepted=1)
+        p.observe_verify(1, 0.0, verified=1, accepted=1)
+        p.observe_verify(1, 0.0, verified=1, accepted=0)
+    p.seqs[1].k = -1                       # not drafting: a 1.2x win is below the 1.3 margin to start
+    assert p.plan([(1, 0.0)]) == {1: 0}
+    p.seqs[1].k = 1                        # drafting: 1.2x still wins, so it goes on
+    assert p.plan([(1, 0.0)]) == {1: 1}
 
 
 def test_every_probe_every_drafted_steps_two_run_without_drafting():
-    # The first of the two still verifies what it holds; the second is the plain decode that measures r.
+    # The first of the two still verifies what it holds; the second is the plain decode that measures it.
     p = DraftPolicy(max_tokens_per_step=4, probe_every=3)
     due = []
     for _ in range(9):
         due.append(p.plain_probe_due())
         if not due[-1]:
-            p.observe_step(2, True, 1.0)
+            p.observe_step(2, 3, 1.0)
     assert due == [False, False, False, True, True, False, False, False, True]
 
 

