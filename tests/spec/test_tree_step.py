@@ -314,3 +314,21 @@ def test_a_replaced_drafter_drafts_trees_of_its_own_shape(paths, tmp_path):
     assert step._trees.child_ids.shape[-1] == 16
     for got in (first, second):
         assert_same_outputs(MODEL, prompt_ids, GREEDY, got, base)
+
+
+def test_the_draft_policy_turns_a_tree_on_or_off_without_cutting_it():
+    """The adaptive policy plans a chain length per sequence; with a tree budget a positive plan verifies the
+    whole tree (its first k nodes would be a shallow tree, not a shorter chain) and 0 verifies nothing."""
+    from types import SimpleNamespace
+
+    with engine(16, speculative_adaptive=True) as llm:
+        eng = llm.engine
+        assert eng.draft_policy is not None
+        eng._draft_plan = {5: 2, 6: 0}
+
+        def seq(i):
+            return SimpleNamespace(seq_id=i, params=SamplingParams(), num_pending=0, num_next_drafts=16,
+                                   drafts_requested=True)
+
+        assert eng._num_drafts(seq(5)) == 16
+        assert eng._num_drafts(seq(6)) == 0
