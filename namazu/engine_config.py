@@ -109,6 +109,12 @@ class EngineConfig:
               "is kept. "
               "0: always --num-speculative-tokens drafts. Default: the measured best threshold for the "
               "drafter shipped with the model, 0 for a drafter named by flags", metavar="X")
+    speculative_tree_budget: int = _f(
+        0, "verify a draft tree of at most N rows per drafting sequence per step instead of one chain: up to 4 "
+           "of the DFlash drafter's candidates per position, accepted by recursive rejection sampling over "
+           "siblings (lossless at any temperature; docs/speculative.md, \"Tree verification\"). Steps that "
+           "verify or draft a tree run eagerly; sequences with penalties, a grammar or returned drafts, and "
+           "tensor parallelism, keep the chain. 0: the chain", metavar="N")
     ngram_max: int = _f(4, "longest n-gram the ngram drafter matches")
     ngram_min: int = _f(1, "shortest n-gram the ngram drafter matches")
     capture_dir: str | None = _f(None, "append every finished request's prompt and output token ids, "
@@ -195,6 +201,14 @@ class EngineConfig:
                 bad("capture_shard_bytes", "must be at least 1KiB")
         except ValueError as e:
             bad("capture_shard_bytes", str(e))
+        if self.speculative_tree_budget < 0:
+            bad("speculative_tree_budget", "must be >= 0 (0: verify a chain)")
+        if self.speculative_tree_budget and self.speculative_method is not None:
+            bad("speculative_tree_budget", f"needs a DFlash drafter (its selector's candidates); the "
+                                           f"{self.speculative_method} drafter proposes one chain")
+        if self.speculative_tree_budget and self.tensor_parallel_size > 1:
+            bad("speculative_tree_budget", "is not supported with --tensor-parallel-size > 1 yet (rank 0's "
+                                           "tree and path would have to be broadcast); use 0 (the chain)")
         if self.speculative_method is not None and self.speculative_model is not None:
             bad("speculative_model", f"and --speculative-method {self.speculative_method} both name a drafter")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -141,6 +141,14 @@ class LLMEngine:
         self.config = config = choice.resolve(config)
         self.drafter = choice.drafter
         self.num_speculative_tokens = choice.num_speculative_tokens
+        # Verify rows per sequence beyond the root: a draft tree's nodes (`--speculative-tree-budget`) are
+        # planned, reserved and rolled back as drafts are (spec/tree_step.py).
+        self.verify_rows = max(self.num_speculative_tokens, config.speculative_tree_budget) \
+            if self.num_speculative_tokens else 0
+        if config.speculative_tree_budget and self.drafter is not None \
+                and not callable(getattr(self.drafter, "propose_tree", None)):
+            raise ValueError(f"--speculative-tree-budget needs a DFlash2 drafter; {type(self.drafter).__name__} "
+                             "proposes one chain")
         self.draft_policy = DraftPolicy(self.num_speculative_tokens + 1) if choice.adaptive else None
         self._draft_plan: dict[int, int] = {}
         self.executor = make_executor(config, self.model_path, self.drafter)
@@ -190,7 +198,7 @@ class LLMEngine:
         config, infos = self.config, self.executor.infos()
         self.worker_info = infos[0]
         self.num_kv_blocks = min(i.num_kv_blocks for i in infos)
-        bs, spec = config.block_size, self.num_speculative_tokens
+        bs, spec = config.block_size, self.verify_rows
         capacity = self.num_kv_blocks * bs
         max_pos = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or min(max_pos, capacity - spec)
@@ -282,13 +290,16 @@ class LLMEngine:
 
     def _num_drafts(self, seq: Sequence) -> int:
         """How many of the worker's drafts a sequence in decode may verify next."""
-        cap = self.num_speculative_tokens
+        cap = self.verify_rows
         if seq.params.num_speculative_tokens is not None:
             cap = min(cap, seq.params.num_speculative_tokens)
         if cap <= 0:
             return 0
         if self.draft_policy is not None:
-            cap = min(cap, self._draft_plan.get(seq.seq_id, 0))
+            planned = self._draft_plan.get(seq.seq_id, 0)
+            # The policy sizes chains; a tree is verified whole or not at all (its first k nodes in node order
+            # are a shallow tree, not a shorter chain).
+            cap = min(cap, planned) if not self.config.speculative_tree_budget else cap * (planned > 0)
             if cap <= 0:
                 return 0
         if seq.num_pending:

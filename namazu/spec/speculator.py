@@ -14,6 +14,11 @@ call here:
 - `after_read(...)`: after the host read, a host proposer (n-gram) drafts from the updated histories, and
   the buffer records what the engine learns.
 The proposer's kind is checked once, when the runner is built (`proposer.check_proposer`).
+
+With `--speculative-tree-budget N` (`tree_step.py`) a device proposer that drafts trees (DFlash2) drafts
+one after a step whose sequences allow it; `plan_tree(...)` then gives the next step's tree inputs (rotary
+positions, counters, the attention mask), `accept` decides over the tree and moves the accepted path's
+latents into place, and `propose_on_device` drafts the next trees from the accepted positions.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ import torch
 from namazu.distributed.decisions import share_decision, share_device_proposal
 from namazu.layers.sampler import SamplingTensors, seeded_rows
 from namazu.spec.proposer import DraftBuffer, Proposal, Proposer, ProposerInput, check_proposer
+from namazu.spec.tree import DEFAULT_RATES
+from namazu.spec.tree_step import TreePlan, TreeStep
 from namazu.spec.verify import verify_deterministic, verify_stochastic
 from namazu.step.batch import StepBatch, StepResult, trim_drafts
 
@@ -52,13 +59,21 @@ class Speculator:
     """One rank's speculation state: the proposer (or none), its kind, and the draft buffer."""
 
     def __init__(self, proposer: Proposer | None, num_speculative_tokens: int, vocab_size: int,
-                 device: torch.device, share_decisions: bool, world_size: int):
+                 device: torch.device, share_decisions: bool, world_size: int, tree_budget: int = 0):
         self.proposer = proposer
         self.kind = check_proposer(proposer) if proposer is not None else None
         self.k = num_speculative_tokens if proposer is not None else 0
         self.device = device
         self.share_decisions, self.world_size = share_decisions, world_size
-        self.drafts = DraftBuffer(self.k, vocab_size, device)
+        self.tree_budget = tree_budget if self.k else 0
+        if self.tree_budget and not (self.on_device and callable(getattr(proposer, "propose_tree", None))):
+            raise ValueError(f"--speculative-tree-budget {tree_budget} needs a drafter that drafts trees (DFlash2); "
+                             f"{type(proposer).__name__} proposes one chain")
+        # A tree's N node tokens are held where a chain's k drafts are: the buffer is as wide as the larger.
+        self.drafts = DraftBuffer(max(self.k, self.tree_budget), vocab_size, device)
+        self.tree: TreeStep | None = None     # built in `attach` (it needs the block size)
+        self._plan: TreePlan | None = None    # this step's tree sequences
+        self._target_kv: torch.Tensor | None = None
         self._stochastic = False     # the device proposer's last drafts came with q
 
     # -- set-up ---------------------------------------------------------------------------------------
@@ -80,10 +95,24 @@ class Speculator:
         ctx = self._context
         return ctx.kv_bytes_per_block(block_size, dtype) if ctx is not None else 0
 
-    def attach(self, target: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+    def attach(self, target: torch.nn.Module, num_blocks: int, block_size: int,
+               target_kv: torch.Tensor | None = None) -> None:
+        """`target_kv`: the target's latent stack [L, blocks, bs, D], where a tree step moves the accepted
+        path's latents."""
         ctx = self._context
         if ctx is not None:
             ctx.attach(target, num_blocks, block_size)
+        self._target_kv, self._block_size = target_kv, block_size
+        self._build_tree()
+
+    def _build_tree(self) -> None:
+        """The tree step for the proposer's shape (depth: its block; width: up to 4 of its candidates)."""
+        if self.tree_budget:
+            if not callable(getattr(self.proposer, "propose_tree", None)):
+                raise ValueError(f"--speculative-tree-budget {self.tree_budget} needs a drafter that drafts trees")
+            cfg = self.proposer.cfg
+            depth = min(self.k, cfg.num_draft_tokens, len(DEFAULT_RATES))
+            self.tree = TreeStep(self.tree_budget, depth, cfg.selector_k, self._block_size, self.device)
 
     @property
     def draft_seconds(self) -> float:
@@ -101,6 +130,8 @@ class Speculator:
         self._stochastic = False
         for slot in list(self.drafts.counts):
             self.drafts.forget(slot)
+        if self.tree is not None:     # no tree of the old drafter is verified; the new one's shape may differ
+            self._build_tree()
 
     # -- before the forward ---------------------------------------------------------------------------
     def forget_finished(self, seqs: WorkerSeqTable, finished: list[int]) -> None:
@@ -108,6 +139,8 @@ class Speculator:
             slot = seqs.slot_of(sid)
             if slot is not None:
                 self.drafts.forget(slot)
+                if self.tree is not None:
+                    self.tree.forget(slot)
 
     def verify_held_drafts_only(self, b: StepBatch, seqs: WorkerSeqTable) -> StepBatch:
         """The batch without the verify rows of drafts the proposer did not make: async scheduling plans a
@@ -123,6 +156,22 @@ class Speculator:
         held = np.asarray([self.drafts.count(slot) if slot is not None else 0 for slot in slots], dtype=np.int64)
         keep = np.minimum(sq.num_drafts, held)
         return b if np.array_equal(keep, sq.num_drafts) else trim_drafts(b, keep)
+
+    def plan_tree(self, b: StepBatch, prep: PreparedStep, to_device) -> TreePlan | None:
+        """This step's tree sequences (`TreeStep.plan`; None: none, or no tree budget). The runner puts the
+        plan's rotary positions and mask into the forward's inputs."""
+        self._plan = self.tree.plan(b, prep, to_device) if self.tree is not None else None
+        return self._plan
+
+    def tree_step_eager(self, b: StepBatch) -> bool:
+        """Whether this step verifies a tree or drafts one: such a step runs eagerly (graph mode captures
+        the chain's shapes only)."""
+        return self._plan is not None or (self.tree is not None and bool(b.spec.max_drafts_next)
+                                          and TreeStep.can_draft(b))
+
+    def emitted_rows(self, row_layout: torch.Tensor) -> torch.Tensor:
+        """[S, K+1] the logit row of each emitted token (a tree's accepted path; a chain's rows in order)."""
+        return self.tree.emitted_rows(self._plan, row_layout) if self._plan is not None else row_layout
 
     def verify_inputs(self, draft_src: torch.Tensor | None) -> torch.Tensor | None:
         """The held draft ids this step verifies, in the order of `PreparedStep.draft_flat` (device)."""
@@ -152,6 +201,11 @@ class Speculator:
             tokens, accepted = verify_stochastic(processed[row_layout], target, draft_ids, q, num_drafts,
                                                  (st.temperature[first] == 0) | ~has_q, st.seeds[first],
                                                  st.counters[row_layout], seeded=seeded_rows(st.seeds[first]))
+        if self._plan is not None:
+            tokens, accepted = self.tree.accept(self._plan, processed, target, tokens, accepted, st, row_layout,
+                                                slot_index)
+            ctx = self._context
+            self.tree.commit_path(self._plan, self._target_kv, getattr(ctx, "cache", None))
         return self.shared(tokens, accepted)
 
     def shared(self, tokens: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,15 +222,30 @@ class Speculator:
         sequence's accepted tokens (`rows` [S, K+1], `tokens`, `accepted`), before the host read; its ids
         stay in the draft buffer and only their counts (and grammar sequences' ids) join the result."""
         site.sampling = {"all_greedy": bool(b.sampling.all_greedy)}
+        plan = self._plan
+        if plan is not None:        # the proposer counts from the positions and output indices as planned
+            site.positions = plan.chain_positions
         if not b.sampling.all_greedy:      # what a proposer that draws reads
             first = row_layout[:, 0]
             site.sampling.update(temperature=st.temperature[first], seeds=st.seeds[first],
-                                 counters=st.counters[row_layout])
+                                 counters=(plan.chain_counters if plan is not None else st.counters)[row_layout])
         inp = self._input(b, None, hidden, captured, rows, tokens, accepted, site)
+        if self.tree is not None:
+            if TreeStep.can_draft(b):
+                return self._propose_tree(inp, prep, slot_index, b.spec.max_drafts_next)
+            self.tree.held.difference_update(int(s) for s in prep.slots)
         proposal = self.proposer.propose(inp, self.k)
         if self.share_decisions:
             proposal = share_device_proposal(proposal, self.world_size)
         return self.store_proposal(proposal, slot_index, b.spec.max_drafts_next)
+
+    def _propose_tree(self, inp: ProposerInput, prep: PreparedStep, slot_index: torch.Tensor, width: int
+                      ) -> dict[str, torch.Tensor]:
+        """Each sampling sequence's next draft tree: its node tokens into the draft buffer (what the engine
+        sees: N drafts), the rest kept by slot for the acceptance rule."""
+        tree = self.proposer.propose_tree(inp, self.tree.tt)
+        ids = self.tree.store(tree, prep.slots, slot_index, self.drafts.ids.shape[0])
+        return self.store_proposal(Proposal(ids), slot_index, width)
 
     def store_proposal(self, proposal: Proposal, slot_index: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
         """A device proposal into the draft buffer, by slot; the result's values of it (counts and ids)."""

@@ -47,11 +47,14 @@ def _rows(x: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
 
 def verify_tree(tt: TreeTensors, tree: DraftTree, processed: torch.Tensor, target_tokens: torch.Tensor,
                 greedy: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
-                max_depth: torch.Tensor | None = None) -> TreeVerdict:
+                max_depth: torch.Tensor | None = None, num_nodes: torch.Tensor | None = None) -> TreeVerdict:
     """processed [S, R, V]: the target's processed logits at every node row; target_tokens [S, R] its
     sample there (argmax on greedy rows); greedy [S]; seeds [S]; counters [S] the output index the root
     row's next token takes; max_depth [S] (None: the tree's): nodes deeper than it count as absent (a
-    sequence that may emit fewer tokens)."""
+    sequence that may emit fewer tokens); num_nodes [S] (None: all): only nodes 1 .. num_nodes exist (the
+    engine planned fewer verify rows than the tree has; node order makes any prefix a tree). Greedy rows
+    take the exact-match rule against target_tokens, which is also the rule for a request's own seed (its
+    text then equals plain seeded decoding's: `verify.verify_stochastic`, `seeded`)."""
     s, r, v = processed.shape
     depth, width = tt.topology.depth, tt.topology.width
     dev = processed.device
@@ -79,6 +82,8 @@ def verify_tree(tt: TreeTensors, tree: DraftTree, processed: torch.Tensor, targe
             child = tt.children[cur, rank]                              # [S]
             c = child.clamp_min(0)
             exists = alive & ~took & (child >= 0) & (tt.depths[c] <= limit)
+            if num_nodes is not None:
+                exists = exists & (child <= num_nodes)
             x = tree.tokens[rows, c]
             xi = tree.cand_index[rows, c]
             q_x = q.gather(1, xi.unsqueeze(-1)).squeeze(-1)

@@ -138,7 +138,7 @@ class ModelRunner:
         # rank 0's, broadcast (`Speculator.shared`): every rank commits the same tokens even if its logits
         # differ in the last bit (tests switch `share_decisions` off to show what it prevents).
         self.spec = Speculator(proposer, config.num_speculative_tokens, self.model_config.vocab_size, self.device,
-                               world_size > 1, world_size)
+                               world_size > 1, world_size, config.speculative_tree_budget)
         self.seqs = WorkerSeqTable()
         self._empty_i = torch.zeros(0, dtype=torch.long, device=self.device)
         self._empty_f = torch.zeros(0, device=self.device)
@@ -178,7 +178,7 @@ class ModelRunner:
         self.cache = PagedLatentCache(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
         logger.info("rank %d: KV cache %d blocks x %d tokens (%.1f MiB) on %s", self.rank, num_blocks,
                     self.block_size, self.cache.nbytes / 2**20, self.device)
-        self.spec.attach(self.model, num_blocks, self.block_size)
+        self.spec.attach(self.model, num_blocks, self.block_size, self.cache.kv)
         if self.graph_mode:
             self._build_graphs()
         else:
@@ -356,7 +356,9 @@ class ModelRunner:
 
     def _inputs(self, b: StepBatch, prep: PreparedStep) -> StepInputs:
         T, a = self._tensor, b.attn
-        layout = self._graph_layout(b, prep)
+        # A draft tree's step (`spec/tree_step.py`) runs eagerly: its rows' rotary positions and mask are its own.
+        tree = self.spec.plan_tree(b, prep, T)
+        layout = None if self.graphs is not None and self._tree_eager(b) else self._graph_layout(b, prep)
         inp = StepInputs(logit_rows=T(a.logit_rows), row_layout=T(b.spec.row_layout),
                          slot_index=T(prep.slots) if self.spec.k else None)
         inp.tail = layout is not None and self._tail_covers(b, layout[0])
@@ -367,6 +369,8 @@ class ModelRunner:
             inp.meta = PagedAttentionMetadata(slot_mapping=T(prep.slot_mapping), block_tables=T(a.block_tables),
                                               q_index=T(a.q_index), q_pos=T(a.q_pos), out_index=T(a.out_index))
             inp.input_ids, inp.positions = T(a.input_ids), T(a.positions)
+            if tree is not None:
+                inp.meta.tree_mask, inp.positions = tree.tree_mask, tree.rope_positions
         if b.prompt_lp.num >= 0 and len(b.prompt_lp.rows):
             inp.plp_rows, inp.plp_targets = T(b.prompt_lp.rows), T(b.prompt_lp.targets)
         if b.spec.max_drafts:
@@ -405,6 +409,14 @@ class ModelRunner:
         with forward_context(PagedAttentionContext(self.cache, inp.meta)):
             hidden, captured = self.model(input_ids, inp.positions, capture_layers=want_hidden)
         return Forward(hidden, captured, input_ids, inp.logit_rows)
+
+    def _tree_eager(self, b: StepBatch) -> bool:
+        if not self.spec.tree_step_eager(b):
+            return False
+        if "tree" not in self._eager_reasons:
+            self._eager_reasons.add("tree")
+            logger.info("rank %d: graph mode: steps that verify or draft a draft tree run eagerly", self.rank)
+        return True
 
     def _tail_covers(self, b: StepBatch, entry: GraphEntry) -> bool:
         """Whether this graph step runs the drafted step's compiled tail; a reason it does not is logged once."""
@@ -469,7 +481,8 @@ class ModelRunner:
             values.update(self.spec.propose_on_device(b, prep, fwd.hidden, fwd.captured, inp.logit_rows[row_layout],
                                                       tokens, accepted, site, st, row_layout, inp.slot_index))
         if b.sampling.num_logprobs >= 0:
-            lp, top_ids, top_lp = gather_logprobs(logits[row_layout].flatten(0, 1), tokens.reshape(-1),
+            lp, top_ids, top_lp = gather_logprobs(logits[self.spec.emitted_rows(row_layout)].flatten(0, 1),
+                                                  tokens.reshape(-1),
                                                   b.sampling.num_logprobs)
             shape = tuple(row_layout.shape)
             values["logprobs"] = lp.view(shape)

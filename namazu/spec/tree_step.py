@@ -1,0 +1,185 @@
+"""The draft tree inside one rank's step (`--speculative-tree-budget N`): which sequences verify a tree, the
+verify forward's tree inputs, the acceptance over the tree, and the move of the accepted path's latents.
+
+To the engine a tree of N nodes is a verify of N drafts: it reserves N + 1 slots, and the sequence's
+length moves by the n + 1 tokens the step emits, exactly as for a chain (async scheduling's corrections
+too: it planned N drafts and n were accepted). Everything that makes it a tree is here, on the worker:
+- `plan`: the sequences of this step whose held drafts are a tree (`store` marked their slots when the
+  drafter drafted them); their verify rows keep the chain's cache slots (node i at the root's slot + i),
+  while each row's rotary position becomes the root's plus the node's depth, its sampler counter the
+  root's plus the depth (the output index its token would take), and the attention mask lets each row see
+  its own ancestors only (`PagedAttentionMetadata.tree_mask`);
+- `accept`: `tree_verify.verify_tree` over those rows, merged with the chain's decision for the others;
+- `commit_path`: the accepted nodes' latents (target cache, drafter context cache) copied to the slots
+  their positions name, before the drafter reads its context for the next block; rejected nodes stay past
+  the sequence's end, never visible, overwritten when those positions are computed;
+- `emitted_rows`: the logit row behind each emitted token (for logprobs);
+- `store`: the drafter's next trees, their node tokens into the draft buffer (the verify inputs) and the
+  rest (candidates and q per node) into per-slot buffers here.
+A tree is drafted only in a step whose sampling sequences need nothing that depends on the path beyond the
+target's own logits: no penalties (counts along each path), no grammar mask or returned drafts (a grammar
+state per path). Those steps draft a chain; a batch may verify trees and chains side by side.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from namazu.layers.sampler import SamplingTensors, seeded_rows
+from namazu.spec.tree import DraftTree, TreeTopology
+from namazu.spec.tree_verify import verify_tree
+
+# Children per node: what bench/tree_acceptance.py measured the budgets with (beyond the 4th draw a child's
+# chance is under 2%).
+TREE_WIDTH = 4
+
+
+@dataclass
+class TreePlan:
+    """This step's tree sequences: per sampling sequence (S) device tensors, and what `accept` found."""
+
+    is_tree: torch.Tensor          # [S] bool
+    num_nodes: torch.Tensor        # [S] nodes verified (the rows the engine planned, at most N)
+    root_pos: torch.Tensor         # [S] the root's position (its row is the first sampled one)
+    root_slot: torch.Tensor        # [S] its cache slot
+    block_tables: torch.Tensor     # [S, M]
+    chain_positions: torch.Tensor  # [N_tokens] positions as planned (the proposer counts from them)
+    rope_positions: torch.Tensor   # [N_tokens] the forward's rotary positions (node rows: root + depth)
+    tree_mask: torch.Tensor        # [B, Tq, Tq] bool, `PagedAttentionMetadata.tree_mask`
+    chain_counters: torch.Tensor   # [R_rows] sampler counters as planned
+    path: torch.Tensor | None = None          # [S, depth] accepted node per depth (-1 past n)
+    num_accepted: torch.Tensor | None = None  # [S] 0 where the sequence verified a chain
+
+
+class TreeStep:
+    def __init__(self, budget: int, depth: int, candidates: int, block_size: int, device: torch.device):
+        self.topology = TreeTopology.build(budget, depth, min(TREE_WIDTH, candidates))
+        self.tt = self.topology.tensors(device)
+        self.rows = self.topology.num_nodes + 1
+        self.depths = np.asarray(self.topology.depths, dtype=np.int64)
+        self.ancestors = self.tt.ancestors.cpu().numpy()
+        self.block_size, self.device = block_size, device
+        self.held: set[int] = set()          # slots whose held drafts are a tree
+        self._trees: DraftTree | None = None  # per slot: [slots, R], [slots, R], [slots, R, K], [slots, R, K]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.topology.num_nodes
+
+    # -- which steps ----------------------------------------------------------------------------------
+    @staticmethod
+    def can_draft(b) -> bool:
+        """Whether the drafter's next blocks after this step may be trees (host flags of the batch)."""
+        sp = b.sampling
+        return not sp.any_penalty and sp.bitmask is None and not b.spec.return_drafts.any()
+
+    def forget(self, slot: int) -> None:
+        self.held.discard(slot)
+
+    # -- before the forward ---------------------------------------------------------------------------
+    def plan(self, b, prep, to_device) -> TreePlan | None:
+        """The step's tree sequences, or None. Rewrites the sampler counters of their node rows in the batch
+        (as async corrections do) and keeps the planned ones for the proposer; the rotary positions go to
+        the plan (the planned ones stay in the batch: they name the rows' cache slots and causal limits).
+        Host work only: a few rows per tree sequence."""
+        nd = prep.num_drafts
+        is_tree = np.asarray([int(slot) in self.held for slot in prep.slots], dtype=bool) & (nd > 0)
+        if not is_tree.any():
+            return None
+        a, sq, sp, layout = b.attn, b.seqs, b.sampling, b.spec.row_layout
+        rope, chain_counters = a.positions.copy(), sp.counters.copy()
+        n_tok = sq.num_new + sq.num_drafts
+        flat0 = np.cumsum(n_tok) - n_tok
+        tq = a.q_index.shape[1]
+        mask = np.ones((len(n_tok), tq, tq), dtype=bool)
+        for s in np.flatnonzero(is_tree).tolist():
+            i, m = int(b.spec.batch_index[s]), int(nd[s])
+            d = self.depths[1:m + 1]
+            first = flat0[i] + sq.num_new[i]
+            rope[first:first + m] = prep.verify_from[s] + d
+            sp.counters[layout[s, 1:m + 1]] = sp.counters[layout[s, 0]] + d
+            o = int(sq.num_new[i]) - 1
+            r = min(m + 1, tq - o)
+            mask[i, o:o + r, o:o + r] = self.ancestors[:r, :r]
+        tables = a.block_tables[b.spec.batch_index]
+        root = prep.verify_from
+        root_slot = tables[np.arange(len(root)), root // self.block_size] * self.block_size + root % self.block_size
+        return TreePlan(is_tree=to_device(is_tree), num_nodes=to_device(nd), root_pos=to_device(root),
+                        root_slot=to_device(root_slot), block_tables=to_device(tables),
+                        chain_positions=to_device(a.positions), chain_counters=to_device(chain_counters),
+                        rope_positions=to_device(rope), tree_mask=to_device(mask))
+
+    # -- inside the step ------------------------------------------------------------------------------
+    def accept(self, plan: TreePlan, processed: torch.Tensor, target: torch.Tensor, tokens: torch.Tensor,
+               accepted: torch.Tensor, st: SamplingTensors, row_layout: torch.Tensor, slot_index: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chain's (tokens [S, K+1], accepted [S]) with the tree sequences' rows replaced by the tree's
+        decision (`verify_tree`: greedy and seeded rows by exact match with the target's own sample at each
+        node, the others by recursive rejection sampling with the drafter's q)."""
+        k = row_layout.shape[1] - 1
+        cols = torch.arange(self.rows, device=target.device).clamp(max=k)
+        first = row_layout[:, 0]
+        exact = (st.temperature[first] == 0) | seeded_rows(st.seeds[first])
+        # A chain sequence's slot may lie past the tree buffers (a sequence that never drafted a tree).
+        slot = torch.where(plan.is_tree, slot_index, 0)
+        trees = DraftTree(*(x[slot] for x in self._trees))
+        verdict = verify_tree(self.tt, trees, processed[row_layout[:, cols]], target[:, cols], exact,
+                              st.seeds[first], st.counters[first], num_nodes=plan.num_nodes)
+        w = min(verdict.tokens.shape[1], k + 1)
+        tree_tokens = tokens.clone()
+        tree_tokens[:, :w] = verdict.tokens[:, :w]
+        plan.path = verdict.path
+        plan.num_accepted = torch.where(plan.is_tree, verdict.num_accepted, 0)
+        return (torch.where(plan.is_tree.unsqueeze(-1), tree_tokens, tokens),
+                torch.where(plan.is_tree, verdict.num_accepted, accepted))
+
+    def commit_path(self, plan: TreePlan, target_kv: torch.Tensor, drafter_cache: torch.Tensor | None) -> None:
+        """Node path[j] (at the root's slot + node) to the slot of position root + 1 + j, for j < n, in the
+        target's latent stack [L, blocks, bs, D] and the drafter's context cache [L, 2, slots, H, D]. Past n
+        (and on chain sequences) an entry copies the root's slot onto itself: fixed shapes, no host read."""
+        depth = plan.path.shape[1]
+        j = torch.arange(depth, device=plan.path.device)
+        take = j < plan.num_accepted.unsqueeze(-1)                                         # [S, depth]
+        bs = self.block_size
+
+        def slot(pos: torch.Tensor) -> torch.Tensor:
+            blocks = plan.block_tables.gather(1, (pos // bs).clamp(max=plan.block_tables.shape[1] - 1))
+            return blocks * bs + pos % bs
+
+        root = plan.root_pos.unsqueeze(-1)
+        here = plan.root_slot.unsqueeze(-1).expand(-1, depth)
+        src = torch.where(take, slot(root + plan.path.clamp_min(0)), here).flatten()
+        dst = torch.where(take, slot(root + 1 + j), here).flatten()
+        # Every source is read before any destination is written (a node's index is at least its depth, so
+        # one row's source may be another's destination).
+        flat = target_kv.view(target_kv.shape[0], -1, target_kv.shape[-1])
+        flat.index_copy_(1, dst, flat.index_select(1, src))
+        if drafter_cache is not None:
+            drafter_cache.index_copy_(2, dst, drafter_cache.index_select(2, src))
+
+    def emitted_rows(self, plan: TreePlan, row_layout: torch.Tensor) -> torch.Tensor:
+        """[S, K+1] the logit row whose distribution each emitted token came from: a tree sequence's token j
+        from the node at depth j of its accepted path (the root for j = 0); a chain's from row j."""
+        k = row_layout.shape[1] - 1
+        node = torch.cat([torch.zeros_like(plan.path[:, :1]), plan.path.clamp_min(0)], 1)
+        node = torch.cat([node, node[:, -1:].expand(-1, max(0, k + 1 - node.shape[1]))], 1)[:, :k + 1]
+        tree_rows = row_layout.gather(1, node.clamp(max=k))
+        return torch.where(plan.is_tree.unsqueeze(-1), tree_rows, row_layout)
+
+    # -- the next block -------------------------------------------------------------------------------
+    def store(self, tree: DraftTree, slots: np.ndarray, slot_index: torch.Tensor, num_slots: int) -> torch.Tensor:
+        """Keeps each sequence's tree by slot; returns the node tokens [S, N], what the draft buffer holds
+        (the verify rows' inputs, in node order)."""
+        if self._trees is None or self._trees.tokens.shape[0] < num_slots:
+            grow = max(num_slots, 2 * (self._trees.tokens.shape[0] if self._trees is not None else 0))
+            new = DraftTree(*(torch.zeros(grow, *x.shape[1:], dtype=x.dtype, device=x.device) for x in tree))
+            if self._trees is not None:
+                for dst, src in zip(new, self._trees):
+                    dst[:src.shape[0]] = src
+            self._trees = new
+        for buf, x in zip(self._trees, tree):
+            buf[slot_index] = x
+        self.held.update(int(s) for s in slots)
+        return tree.tokens[:, 1:]
