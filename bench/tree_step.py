@@ -14,7 +14,8 @@ round is run and not counted. Per setup, batch size and temperature (median over
 phase speculation speeds up), output tokens/s, engine ms per step, tokens per verify step (mean acceptance
 length), verify rows per verify step (1 + rows the engine planned), and the ratios to off and to the chain.
 Answers end at EOS or --output-len (--ignore-eos: always --output-len; past EOS the target writes text no
-drafter was trained on, which understates acceptance). Prompts: 64 held-out chat requests of the drafter's traffic mix (`namazu.spec.training.traffic`, valid split)
+drafter was trained on, which understates acceptance). Prompts: 64 held-out chat requests of the drafter's
+traffic mix (`namazu.spec.training.traffic`, valid split)
 through the default model's chat template, the same for every setup. T > 0 requests carry no seed, so their
 rows take the lossless rule with the drafter's q (a request's own seed takes exact matching, and accepts less).
 --acceptance N: no timing; tokens per verify step of the chain and each tree on the first N prompts at
@@ -85,7 +86,8 @@ def _measure(llm, batches, params) -> dict[str, float]:
     hist = np.array(s1.acceptance_length_histogram or [0]) - np.array(s0.acceptance_length_histogram or [0])
     verifies = int(hist.sum())
     steps = s1.num_steps - s0.num_steps
-    return {"dec_tok_s": dec_tokens / max(dec_wall, 1e-9), "tok_s": tokens / wall, "step_ms": 1e3 * wall / max(steps, 1),
+    return {"dec_tok_s": dec_tokens / max(dec_wall, 1e-9), "tok_s": tokens / wall,
+            "step_ms": 1e3 * wall / max(steps, 1),
             "tau": mean_acceptance_length(hist.tolist()),
             "rows": 1 + (s1.num_draft_tokens - s0.num_draft_tokens) / verifies if verifies else 0.0}
 
@@ -162,14 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for temp in args.temperatures:
         for bsz in args.batch:
-            def med(name: str, key: str) -> float:
+            def med(name: str, key: str, temp=temp, bsz=bsz) -> float:
                 return statistics.median(x[key] for x in rows[(name, temp, bsz)])
             for name in names:
                 mode = name.split("/")[0] + "/" if "/" in name else ""
                 off, chain = med(f"{mode}off", "dec_tok_s"), med(f"{mode}chain", "dec_tok_s")
                 spec = "- | -" if name.endswith("off") else f"{med(name, 'tau'):.2f} | {med(name, 'rows'):.1f}"
-                print(f"| {temp:g} | {bsz} | {name} | {med(name, 'dec_tok_s'):.1f} | {med(name, 'dec_tok_s') / off:.2f}x | "
-                      f"{med(name, 'dec_tok_s') / chain:.2f}x | {med(name, 'tok_s'):.1f} | {med(name, 'step_ms'):.2f} | {spec} |")
+                dec = med(name, 'dec_tok_s')
+                print(f"| {temp:g} | {bsz} | {name} | {dec:.1f} | {dec / off:.2f}x | {dec / chain:.2f}x | "
+                      f"{med(name, 'tok_s'):.1f} | {med(name, 'step_ms'):.2f} | {spec} |")
     for llm in llms.values():
         llm.close()
     return 0
