@@ -87,9 +87,12 @@ class _Costs:
     drafted: deque = field(default_factory=lambda: deque(maxlen=32))   # (verify rows, ms)
 
 
-def _line(samples: deque, prior_row: float) -> tuple[float, float]:
+def _line(samples: deque, prior_row: float, floor: float) -> tuple[float, float]:
     """A and C of ms = A + C * rows: medians per row count, least squares through them weighted by count
-    (C >= 0); with one row count seen, C = prior_row and A its median less that."""
+    (C >= 0); with one row count seen, C = prior_row and A its median less that. A is at least `floor` (a
+    plain step: a drafted one runs the same forward and the drafter besides), the line still through the
+    weighted mean: a fit over row counts close together (blocks cut by confidence, 5 and 6 drafts)
+    extrapolates A to nothing or below, and the plan then verified one draft where six paid 2x."""
     by_rows: dict[int, list[float]] = {}
     for rows, ms in samples:
         by_rows.setdefault(rows, []).append(ms)
@@ -100,9 +103,11 @@ def _line(samples: deque, prior_row: float) -> tuple[float, float]:
         my = sum(m * n for _, m, n in pts) / w
         var = sum(n * (r - mx) ** 2 for r, _, n in pts)
         c = max(0.0, sum(n * (r - mx) * (m - my) for r, m, n in pts) / var)
-        return my - c * mx, c
+        if my - c * mx < floor:
+            c = max(0.0, (my - floor) / mx)
+        return max(my - c * mx, floor), c
     (r, m, _), = pts
-    return m - prior_row * r, prior_row
+    return max(m - prior_row * r, floor), prior_row
 
 
 @dataclass
@@ -181,8 +186,8 @@ class DraftPolicy:
             return 1.0, self.prior_fixed, self.prior_row
         if len(c.drafted) < self.min_samples:
             return plain, self.prior_fixed * plain, self.prior_row * plain
-        fixed, row = _line(c.drafted, self.prior_row * plain)
-        return plain, max(fixed, 0.0), row
+        fixed, row = _line(c.drafted, self.prior_row * plain, plain)
+        return plain, fixed, row
 
     # -- what the engine learns ----------------------------------------------------------------------
     def observe_step(self, batch: int, rows: int, ms: float) -> None:

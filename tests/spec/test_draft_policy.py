@@ -76,6 +76,20 @@ def test_one_slow_step_does_not_turn_drafting_off():
     assert p.plan([(1, 0.0)]) == {1: 6}
 
 
+def test_a_drafted_step_is_never_priced_below_a_plain_one():
+    # Blocks cut by confidence: 5 and 6 drafts, a noisy pair whose line would put A far below zero.
+    p = DraftPolicy(max_tokens_per_step=7)
+    for _ in range(4):
+        p.observe_step(1, 0, 6.0)
+        p.observe_step(1, 5, 12.0)
+        p.observe_step(1, 6, 18.0)
+    plain, fixed, row = p.step_costs(1)
+    assert fixed >= plain and abs(fixed + row * 5.5 - 15.0) < 1e-9     # through the weighted mean
+    for _ in range(50):
+        p.observe_verify(1, 0.0, verified=6, accepted=6)
+    assert p.plan([(1, 0.0)]) == {1: 6}
+
+
 def test_drafting_starts_on_a_clear_win_and_stops_only_where_it_loses():
     p = DraftPolicy(max_tokens_per_step=2, margin=1.3)
     _measured(p, plain_ms=1.0, fixed_ms=1.5, row_ms=0.0, rows=(1,))
