@@ -72,13 +72,18 @@ class Acceptance:
         return out
 
 
-def expected_tokens(rates: list[float], k: int) -> float:
-    """E(k): the verify's own token plus each draft's chance of being reached and accepted."""
-    total, p = 1.0, 1.0
-    for a in rates[:k]:
+def expected_table(rates: list[float]) -> list[float]:
+    """[E(0), E(1), ..., E(len(rates))]: the verify's own token plus each draft's chance of being reached
+    and accepted."""
+    out, p = [1.0], 1.0
+    for a in rates:
         p *= a
-        total += p
-    return total
+        out.append(out[-1] + p)
+    return out
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    return expected_table(rates[:k])[-1]
 
 
 @dataclass
@@ -142,7 +147,7 @@ class DraftPolicy:
             return {}
         # E_s(k) for every sequence and k once; the ascent then moves running totals (O(B K) a step: the
         # plan runs on the engine's thread before every step).
-        gains = [self._expected(self.rates(st)) for st in states]
+        gains = [expected_table(self.rates(st)) for st in states]
         plain_ms, fixed_ms, row_ms = self.step_costs(b)
         ks = [self.k_max] * b
         tokens = sum(g[-1] for g in gains)
@@ -226,15 +231,6 @@ class DraftPolicy:
         if st is None:
             st = self.seqs[seq_id] = _SeqState(temperature_bucket(temperature), Acceptance(self.k_max))
         return st
-
-    @staticmethod
-    def _expected(rates: list[float]) -> list[float]:
-        """[E(0), E(1), ..., E(K)]."""
-        out, p = [1.0], 1.0
-        for a in rates:
-            p *= a
-            out.append(out[-1] + p)
-        return out
 
     @staticmethod
     def _per_ms(tokens: float, rows: int, fixed: float, row: float) -> float:

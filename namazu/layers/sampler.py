@@ -183,6 +183,8 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
 
 def sample_from_processed(processed: torch.Tensor, t: SamplingTensors, stream: int = STREAM_SAMPLE) -> torch.Tensor:
     """Greedy rows take the argmax, others the exponential race with their own seeded noise."""
+    # first_argmax for the greedy pick too: inductor fuses it with the raced one, and a plain argmax there
+    # brought the miscompile back (checked: the sampled verify segfaulted again).
     greedy = first_argmax(processed)
     if t.all_greedy:
         return greedy

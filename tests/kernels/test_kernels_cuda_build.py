@@ -124,7 +124,8 @@ def test_torch_cuda_binding_parses(tmp_path):
 
 def test_cpu_kernel_header_is_plain_c(tmp_path):
     """The C ABI header must stay usable from C (no C++ in it) so other hosts can link the kernel."""
-    cc = shutil.which("gcc") or pytest.skip("no gcc")
+    cc = shutil.which("gcc") or pytest.skip("no gcc here: the sm_100a header's layout rules are tested by "
+                                            "compiling them for the CPU")
     src = tmp_path / "use.c"
     src.write_text(f'#include "{CSRC / "cpu" / "nvfp4_moe_cpu.h"}"\nint main(void) {{ return 0; }}\n')
     res = subprocess.run([cc, "-std=c11", "-fsyntax-only", str(src)], capture_output=True, text=True)
