@@ -278,3 +278,15 @@ def _base_type(annotation: Any) -> type:
         return {"int": int, "float": float, "str": str, "bool": bool}[names[0]]
     args = [a for a in get_args(annotation) if a is not type(None)]
     return args[0] if args else annotation
+
+
+def graph_mode(config: EngineConfig) -> bool:
+    """Whether decode and verify steps run as compiled/captured graphs: --enforce-eager's choice, else on a
+    GPU (the engine's draft policy prices verify rows by it, the runner builds the graphs by it)."""
+    if config.enforce_eager is not None:
+        return not config.enforce_eager
+    if config.device != "auto":
+        return config.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()

@@ -25,7 +25,7 @@ from namazu.engine.draft_policy import DraftPolicy
 from namazu.engine.output_processor import OutputProcessor, RequestState
 from namazu.engine.request_validation import RequestValidator
 from namazu.engine.step_rate_fit import StepRates
-from namazu.engine_config import EngineConfig
+from namazu.engine_config import EngineConfig, graph_mode
 from namazu.outputs import RequestOutput
 from namazu.sampling_params import SamplingParams
 from namazu.scheduler.block_manager import BlockManager
@@ -149,7 +149,9 @@ class LLMEngine:
                 and not callable(getattr(self.drafter, "propose_tree", None)):
             raise ValueError(f"--speculative-tree-budget needs a DFlash2 drafter; {type(self.drafter).__name__} "
                              "proposes one chain")
-        self.draft_policy = DraftPolicy(self.num_speculative_tokens + 1) if choice.adaptive else None
+        # Graph mode verifies 1 + K rows per sequence whatever the plan (static entries): rows cost nothing there.
+        self.draft_policy = DraftPolicy(self.num_speculative_tokens + 1, padded_rows=graph_mode(config)) \
+            if choice.adaptive else None
         self._draft_plan: dict[int, int] = {}
         self.executor = make_executor(config, self.model_path, self.drafter)
         try:

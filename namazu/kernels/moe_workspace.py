@@ -7,7 +7,7 @@ start-up; while the entry's forward is traced, `active_workspace()` hands it to 
 `namazu::moe_grouped_mm_ws` op writes every intermediate and the result into it, so a graph-mode step
 allocates nothing in the MoE runner. The layers run one after another, so they share one workspace (a
 layer's result is read by its block before the next layer's op overwrites it; the op declares the
-mutation, so the compiler orders the two). Entries with few pairs per expert (`gathers_in_graph`)
+mutation, so the compiler orders the two). Entries whose pairs would read few bytes more gathered (`gathers_in_graph`)
 trace the experts into the compiled graph instead and need no workspace.
 
 `moe_grouped_mm_into` computes what `graph_ops.moe_grouped_mm_eager` computes, bit for bit (same
@@ -86,14 +86,25 @@ class MoEWorkspace:
                 and w2.shape[2] == self.act.shape[1])
 
 
-def gathers_in_graph(num_pairs: int, num_experts: int) -> bool:
+# What one grouped-GEMM MoE call costs beyond its weight reads, as bytes the gathered path may read more
+# in that time. Measured on a 2-core AVX-512 CPU (namazu-tiny, bf16, graph mode): the workspace op took
+# about 0.7 ms a layer at 14 pairs over 12 experts whatever it computed (sorting, offsets, a dozen small
+# GEMM calls), while a gathered pair of those experts (196 KB) costs about 0.01 ms; a 7-row verify entry's
+# forward went from 5.0 to 2.8 ms gathered, a 2 x 7 one from 5.9 to 3.7, and at 56 to 112 pairs (3.2 to
+# 19.6 MB more read) the two were within noise of each other.
+GATHER_EXTRA_BYTES = 4 << 20
+
+
+def gathers_in_graph(num_pairs: int, num_experts: int, expert_bytes: int) -> bool:
     """Whether a compiled forward runs the experts of `num_pairs` (token, slot) pairs as gathered
     mat-vecs traced into the graph (its code generator fuses the weight gather, product and sum into a
-    few loops, with no op dispatch from Python) instead of the grouped-GEMM workspace op. Gathering
-    reads each pair's expert weights, grouping reads each touched expert's once: with at most one pair
-    per two experts the reads are about equal and the dispatch saved wins (a decode step of a few
-    sequences); beyond that the grouped GEMMs win."""
-    return 2 * num_pairs <= num_experts
+    few loops, with no op dispatch from Python) instead of the grouped-GEMM workspace op. Gathering reads
+    each pair's expert weights (`expert_bytes` each), grouping each touched expert's once (for pairs
+    spread over the experts, E (1 - (1 - 1/E)^P) of them): gather while the bytes read beyond grouping's
+    cost less than the grouped op's own overhead (`GATHER_EXTRA_BYTES`). For namazu-tiny's small experts
+    that is up to about 30 pairs; for a DeepSeek-V3 expert (tens of MB) it is where no expert repeats."""
+    touched = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** num_pairs)
+    return (num_pairs - touched) * expert_bytes <= GATHER_EXTRA_BYTES
 
 
 def moe_grouped_mm_into(ws: MoEWorkspace, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -113,6 +113,11 @@ class TorchExperts(RoutedExperts):
             for proj in PROJS:
                 yield e, proj, "weight", self._slice(e, proj)
 
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights (what a gathered (token, slot) pair reads)."""
+        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (self.w13.requires_grad or x.requires_grad):
             return self._forward_grouped(x, topk_ids, topk_weights)
@@ -150,7 +155,7 @@ class TorchExperts(RoutedExperts):
         (each expert's weights read once, static shapes, no host sync). A custom op (kernels/graph_ops.py),
         so graph mode traces through it."""
         if torch.compiler.is_compiling():
-            if gathers_in_graph(topk_ids.numel(), self.num_experts):
+            if gathers_in_graph(topk_ids.numel(), self.num_experts, self.expert_bytes):
                 return self._forward_gathered_traced(x, topk_ids, topk_weights)
             # Graph mode: the ladder entry's workspace, when it has one for these shapes, holds every
             # intermediate and the result (nothing allocated per step).

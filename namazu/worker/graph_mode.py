@@ -382,7 +382,7 @@ def _moe_workspace(model: torch.nn.Module | None, num_tokens: int) -> MoEWorkspa
     for m in model.modules() if model is not None else ():
         if isinstance(m, TorchExperts):
             top_k = model.config.num_experts_per_tok
-            if gathers_in_graph(num_tokens * top_k, m.num_experts):
+            if gathers_in_graph(num_tokens * top_k, m.num_experts, m.expert_bytes):
                 return None
             return MoEWorkspace.allocate(num_tokens, top_k, m.num_experts,
                                          m.hidden_size, m.intermediate_size, m.w13.dtype, m.w13.device)

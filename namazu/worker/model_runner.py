@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from namazu.engine_config import EngineConfig
+from namazu.engine_config import EngineConfig, graph_mode
 from namazu.kernels.backends import resolve_moe_runtime
 from namazu.layers.cpu_layout import use_k_major_linears
 from namazu.layers.forward_context import forward_context
@@ -147,7 +147,7 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         self.tails: DraftedTails | None = None
         self._eager_reasons: set[str] = set()
-        self.graph_mode = not config.enforce_eager if config.enforce_eager is not None else self.device.type == "cuda"
+        self.graph_mode = graph_mode(config)
 
     @property
     def proposer(self) -> Proposer | None:

@@ -9,7 +9,7 @@ from engine_helpers import prompts, tiny_checkpoint
 from torch.profiler import profile
 
 from namazu import LLM, SamplingParams
-from namazu.kernels import graph_ops
+from namazu.kernels import graph_ops, moe_workspace
 from namazu.kernels.moe_workspace import MoEWorkspace, moe_grouped_mm_into
 
 
@@ -80,9 +80,11 @@ def test_graph_steps_reuse_the_entry_workspace(monkeypatch):
 
     monkeypatch.setattr(graph_ops, "moe_grouped_mm_into", recording)
     torch._dynamo.reset()   # forwards traced by other tests would not call the patched function
+    # The test model's experts are 24 KB: at this budget entries of 2 tokens (4 pairs over 8 experts, 17 KB
+    # more read gathered) trace gathered experts, entries of 4 (67 KB more) run the workspace op.
+    monkeypatch.setattr(moe_workspace, "GATHER_EXTRA_BYTES", 50_000)
     with LLM(tiny_checkpoint(), executor="inline", enforce_eager=False, max_num_seqs=4) as llm:
         graphs = llm.engine.executor.worker.runner.graphs
-        # The tiny model has 12 experts, 2 per token: entries of up to 3 tokens trace gathered experts.
         assert graphs.entries[(2, 1)].moe_workspace is None
         ws = graphs.entries[(4, 1)].moe_workspace
         assert ws is not None
@@ -104,7 +106,10 @@ def test_traced_gathered_experts_match_the_grouped_path():
     from namazu.kernels.moe_workspace import gathers_in_graph
     from namazu.layers.experts import TorchExperts
 
-    assert gathers_in_graph(6, 12) and not gathers_in_graph(7, 12)
+    tiny = 3 * 128 * 256 * 2         # namazu-tiny's bf16 expert: 14 and 28 pairs over 12 gather, 56 do not
+    assert gathers_in_graph(14, 12, tiny) and gathers_in_graph(28, 12, tiny) and not gathers_in_graph(56, 12, tiny)
+    big = 3 * 7168 * 2048 * 2        # a DeepSeek-V3 expert: gathered while experts rarely repeat
+    assert gathers_in_graph(2, 256, big) and not gathers_in_graph(16, 256, big)
     experts = TorchExperts(6, 32, 16)
     experts.reset_parameters(0.1)
     x, ids, w, *_ = _case(3, torch.float32, seed=7)

@@ -47,6 +47,27 @@ def test_the_plan_picks_the_block_length_that_maximises_tokens_per_second():
     assert q.plan([(1, 0.0)]) == {1: 6}
 
 
+def test_with_padded_rows_a_noisy_row_slope_does_not_shorten_the_block():
+    # Graph mode: every drafted step computes the entry's 1 + K rows. Noise that grows with the block cut
+    # by confidence (3 to 5 drafts) reads as 1 ms per row to a line, which makes 2 drafts the best plan;
+    # padded, the cost is the drafted steps' median and the whole block is planned.
+    p = DraftPolicy(max_tokens_per_step=7)
+    q = DraftPolicy(max_tokens_per_step=7, padded_rows=True)
+    for pol in (p, q):
+        _measured(pol, plain_ms=2.0, fixed_ms=3.0, row_ms=1.0, rows=(3, 4, 5))
+        for _ in range(200):
+            pol.observe_verify(1, 0.0, verified=6, accepted=3)
+            pol.observe_verify(1, 0.0, verified=6, accepted=5)      # E(k) = 1, 2, 3, 4, 4.5, 5, 5
+    assert p.step_costs(1)[2] > 0.9 and p.plan([(1, 0.0)])[1] < 6
+    plain, fixed, row = q.step_costs(1)
+    assert (plain, fixed, row) == (2.0, 7.0, 0.0)       # the median of 6, 7 and 8 ms
+    assert q.plan([(1, 0.0)]) == {1: 6}
+    # ... and stops where the whole block does not pay (E(6) near 2 tokens for 7 ms against 2 ms a token).
+    for _ in range(400):
+        q.observe_verify(1, 0.0, verified=6, accepted=1)
+    assert q.plan([(1, 0.0)]) == {1: 0}
+
+
 def test_a_sequence_stops_where_drafting_does_not_pay_and_is_probed_with_a_full_block():
     p = DraftPolicy(max_tokens_per_step=7, probe_every=4)
     assert p.plan([(1, 0.0)]) == {1: 6}    # optimistic start: unmeasured buckets draft
