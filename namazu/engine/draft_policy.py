@@ -28,7 +28,10 @@ a compiled step's rows are most of it), the dtype, the batch size and the machin
 Each step the plan picks every sequence's k in 0..K to maximise the batch's tokens per second,
 sum E_s(k_s) / (A + C * sum k_s), against B / t_plain for a plain step (coordinate ascent: K and B are
 small). Drafting starts only where it wins by `margin` and stops where it no longer wins at all, so the
-choice does not flap on noise. A sequence planned at 0 is probed with full blocks after `probe_every` of
+choice does not flap on noise, and it does not stop before every running sequence's temperature bucket holds
+`min_evidence` verifies: a first answer's first few blocks (0.75 and 0.42 accepted at the first two
+positions where the bucket later settled at 0.9) turned a T=0 batch-1 engine off until its probe, 30 steps
+later, in every fresh process. A sequence planned at 0 is probed with full blocks after `probe_every` of
 its steps, and every `probe_every` drafted steps two steps run plain (the second a plain decode) so that
 both costs stay measured. With no sequence drafting the step runs plain and the drafter does not run.
 
@@ -131,9 +134,9 @@ class _SeqState:
 class DraftPolicy:
     def __init__(self, max_tokens_per_step: int, prior_fixed: float = 3.0, prior_row: float = 0.0,
                  margin: float = 1.05, probe_every: int = 32, shrink: float = 8.0, min_samples: int = 3,
-                 padded_rows: bool = False):
+                 padded_rows: bool = False, min_evidence: float = 16.0):
         self.k_max = max_tokens_per_step - 1
-        self.padded_rows = padded_rows
+        self.padded_rows, self.min_evidence = padded_rows, min_evidence
         self.prior_fixed, self.prior_row = prior_fixed, prior_row
         self.margin, self.probe_every, self.shrink, self.min_samples = margin, probe_every, shrink, min_samples
         # Optimistic start per temperature bucket: every draft accepted, so the first sequences draft.
@@ -167,7 +170,8 @@ class DraftPolicy:
         drafted = self._per_ms(tokens, rows, fixed_ms, row_ms)
         # Start only on a clear win, stop only where it no longer wins: noise does not flap the choice.
         was_on = any(st.k > 0 for st in states)
-        if not any(ks) or drafted * plain_ms / b < (1.0 if was_on else self.margin):
+        settled = all(self.buckets[st.bucket].reached[0] >= self.min_evidence for st in states)
+        if settled and (not any(ks) or drafted * plain_ms / b < (1.0 if was_on else self.margin)):
             ks = [0] * b
         for i, st in enumerate(states):
             if st.probe:        # until its verify is seen: the step that drafts, then the one that verifies

@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how NVFP4 modules run: w4a4 = Blackwell numerics emulated, w4a16 = weight-only")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=32768, help="per data label")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="auto", help="dtype both models are loaded in")
+    ap.add_argument("--ref-dtype", default=None, help="the reference's dtype if not --dtype (with --cand the same "
+                                                       "checkpoint: what serving in another dtype costs)")
+    ap.add_argument("--cand-dtype", default=None, help="the candidate's dtype if not --dtype")
     ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
     ap.add_argument("--max-ppl-increase", type=float, default=2.0, help="percent; gate fails above")
     ap.add_argument("--max-kl", type=float, default=None, help="nats per token; gate fails above")
@@ -77,15 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(args.tokenizer or args.ref)
     data = {label: token_windows(paths, tok, args.seq_len, args.max_tokens, label)
             for label, paths in parse_labelled(args.data).items()}
-    ref = load_any(args.ref, dtype=args.dtype, progress=False)
-    cand = load_any(args.cand, mode=args.mode, dtype=args.dtype, progress=False)
+    ref = load_any(args.ref, dtype=args.ref_dtype or args.dtype, progress=False)
+    cand = load_any(args.cand, mode=args.mode, dtype=args.cand_dtype or args.dtype, progress=False)
     rows = [compare(score(ref, cand, d.windows, desc=f"scoring {label}"), label, args.bootstrap)
             for label, d in data.items()]
     print(format_table(rows))
     fails = gate(rows, args.max_ppl_increase, args.max_kl, args.min_top1)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"ref": args.ref, "cand": args.cand, "mode": args.mode, "rows": [r.as_dict() for r in rows],
+            json.dump({"ref": args.ref, "cand": args.cand, "mode": args.mode,
+                       "ref_dtype": args.ref_dtype or args.dtype, "cand_dtype": args.cand_dtype or args.dtype, "rows": [r.as_dict() for r in rows],
                        "failures": fails}, f, indent=2)
     for msg in fails:
         print(f"FAIL {msg}")

@@ -72,7 +72,10 @@ def test_a_sequence_stops_where_drafting_does_not_pay_and_is_probed_with_a_full_
     p = DraftPolicy(max_tokens_per_step=7, probe_every=4)
     assert p.plan([(1, 0.0)]) == {1: 6}    # optimistic start: unmeasured buckets draft
     _measured(p, plain_ms=2.0, fixed_ms=3.0, row_ms=1.0)
-    for _ in range(12):
+    for _ in range(8):
+        p.observe_verify(1, 0.0, verified=6, accepted=0)
+    assert p.plan([(1, 0.0)])[1] > 0       # fewer than min_evidence verifies of its bucket: not settled yet
+    for _ in range(9):                     # decayed counts: 17 verifies hold 16 of evidence
         p.observe_verify(1, 0.0, verified=6, accepted=0)
     assert p.plan([(1, 0.0)]) == {1: 0}
     for _ in range(3):
