@@ -261,7 +261,8 @@ class StepEncoder:
             np.stack([sq.seq_ids[new_at], sq.prompt_lens[new_at]]) if new_at else _NO_ROWS,
             p_ids, p_floats, p_ints, sampler, _NO_IDS if mask is None else mask,
             np.stack([plp.rows, plp.targets]) if len(plp.rows) else _NO_ROWS, b.finished_seq_ids,
-            b.shadow_seq_ids, _NO_ROWS if sp.bias is None else sp.bias, _NO_F32 if sp.bias_values is None else sp.bias_values]
+            b.shadow_seq_ids, _NO_ROWS if sp.bias is None else sp.bias,
+            _NO_F32 if sp.bias_values is None else sp.bias_values]
         return _pack(scalars, arrays)
 
 
