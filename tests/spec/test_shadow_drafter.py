@@ -287,3 +287,31 @@ def test_refresh_takes_the_live_shadow_numbers_into_its_report(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["live_shadow"][stats["shadow_drafter_id"]]["mean"] > 0
     with pytest.raises(SystemExit, match="no such file"):
         add_live_shadow(report, SimpleNamespace(shadow_metrics=str(tmp_path / "nope"), base=base), tmp_path)
+
+
+def test_graph_mode_with_a_shadow_serves_and_scores_as_eager(monkeypatch):
+    """CPU graph mode runs a step with a shadowed sequence without its compiled drafted tail (the shadow reads
+    the processed rows the tail keeps inside), the others with it: the same outputs as eager mode without a
+    shadow, and the same shadow scores as eager mode with one."""
+    monkeypatch.setenv("NAMAZU_GRAPH_BACKEND", "eager")     # the same trace without inductor's code generation
+    target = tiny_checkpoint()
+    serving, shadow = random_drafter(target), random_drafter(target, seed=1)
+    ps = prompts(4, lo=3, hi=9, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * len(ps)
+    assert 0 < sum(shadow_sampled(f"r{i}", 0.5) for i in range(len(ps))) < len(ps)
+    runs = []
+    for eager, fraction in ((True, None), (True, 0.5), (False, 0.5)):
+        kw = dict(shadow_drafter=shadow, shadow_fraction=fraction) if fraction is not None else {}
+        with LLM(target, executor="inline", drafter=_proposer(serving), num_speculative_tokens=K, max_num_seqs=2,
+                 enforce_eager=eager, **kw) as llm:
+            tails = llm.engine.executor.worker.runner.tails
+            if tails is not None:       # count the steps the compiled tail ran
+                ran, run = [], tails.run
+                monkeypatch.setattr(tails, "run", lambda *a, **k: ran.append(1) or run(*a, **k))
+            out, stats = _generate(llm, ps, params)
+        scores = {k: v for k, v in (stats.shadow_acceptance.get(stats.shadow_drafter_id) or {}).items()
+                  if k != "seconds"}
+        runs.append((out, scores))
+    assert runs[1][0] == runs[0][0] and runs[2][0] == runs[0][0]
+    assert runs[2][1] == runs[1][1] and runs[1][1]["num_exact_blocks"] > 0
+    assert ran, "no step without a shadowed sequence ran the compiled tail"
