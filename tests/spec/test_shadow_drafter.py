@@ -113,7 +113,11 @@ def test_the_sample_is_a_deterministic_share_of_request_ids():
     assert 0.2 < share < 0.3
     assert [shadow_sampled(r, 0.25) for r in ids] == [shadow_sampled(r, 0.25) for r in ids]
     assert all(shadow_sampled(r, 0.5) for r in ids if shadow_sampled(r, 0.25))      # nested: F grows the set
-    assert STREAM_SHADOW != 3         # not the serving drafter's draws
+    assert STREAM_SHADOW != 3         # not the serving drafter's draws (dflash_proposer.STREAM_DRAFT)
+
+
+def test_the_shadow_draws_from_its_own_noise_stream(runner):
+    assert runner.proposer.draft_stream == STREAM_SHADOW
 
 
 # -- in the engine ----------------------------------------------------------------------------------------------
@@ -315,3 +319,20 @@ def test_graph_mode_with_a_shadow_serves_and_scores_as_eager(monkeypatch):
     assert runs[1][0] == runs[0][0] and runs[2][0] == runs[0][0]
     assert runs[2][1] == runs[1][1] and runs[1][1]["num_exact_blocks"] > 0
     assert ran, "no step without a shadowed sequence ran the compiled tail"
+
+
+def test_seeded_requests_are_scored_by_the_exact_rule_and_unseeded_by_the_expected_one():
+    """A request that gave its seed is verified by exact match at T > 0 (spec/verify.py), so its shadow blocks
+    are scored exactly from the committed tokens; an unseeded one by the expected acceptance."""
+    target = tiny_checkpoint()
+    d = random_drafter(target)
+    ps = prompts(2, lo=3, hi=8, seed=9)
+    got = {}
+    for seed in (3, None):
+        params = [SamplingParams(temperature=0.8, seed=seed, max_tokens=8, ignore_eos=True)] * len(ps)
+        with LLM(target, executor="inline", drafter=_proposer(d, sample=True), num_speculative_tokens=K,
+                 shadow_drafter=d, shadow_fraction=1.0) as llm:
+            _, stats = _generate(llm, ps, params)
+        got[seed] = stats.shadow_acceptance[stats.shadow_drafter_id]
+    assert got[3]["num_exact_blocks"] > 0 and got[3]["num_expected_blocks"] == 0
+    assert got[None]["num_exact_blocks"] == 0 and got[None]["num_expected_blocks"] > 0
