@@ -119,7 +119,7 @@ class EngineConfig:
                                           "serving one on a sampled share of requests (--shadow-fraction) and is "
                                           "scored against what the target committed, without changing any "
                                           "output; its acceptance and cost are in /metrics and the stats "
-                                          "(docs/speculative.md, \"Shadow drafter\")", metavar="DIR")
+                                          "(docs/speculative.md, \"A shadow drafter on live traffic\")", metavar="DIR")
     shadow_fraction: float = _f(0.1, "share of requests the shadow drafter drafts for (a hash of the request id, "
                                      "so a replayed request is shadowed again); 0: none, 1: all", metavar="F")
     ngram_max: int = _f(4, "longest n-gram the ngram drafter matches")

@@ -303,15 +303,15 @@ def test_graph_mode_with_a_shadow_serves_and_scores_as_eager(monkeypatch):
     ps = prompts(4, lo=3, hi=9, seed=5)
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * len(ps)
     assert 0 < sum(shadow_sampled(f"r{i}", 0.5) for i in range(len(ps))) < len(ps)
-    runs = []
+    runs, ran = [], []
     for eager, fraction in ((True, None), (True, 0.5), (False, 0.5)):
         kw = dict(shadow_drafter=shadow, shadow_fraction=fraction) if fraction is not None else {}
         with LLM(target, executor="inline", drafter=_proposer(serving), num_speculative_tokens=K, max_num_seqs=2,
                  enforce_eager=eager, **kw) as llm:
             tails = llm.engine.executor.worker.runner.tails
             if tails is not None:       # count the steps the compiled tail ran
-                ran, run = [], tails.run
-                monkeypatch.setattr(tails, "run", lambda *a, **k: ran.append(1) or run(*a, **k))
+                monkeypatch.setattr(tails, "run",
+                                    lambda *a, _run=tails.run, _ran=ran, **k: _ran.append(1) or _run(*a, **k))
             out, stats = _generate(llm, ps, params)
         scores = {k: v for k, v in (stats.shadow_acceptance.get(stats.shadow_drafter_id) or {}).items()
                   if k != "seconds"}
