@@ -134,8 +134,9 @@ def _generate(llm: LLM, ps, params):
 
 
 @pytest.mark.parametrize("engine_kw", [dict(), dict(async_scheduling=False),
-                                       dict(max_num_batched_tokens=16, max_num_seqs=4)],
-                         ids=["async", "sync", "chunked"])
+                                       dict(max_num_batched_tokens=16, max_num_seqs=4),
+                                       dict(num_kv_blocks=12, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)],
+                         ids=["async", "sync", "chunked", "preempting"])
 def test_outputs_are_unchanged_with_a_shadow_on(engine_kw):
     target = tiny_checkpoint()
     serving, shadow = random_drafter(target), random_drafter(target, seed=1)
@@ -154,6 +155,8 @@ def test_outputs_are_unchanged_with_a_shadow_on(engine_kw):
         bm = llm.engine.block_manager
         assert bm.usage == 0
     assert got == want
+    if "num_kv_blocks" in engine_kw:
+        assert stats.num_preemptions > 0
     sh = stats.shadow_acceptance[stats.shadow_drafter_id]
     assert sh["num_shadowed_requests"] == len(ps) and sh["role"] == "shadow"
     assert sh["num_exact_blocks"] > 0 and sh["num_expected_blocks"] > 0      # both rules ran
