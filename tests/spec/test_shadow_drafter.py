@@ -339,3 +339,38 @@ def test_seeded_requests_are_scored_by_the_exact_rule_and_unseeded_by_the_expect
         got[seed] = stats.shadow_acceptance[stats.shadow_drafter_id]
     assert got[3]["num_exact_blocks"] > 0 and got[3]["num_expected_blocks"] == 0
     assert got[None]["num_exact_blocks"] == 0 and got[None]["num_expected_blocks"] > 0
+
+
+def test_a_server_with_a_shadow_serves_scores_and_reports_it(tmp_path):
+    """`python -m namazu.server --shadow-drafter DIR --shadow-fraction 1` (worker process, async front): greedy
+    completions equal to a server without a shadow, the shadow named by GET /admin/drafter, its series in
+    /metrics, and the refresh report reading them from the URL."""
+    import httpx
+    from server_harness import LiveServer, make_tiny_model
+
+    from namazu.spec.shadow_report import read_shadow_metrics
+
+    model = make_tiny_model(tmp_path / "model")
+    root = tmp_path / "drafters"
+    root.mkdir()
+    shutil.copytree(random_drafter(str(model)), root / "a")
+    shutil.copytree(random_drafter(str(model), seed=1), root / "b")
+    ps = prompts(3, lo=3, hi=8, seed=12)
+    body = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    common = ("--max-model-len", "128", "--kv-cache-memory", "8MiB", "--speculative-model", str(root / "a"),
+              "--num-speculative-tokens", str(K))
+    texts = []
+    for extra in ((), ("--shadow-drafter", str(root / "b"), "--shadow-fraction", "1", "--admin-key", "adm",
+                       "--drafter-root", str(root))):
+        with LiveServer(model, *common, *extra) as srv:
+            texts.append([httpx.post(srv.url + "/v1/completions", json={**body, "prompt": p}, timeout=60).json()
+                          ["choices"][0]["text"] for p in ps])
+            if extra:
+                got = httpx.get(srv.url + "/admin/drafter", headers={"Authorization": "Bearer adm"}, timeout=10).json()
+                live = read_shadow_metrics(srv.url)
+                text = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert texts[0] == texts[1]
+    assert got["shadow_drafter_id"].startswith("b-") and got["shadow_fraction"] == 1.0
+    assert set(live) == {got["shadow_drafter_id"]} and live[got["shadow_drafter_id"]]["exact_blocks"] > 0
+    assert f'drafter="{got["drafter_id"]}"' in text and 'role="serving"' in text
+    assert "namazu_engine_shadow_seconds_total" in text
