@@ -212,6 +212,7 @@ class ShadowRunner:
         self.held: dict[int, _Block] = {}            # ratio-rule blocks to score at the next step
         self._pending = _Pending()
         self._tally = _zero_tally()
+        self._in_step = False      # this step carries a shadowed sequence (`note`)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -224,13 +225,16 @@ class ShadowRunner:
         self.proposer.attach(target, num_blocks, block_size)
 
     # -- which sequences --------------------------------------------------------------------------------
-    def note(self, shadow_seq_ids: list[int]) -> None:
-        self.shadowed.update(shadow_seq_ids)
+    def note(self, b: Any) -> None:
+        """A step arrived: the sequences it newly shadows, and whether it carries one."""
+        self.shadowed.update(b.shadow_seq_ids)
+        self._in_step = bool(self.shadowed) and any(int(s) in self.shadowed for s in b.seqs.seq_ids)
 
     def wants(self, b: Any) -> bool:
         """Whether this step carries a shadowed sequence (graph mode then runs its tail eagerly: the shadow
-        reads the processed logits and hidden states the compiled tail keeps inside)."""
-        return bool(self.shadowed) and any(int(s) in self.shadowed for s in b.seqs.seq_ids)
+        reads the processed logits and hidden states the compiled tail keeps inside). `b` is the step `note`
+        saw (or its trimmed copy: the same sequences)."""
+        return self._in_step
 
     def forget(self, finished: list[int], seqs: Any) -> None:
         """Sequences that ended: open exact blocks are scored on the tokens they got (before the worker's

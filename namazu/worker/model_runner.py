@@ -321,7 +321,7 @@ class ModelRunner:
         self.spec.forget_finished(self.seqs, b.finished_seq_ids)
         if self.shadow is not None:
             self.shadow.forget(b.finished_seq_ids, self.seqs)
-            self.shadow.note(b.shadow_seq_ids)
+            self.shadow.note(b)
         planned = b.seqs.num_drafts
         b = self.spec.verify_held_drafts_only(b, self.seqs)
         prep = self.seqs.prepare(b, self.block_size, self.spec.drafts.width, self.spec.drafts.count)

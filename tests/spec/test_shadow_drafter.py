@@ -55,9 +55,10 @@ def runner() -> ShadowRunner:
                         sample_drafts=True, min_confidence=0.0)
 
 
-def _step(seq_ids, verify_from):
-    b = SimpleNamespace(seqs=SimpleNamespace(seq_ids=np.asarray(seq_ids)),
+def _step(runner, seq_ids, verify_from):
+    b = SimpleNamespace(seqs=SimpleNamespace(seq_ids=np.asarray(seq_ids)), shadow_seq_ids=[],
                         spec=SimpleNamespace(batch_index=np.arange(len(seq_ids))))
+    runner.note(b)
     return b, SimpleNamespace(verify_from=np.asarray(verify_from))
 
 
@@ -72,7 +73,7 @@ def test_expected_acceptance_reads_the_target_rows_on_the_shadows_path(runner):
     probs = torch.tensor([[0.25, 0.5, 0.125, 0.125], [0.1, 0.1, 0.4, 0.4], [0.7, 0.1, 0.1, 0.1],
                           [0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]])
     processed = probs.log() + 3.0             # any shift: the rule reads the softmax
-    b, prep = _step([7, 8], [9, 25])
+    b, prep = _step(runner, [7, 8], [9, 25])
     row_layout = torch.tensor([[0, 1, 2], [3, 4, 5]])
     runner.score_on_device(b, prep, processed, torch.tensor([[1, 3], [0, 0]]), torch.tensor([2, 0]), row_layout)
     t = runner.after_read(SimpleNamespace(tokens_of=lambda sid: []))
@@ -85,7 +86,7 @@ def test_a_row_past_the_verified_drafts_is_not_scored(runner):
     row 2 would be padding. p(d_1) = 0.5, p(d_2) = 0.4 with q = 0.5 each: 1 + 1 + 0.8."""
     runner.shadowed, runner.held = {7}, {7: _Block(10, [1, 3], [0.5, 0.5])}
     probs = torch.tensor([[0.25, 0.5, 0.125, 0.125], [0.1, 0.1, 0.4, 0.4], [0.25, 0.25, 0.25, 0.25]])
-    b, prep = _step([7], [9])
+    b, prep = _step(runner, [7], [9])
     runner.score_on_device(b, prep, probs.log(), torch.tensor([[1, 3]]), torch.tensor([1]),
                            torch.tensor([[0, 1, 1]]))
     t = runner.after_read(SimpleNamespace(tokens_of=lambda sid: []))
