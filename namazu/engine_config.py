@@ -115,6 +115,13 @@ class EngineConfig:
            "siblings (lossless at any temperature; docs/speculative.md, \"Tree verification\"). Steps that "
            "verify or draft a tree run eagerly; sequences with penalties, a grammar or returned drafts, and "
            "tensor parallelism, keep the chain. 0: the chain", metavar="N")
+    shadow_drafter: str | None = _f(None, "a second DFlash2 drafter checkpoint directory that drafts beside the "
+                                          "serving one on a sampled share of requests (--shadow-fraction) and is "
+                                          "scored against what the target committed, without changing any "
+                                          "output; its acceptance and cost are in /metrics and the stats "
+                                          "(docs/speculative.md, \"A shadow drafter on live traffic\")", metavar="DIR")
+    shadow_fraction: float = _f(0.1, "share of requests the shadow drafter drafts for (a hash of the request id, "
+                                     "so a replayed request is shadowed again); 0: none, 1: all", metavar="F")
     ngram_max: int = _f(4, "longest n-gram the ngram drafter matches")
     ngram_min: int = _f(1, "shortest n-gram the ngram drafter matches")
     capture_dir: str | None = _f(None, "append every finished request's prompt and output token ids, "
@@ -211,6 +218,11 @@ class EngineConfig:
                                            "tree and path would have to be broadcast); use 0 (the chain)")
         if self.speculative_method is not None and self.speculative_model is not None:
             bad("speculative_model", f"and --speculative-method {self.speculative_method} both name a drafter")
+        sf = self.shadow_fraction
+        if isinstance(sf, bool) or not isinstance(sf, (int, float)) or not 0.0 <= sf <= 1.0:
+            bad("shadow_fraction", "must be a number in [0, 1]")
+        if self.shadow_drafter is not None and self.speculative_method is not None:
+            bad("shadow_drafter", f"drafts beside a DFlash drafter; the {self.speculative_method} drafter serves")
         if not 1 <= self.ngram_min <= self.ngram_max:
             bad("ngram_min", f"must be in [1, --ngram-max={self.ngram_max}]")
         if self.max_seqs_per_request < 1:

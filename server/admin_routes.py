@@ -5,7 +5,8 @@ directory under `--drafter-root` (a relative path is taken from the root; symlin
 check), without a restart (`namazu/spec/drafter_swap.py`): checked as at start-up, loaded beside the serving
 one, switched at a step boundary with every sequence in flight recomputed, so their outputs do not change.
 Answers {"drafter_id", "previous_drafter_id", "path"}; a checkpoint that does not fit is a 422 naming the
-field or tensor, and the old drafter serves on. GET /admin/drafter: the serving drafter's id and path.
+field or tensor, and the old drafter serves on. GET /admin/drafter: the serving drafter's id and path (and a
+shadow drafter's id, path and fraction, with `--shadow-drafter`).
 
 The admin key is not the API key (the server refuses to start with the two equal): a client of the API
 cannot change what the server runs, and the admin key opens no other route.
@@ -55,7 +56,11 @@ def _admin(request: Request) -> tuple[object, Path]:
 async def get_drafter(request: Request) -> Response:
     state, _ = _admin(request)
     engine = state.engine.engine
-    return JSONResponse({"drafter_id": engine.drafter_id, "path": getattr(engine.drafter, "path", None)})
+    answer = {"drafter_id": engine.drafter_id, "path": getattr(engine.drafter, "path", None)}
+    if engine.shadow is not None:        # --shadow-drafter: the candidate drafting beside it
+        answer.update(shadow_drafter_id=engine.shadow.shadow_id, shadow_path=engine.shadow.path,
+                      shadow_fraction=engine.shadow.fraction)
+    return JSONResponse(answer)
 
 
 async def set_drafter(request: Request) -> Response:

@@ -48,7 +48,7 @@ _MONOTONIC = {"num_preemptions", "num_steps", "num_prompt_tokens", "num_generate
               "num_accepted_draft_tokens", "prefix_cache_queries", "prefix_cache_hits",
               "grammar_cache_hits", "grammar_cache_misses", "grammar_mask_rows", "grammar_mask_seconds",
               "drafter_seconds", "num_draft_blocks", "num_drafts_proposed", "num_spec_disabled_steps",
-              "num_draft_rows", "num_drafter_swaps"}
+              "num_draft_rows", "num_drafter_swaps", "shadow_seconds"}
 # Counters under the names vLLM's dashboards use (vllm:prefix_cache_queries / _hits): the hit rate over any
 # window is rate(hits) / rate(queries); namazu_prefix_cache_hit_rate stays the since-start ratio.
 _COUNTERS = {
@@ -76,6 +76,7 @@ class _EngineCollector(Collector):
         f = _Families(self.const)
         yield from _speculation_metrics(stats, f)
         yield from _drafter_metrics(stats, f)
+        yield from _shadow_metrics(stats, f)
         for key, value in stats.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
@@ -147,6 +148,43 @@ def _drafter_metrics(stats: dict[str, Any], f: _Families) -> Iterator[Any]:
     serving = GaugeMetricFamily("namazu_spec_drafter_serving", "1 for the drafter serving now", labels=names)
     serving.add_metric([*values, str(stats.get("drafter_id", ""))], 1.0)
     yield from (hist, drafted, accepted, serving)
+
+
+def _shadow_metrics(stats: dict[str, Any], f: _Families) -> Iterator[Any]:
+    """A shadow drafter's scores (`namazu/spec/shadow.py`), labelled by drafter id and role: role="shadow" the
+    shadow's blocks, role="serving" the serving drafter's verify steps on the same (shadowed) sequences."""
+    by = stats.get("shadow_acceptance") or {}
+    if not by:
+        return
+    names, values = f.names + ["drafter", "role"], f.values
+    hist = HistogramMetricFamily("namazu_spec_shadow_acceptance_length", "tokens per verify step on the shadowed "
+                                 "requests: the shadow drafter's exact-rule blocks (role shadow; T=0, seeded, or "
+                                 "drafted without q) and the serving drafter's steps (role serving)", labels=names)
+    expected = CounterMetricFamily("namazu_spec_shadow_expected_acceptance_length_sum", "sum of the shadow's "
+                                   "expected tokens per verify step over its ratio-rule blocks (T > 0, unseeded)",
+                                   labels=names)
+    blocks = CounterMetricFamily("namazu_spec_shadow_blocks", "shadow draft blocks scored, by rule",
+                                 labels=[*names, "rule"])
+    short = CounterMetricFamily("namazu_spec_shadow_unscored_blocks", "shadow blocks scored on fewer positions than "
+                                "drafted (truncated: the target's rows left its path) or not at all (dropped)",
+                                labels=[*names, "why"])
+    mean = GaugeMetricFamily("namazu_spec_shadow_mean_acceptance_length", "the shadow's mean tokens per verify "
+                             "step over every scored block, since start", labels=names)
+    serving_id = str(stats.get("drafter_id", ""))
+    for drafter, t in sorted(by.items()):
+        hist.add_metric([*values, drafter, "shadow"], *_histogram_buckets(t["acceptance_length_histogram"]))
+        hist.add_metric([*values, serving_id, "serving"],
+                        *_histogram_buckets(t["serving_acceptance_length_histogram"]))
+        expected.add_metric([*values, drafter, "shadow"], float(t["expected_acceptance_length_sum"]))
+        blocks.add_metric([*values, drafter, "shadow", "exact"], float(t["num_exact_blocks"]))
+        blocks.add_metric([*values, drafter, "shadow", "expected"], float(t["num_expected_blocks"]))
+        short.add_metric([*values, drafter, "shadow", "truncated"], float(t["num_truncated_blocks"]))
+        short.add_metric([*values, drafter, "shadow", "dropped"], float(t["num_dropped_blocks"]))
+        mean.add_metric([*values, drafter, "shadow"], float(t["mean_acceptance_length"]))
+    steps = stats.get("num_steps", 0)
+    yield from (hist, expected, blocks, short, mean)
+    yield f.gauge("namazu_spec_shadow_seconds_per_step", "shadow drafter wall time per engine step (context, "
+                  "drafting, scoring), mean since start", stats.get("shadow_seconds", 0.0) / steps if steps else 0.0)
 
 
 def _speculation_metrics(stats: dict[str, Any], f: _Families) -> Iterator[Any]:

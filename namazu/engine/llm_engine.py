@@ -43,6 +43,7 @@ from namazu.spec.drafter_swap import (
 )
 from namazu.spec.proposer import Proposer
 from namazu.spec.selection import choose_speculation
+from namazu.spec.shadow import ShadowStats, check_shadow
 from namazu.step.batch import StepResult
 from namazu.structured.bitmask import fill_step_bitmask
 from namazu.structured.factory import StructuredOutputs, grammar_for, needs_compiler
@@ -114,6 +115,13 @@ class EngineStats:
     drafter_id: str = ""
     num_drafter_swaps: int = 0
     acceptance_by_drafter: dict = field(default_factory=dict)
+    # A shadow drafter (`--shadow-drafter`, spec/shadow.py): its id, its wall time in the worker since start
+    # (context writes, drafting, scoring), and {id: its scores on the shadowed requests (exact-rule
+    # acceptance length histogram, expected acceptance length sum at T > 0, blocks truncated or dropped),
+    # role "shadow", and the serving drafter's acceptance length histogram on the same sequences}.
+    shadow_drafter_id: str = ""
+    shadow_seconds: float = 0.0
+    shadow_acceptance: dict = field(default_factory=dict)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -153,6 +161,13 @@ class LLMEngine:
         self.draft_policy = DraftPolicy(self.num_speculative_tokens + 1, padded_rows=graph_mode(config)) \
             if choice.adaptive else None
         self._draft_plan: dict[int, int] = {}
+        # A shadow drafter (`spec/shadow.py`) is checked here, before any worker starts.
+        self.shadow: ShadowStats | None = None
+        if config.shadow_drafter is not None:
+            shadow = check_shadow(config.shadow_drafter, self.drafter, self.model_config, config)
+            self.shadow = ShadowStats(shadow.drafter_id, shadow.path, config.shadow_fraction)
+            logger.info("shadow drafter %s (%s) drafts for %.0f%% of requests", shadow.drafter_id, shadow.path,
+                        100 * config.shadow_fraction)
         self.executor = make_executor(config, self.model_path, self.drafter)
         try:
             self._plan_capacity()
@@ -255,6 +270,8 @@ class LLMEngine:
                 seq.prompt_logprobs = [None]
             seqs.append(seq)
         self.requests[request_id] = RequestState(request_id, prompt, ids, params, seqs, stream)
+        if self.shadow is not None:
+            self.shadow.add_request(request_id, [seq.seq_id for seq in seqs])
         for seq in seqs:
             self.scheduler.add(seq)
         self._prompt_tokens += len(ids)
@@ -322,6 +339,8 @@ class LLMEngine:
             return None
         batch, samplers, prompt_lp_items = build_step_batch(plan.scheduled, self.vocab_size, self._finished_seq_ids)
         self._finished_seq_ids = []
+        if self.shadow is not None:
+            batch.shadow_seq_ids = self.shadow.take_new()
         t0 = time.perf_counter()
         batch.sampling.bitmask = fill_step_bitmask(samplers, self.vocab_size)
         if batch.sampling.bitmask is not None:
@@ -368,6 +387,8 @@ class LLMEngine:
             self._observe_step(launched, result, ms)
         self._collected_at = done
         self._drafter_seconds += result.drafter_seconds
+        if self.shadow is not None:
+            self.shadow.add_step(result.shadow)
         touched: dict[str, RequestState] = {}
         if launched.prompt_lp_items:
             self._take_prompt_logprobs(result, launched.num_prompt_logprobs, launched.prompt_lp_items)
@@ -411,6 +432,8 @@ class LLMEngine:
         self._accepted += accepted
         if result.num_drafts[s]:
             self._accept_hist[accepted] += 1
+            if self.shadow is not None:      # the serving drafter on the shadowed sequences, for comparison
+                self.shadow.observe_serving(seq.seq_id, int(result.num_drafts[s]), accepted)
         if self.draft_policy is not None and item.samples:
             if result.num_drafts[s]:
                 self.draft_policy.observe_verify(seq.seq_id, seq.params.temperature, int(result.num_drafts[s]),
@@ -455,6 +478,8 @@ class LLMEngine:
             self.draft_policy.forget(seq.seq_id)
         seq.detok.finish()
         self._finished_seq_ids.append(seq.seq_id)
+        if self.shadow is not None:
+            self.shadow.finished(seq.seq_id)
 
     def _take_prompt_logprobs(self, result: StepResult, num: int, items: list) -> None:
         for i, (item, pos) in enumerate(items):
@@ -481,7 +506,15 @@ class LLMEngine:
             ms_per_prefill_block=self.step_rates.ms_per_prefill_block,
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
             drafter_id=self.drafter_id, num_drafter_swaps=self._drafter_swaps,
-            acceptance_by_drafter=self._by_drafter.report(self._acceptance_totals()))
+            acceptance_by_drafter=self._by_drafter.report(self._acceptance_totals()),
+            **self._shadow_stats())
+
+    def _shadow_stats(self) -> dict:
+        sh = self.shadow
+        if sh is None:
+            return {}
+        return {"shadow_drafter_id": sh.shadow_id, "shadow_seconds": sh.tally["seconds"],
+                "shadow_acceptance": sh.report()}
 
     def _acceptance_totals(self) -> dict:
         return AcceptanceByDrafter.totals(self._accept_hist, self._drafted, self._accepted)

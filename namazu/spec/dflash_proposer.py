@@ -48,6 +48,8 @@ class DFlashProposer:
         # falls below this (`dflash.draft_counts`); 0: every block is k drafts long.
         # `--speculative-min-confidence` sets it (`selection.choose_speculation`).
         self.min_confidence = min_confidence
+        # The noise stream of its draws: a shadow drafter (`spec/shadow.py`) draws from one of its own.
+        self.draft_stream = STREAM_DRAFT
 
     # -- set-up in the worker -------------------------------------------------------------------------
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
@@ -133,7 +135,7 @@ class DFlashProposer:
         else:
             # Draft j of a sequence takes the output index after its bonus token, plus j.
             base = inp.counters.gather(1, inp.accepted.unsqueeze(-1)).squeeze(-1) + 1
-            u = hash_uniform(inp.seeds, base, k, STREAM_DRAFT)
+            u = hash_uniform(inp.seeds, base, k, self.draft_stream)
             walk = self.model.walk(anchor, h, logits, k, inp.temperature, u)
         # Where the block ends depends on the drafter's own values only, never on the target's: the
         # verify stays lossless whatever the threshold.

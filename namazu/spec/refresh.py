@@ -2,7 +2,7 @@
 
     python -m namazu.spec.refresh --capture DIR [DIR ...] --base DRAFTER_DIR --out DIR \\
         [--from-scratch] [--since T] [--until T] [--heldout-fraction 0.15] [--margin 0.05] \\
-        [--train-args "--time-budget 10 ..."] [--server URL --admin-key KEY]
+        [--train-args "--time-budget 10 ..."] [--server URL --admin-key KEY] [--shadow-metrics SRC]
 
 Stages, each recorded in OUT/state.json when done, so a run that crashed resumes where it stopped (a
 replay resumes at its next request; training, which keeps no checkpoint of its own, starts over):
@@ -20,6 +20,9 @@ replay resumes at its next request; training, which keeps no checkpoint of its o
 5. report: acceptance length and tokens per step overall and per class, with paired bootstrap intervals, and
    the verdict (`namazu.spec.training.gate`): OUT/report.md, OUT/report.json. With `--server` a promoted
    candidate is sent to that server's POST /admin/drafter (its path must be under the server's --drafter-root).
+   With `--shadow-metrics SRC` (a server's /metrics URL, a saved copy, or a JSON stats file) the live numbers
+   of a shadow drafter (`--shadow-drafter`, `namazu/spec/shadow.py`) are printed beside the replay, read
+   afresh on every run (`namazu/spec/shadow_report.py`).
 """
 from __future__ import annotations
 
@@ -251,6 +254,27 @@ def guard_verdict(verdict, guard, where: list[str]) -> None:
         verdict.reasons.append(f"the other mix ({' '.join(where)}): {guard.overall.ratio:.3f}x, within the margin")
 
 
+def add_live_shadow(report: dict, args: argparse.Namespace, out: Path) -> None:
+    """The live shadow's numbers (`--shadow-metrics`) into report.json and a section of report.md, replacing
+    an earlier run's (they are read afresh each run)."""
+    from types import SimpleNamespace
+
+    from namazu.spec.drafter_swap import drafter_id
+    from namazu.spec.shadow_report import read_shadow_metrics, shadow_markdown
+
+    try:
+        live = read_shadow_metrics(args.shadow_metrics)
+    except (ValueError, OSError) as e:
+        raise SystemExit(str(e)) from None
+    ids = {drafter_id(SimpleNamespace(path=args.base)): "serving (base)"}
+    if (out / "candidate").is_dir():
+        ids[drafter_id(SimpleNamespace(path=str(out / "candidate")))] = "candidate"
+    report["live_shadow"] = live
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    md = (out / "report.md").read_text().split("\n## Live shadow")[0].rstrip("\n") + "\n"
+    (out / "report.md").write_text(md + shadow_markdown(live, report["overall"], ids))
+
+
 def promote_live(server: str, admin_key: str, path: str) -> dict:
     """POST /admin/drafter on a running server; its answer (or SystemExit with the server's error)."""
     import urllib.error
@@ -292,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--restart", action="store_true", help="discard OUT's earlier run and start over")
     ap.add_argument("--server", default=None, help="on promotion, POST the candidate to this server's /admin/drafter")
     ap.add_argument("--admin-key", default=None, help="that server's --admin-key")
+    ap.add_argument("--shadow-metrics", default=None, metavar="SRC",
+                    help="a server's /metrics URL, a saved copy, or a JSON stats file: the live numbers of its "
+                         "shadow drafter (--shadow-drafter) beside the offline replay in the report")
     return ap
 
 
@@ -319,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         if not run.done(stage):
             steps[stage](run, args)
     report = stage_report(run, args) if not run.done("report") else json.loads((out / "report.json").read_text())
+    if args.shadow_metrics:
+        add_live_shadow(report, args, out)
     print((out / "report.md").read_text())
     o = report["overall"]
     print(f"summary: {run.state['info']['data']['train']} training / {o['requests']} held-out requests replayed; "

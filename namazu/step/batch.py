@@ -115,6 +115,7 @@ class StepBatch:
     spec: SpecInputs
     prompt_lp: PromptLogprobInputs
     finished_seq_ids: list[int] = field(default_factory=list)   # the worker forgets these first
+    shadow_seq_ids: list[int] = field(default_factory=list)     # sequences a shadow drafter drafts for from now on
 
     @property
     def num_tokens(self) -> int:
@@ -201,7 +202,7 @@ def trim_drafts(b: StepBatch, keep: np.ndarray) -> StepBatch:
     plp = dataclasses.replace(b.prompt_lp, rows=new_index[b.prompt_lp.rows])
     seqs = dataclasses.replace(sq, num_drafts=keep.astype(np.int64))
     return StepBatch(attn=attn, seqs=seqs, sampling=sampling, spec=spec, prompt_lp=plp,
-                     finished_seq_ids=b.finished_seq_ids)
+                     finished_seq_ids=b.finished_seq_ids, shadow_seq_ids=b.shadow_seq_ids)
 
 
 @functools.cache
@@ -264,6 +265,7 @@ class StepResult:
     next_num_drafts: np.ndarray | None = None   # [S]
     next_draft_ids: list[list[int]] | np.ndarray | None = None   # [S][k_s], only where spec.return_drafts
     drafter_seconds: float = 0.0                # the proposer's wall time in this step (host clock)
+    shadow: dict | None = None                  # a shadow drafter's tallies of this step (`spec/shadow.py`)
 
     def __reduce__(self):
         return _decode_result, _encode((self,))

@@ -58,6 +58,7 @@ _FIELDS: tuple[tuple[str, np.dtype], ...] = (
     ("bitmask", _I32),          # [R, W]
     ("prompt_lp", _I64),        # [2, P]: rows, targets
     ("finished", _I64),         # the worker forgets these first
+    ("shadow", _I64),           # sequences a shadow drafter drafts for from now on (`spec/shadow.py`)
     ("bias", _I64),             # [2, E]: logit-bias entries' sampled rows and token ids, every step they apply
     ("bias_values", _F32),      # [E]
 )
@@ -260,7 +261,8 @@ class StepEncoder:
             np.stack([sq.seq_ids[new_at], sq.prompt_lens[new_at]]) if new_at else _NO_ROWS,
             p_ids, p_floats, p_ints, sampler, _NO_IDS if mask is None else mask,
             np.stack([plp.rows, plp.targets]) if len(plp.rows) else _NO_ROWS, b.finished_seq_ids,
-            _NO_ROWS if sp.bias is None else sp.bias, _NO_F32 if sp.bias_values is None else sp.bias_values]
+            b.shadow_seq_ids, _NO_ROWS if sp.bias is None else sp.bias,
+            _NO_F32 if sp.bias_values is None else sp.bias_values]
         return _pack(scalars, arrays)
 
 
@@ -293,7 +295,7 @@ class StepDecoder:
             buf = bytearray(buf)
         (num_logprobs, max_drafts_next, plp_num, flags, mask_width), fields = _unpack(buf)
         (seq, input_ids, change, table_ids, new, p_ids, p_floats, p_ints, sampler, mask, plp, finished_arr,
-         bias, bias_values) = fields
+         shadow_arr, bias, bias_values) = fields
         t = self._t
         finished = finished_arr.tolist()
         t.forget(finished)
@@ -336,7 +338,8 @@ class StepDecoder:
             sampling.bias, sampling.bias_values = bias.reshape(2, -1), bias_values
         plp = plp.reshape(2, -1)
         return StepBatch(attn=attn, seqs=seqs, sampling=sampling, spec=spec,
-                         prompt_lp=PromptLogprobInputs(plp[0], plp[1], plp_num), finished_seq_ids=finished)
+                         prompt_lp=PromptLogprobInputs(plp[0], plp[1], plp_num), finished_seq_ids=finished,
+                         shadow_seq_ids=shadow_arr.tolist())
 
     def _plain_parts(self, slots: np.ndarray) -> _PlainParts:
         """What a plain decode step of these sequences shares with the next while they stay the same: the

@@ -35,6 +35,7 @@ from namazu.layers.weight_loading import TPShard
 from namazu.models.loader import load_model
 from namazu.quant import nvfp4_experts as _nvfp4_experts  # noqa: F401  (registers the NVFP4 experts format)
 from namazu.spec.proposer import Proposal, Proposer
+from namazu.spec.shadow import shadow_for_rank
 from namazu.spec.speculator import DraftSite, Speculator
 from namazu.step.batch import StepBatch, StepResult, pack, result_layout, unpack
 from namazu.worker.cpu_threads import apply_threads
@@ -140,6 +141,8 @@ class ModelRunner:
         self.spec = Speculator(proposer, config.num_speculative_tokens, self.model_config.vocab_size, self.device,
                                world_size > 1, world_size, config.speculative_tree_budget)
         self.seqs = WorkerSeqTable()
+        # A shadow drafter (`--shadow-drafter`, rank 0 only): drafts beside the serving one, scored, never served.
+        self.shadow = shadow_for_rank(config, rank, proposer, self.model_config)
         self._empty_i = torch.zeros(0, dtype=torch.long, device=self.device)
         self._empty_f = torch.zeros(0, device=self.device)
         # Per-step timestamps for bench/step_profile.py: a list turns recording on (None: off, free).
@@ -179,6 +182,8 @@ class ModelRunner:
         logger.info("rank %d: KV cache %d blocks x %d tokens (%.1f MiB) on %s", self.rank, num_blocks,
                     self.block_size, self.cache.nbytes / 2**20, self.device)
         self.spec.attach(self.model, num_blocks, self.block_size, self.cache.kv)
+        if self.shadow is not None:
+            self.shadow.attach(self.model, num_blocks, self.block_size)
         if self.graph_mode:
             self._build_graphs()
         else:
@@ -188,7 +193,7 @@ class ModelRunner:
     def _build_graphs(self) -> None:
         cfg = self.model_config
         longest = cfg.max_position_embeddings + self.spec.k
-        want_hidden = self.spec.hidden_layers
+        want_hidden = self._capture_layers
         # NAMAZU_GRAPH_BACKEND: torch.compile backend on CPU (tests use "eager": the same fullgraph trace over
         # the same buffers, without inductor's minutes of code generation).
         self.graphs = StepGraphs(self.model, self.cache, self.device, self.config.max_num_seqs,
@@ -232,6 +237,8 @@ class ModelRunner:
             return self.config.num_kv_blocks
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
         per_block += self.spec.kv_bytes_per_block(self.block_size, self.dtype)
+        if self.shadow is not None:
+            per_block += self.shadow.kv_bytes_per_block(self.block_size, self.dtype)
         if self.device.type == "cuda":
             # An engine this process closed earlier leaves its blocks in torch's caching allocator, which
             # the driver counts as used: hand them back first, or a second engine finds no room.
@@ -312,6 +319,9 @@ class ModelRunner:
     def execute(self, b: StepBatch) -> StepResult:
         t_arrive = time.perf_counter()
         self.spec.forget_finished(self.seqs, b.finished_seq_ids)
+        if self.shadow is not None:
+            self.shadow.forget(b.finished_seq_ids, self.seqs)
+            self.shadow.note(b)
         planned = b.seqs.num_drafts
         b = self.spec.verify_held_drafts_only(b, self.seqs)
         prep = self.seqs.prepare(b, self.block_size, self.spec.drafts.width, self.spec.drafts.count)
@@ -332,6 +342,8 @@ class ModelRunner:
                 site = self._draft_site(b, inp) if self.spec.on_device else None
                 if not fwd.context_written:
                     self.spec.extend_context(b, fwd.hidden, fwd.captured, site)
+                if self.shadow is not None and site is not None:
+                    self.shadow.extend_context(b, site.positions, site.slot_mapping, fwd.captured)
                 values = self._sample_and_verify(b, prep, inp, fwd, st, site) if len(b.attn.logit_rows) else {}
                 values.update(self._prompt_logprobs(b, inp, fwd))
             layout_out = result_layout(b)
@@ -345,6 +357,8 @@ class ModelRunner:
         if result.tokens is not None:
             self.seqs.record(b, prep, result.tokens, result.accepted, planned)
             self.spec.after_read(b, prep, result, self.seqs)
+            if self.shadow is not None:
+                result.shadow = self.shadow.after_read(self.seqs)
         t_end = time.perf_counter()
         if self.profile is not None:
             self.profile.append(StepTiming(t_arrive, t0, t_computed, t_end, b.num_tokens, inp.entry is not None,
@@ -361,7 +375,9 @@ class ModelRunner:
         layout = None if self.graphs is not None and self._tree_eager(b) else self._graph_layout(b, prep)
         inp = StepInputs(logit_rows=T(a.logit_rows), row_layout=T(b.spec.row_layout),
                          slot_index=T(prep.slots) if self.spec.k else None)
-        inp.tail = layout is not None and self._tail_covers(b, layout[0])
+        # A step with a shadowed sequence skips the compiled tail: the shadow reads what the tail keeps inside.
+        inp.tail = layout is not None and self._tail_covers(b, layout[0]) \
+            and not (self.shadow is not None and self.shadow.wants(b))
         # Each input costs a host-to-device copy (on CPU, a tensor wrapper: still a few microseconds): a graph
         # step reads its inputs from the entry's buffers, so the flat ones are built only for an eager
         # forward or a device proposer; speculation-only inputs only when the step verifies.
@@ -387,7 +403,7 @@ class ModelRunner:
     def _forward(self, inp: StepInputs) -> Forward:
         """The target's forward over the step's tokens, with the held drafts as the verify rows' inputs: a
         graph entry's compiled / captured forward (padded rows) or the eager model."""
-        want_hidden = self.spec.hidden_layers
+        want_hidden = self._capture_layers
         drafts_in = self.spec.verify_inputs(inp.draft_src)
         if inp.entry is not None:
             entry, pad = inp.entry, inp.pad
@@ -409,6 +425,14 @@ class ModelRunner:
         with forward_context(PagedAttentionContext(self.cache, inp.meta)):
             hidden, captured = self.model(input_ids, inp.positions, capture_layers=want_hidden)
         return Forward(hidden, captured, input_ids, inp.logit_rows)
+
+    @property
+    def _capture_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the forward captures: the serving drafter's and a shadow's."""
+        layers = self.spec.hidden_layers
+        if self.shadow is not None:
+            layers = tuple(sorted(set(layers) | set(self.shadow.hidden_layers)))
+        return layers
 
     def _tree_eager(self, b: StepBatch) -> bool:
         if not self.spec.tree_step_eager(b):
@@ -476,10 +500,14 @@ class ModelRunner:
             num_drafts = inp.num_drafts
             tokens, accepted = self.spec.accept(processed, target, draft_ids, num_drafts, st, row_layout, prep,
                                                 inp.slot_index)
+        if self.shadow is not None and processed is not None:
+            self.shadow.score_on_device(b, prep, processed, draft_ids if k else None, num_drafts, row_layout)
         values = {"tokens": tokens, "accepted": accepted, "num_drafts": num_drafts}
         if site is not None and b.spec.max_drafts_next:     # the engine's decision: draft now
             values.update(self.spec.propose_on_device(b, prep, fwd.hidden, fwd.captured, inp.logit_rows[row_layout],
                                                       tokens, accepted, site, st, row_layout, inp.slot_index))
+            if self.shadow is not None:
+                self.shadow.propose(b, inp.logit_rows[row_layout], tokens, accepted, site, st, row_layout)
         if b.sampling.num_logprobs >= 0:
             lp, top_ids, top_lp = gather_logprobs(logits[self.spec.emitted_rows(row_layout)].flatten(0, 1),
                                                   tokens.reshape(-1),
