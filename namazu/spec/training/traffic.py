@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -70,32 +71,53 @@ def read_requests(path: str | Path) -> list[dict[str, Any]]:
 @dataclass
 class ReplayResult:
     ok: bool
-    ttft: float            # seconds to the first streamed token
-    e2e: float             # seconds to the last byte
+    ttft: float            # seconds to the first streamed token (from the first attempt)
+    e2e: float             # seconds to the last byte (from the first attempt)
     completion_tokens: int
     error: str = ""
+    retries: int = 0       # 429 answers waited out (the server's Retry-After) before it was served
+
+
+def _retry_after(err: urllib.error.HTTPError) -> float:
+    """The seconds a 429 asks the client to wait (Retry-After in seconds; 1 s when absent or unreadable)."""
+    try:
+        return max(0.0, float(err.headers.get("Retry-After", 1.0)))
+    except (TypeError, ValueError):
+        return 1.0
 
 
 def _post_stream(url: str, body: dict[str, Any], timeout: float) -> ReplayResult:
+    """One streamed request; a 429 (the server's admission limits, e.g. --max-grammar-compiles) is retried
+    after its Retry-After until `timeout` has passed since the first attempt, as a client of a loaded server
+    would: a replayed mix with many schemas otherwise loses every request past the limit."""
     t0 = time.perf_counter()
     ttft = None
     tokens = 0
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"].get("completion_tokens", tokens)
-                if ttft is None and chunk.get("choices"):
-                    ttft = time.perf_counter() - t0
-    except Exception as e:       # a failed request is reported, not fatal to the replay
-        return ReplayResult(False, 0.0, time.perf_counter() - t0, 0, str(e))
-    e2e = time.perf_counter() - t0
-    return ReplayResult(True, ttft if ttft is not None else e2e, e2e, tokens)
+    retries = 0
+    while True:
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"].get("completion_tokens", tokens)
+                    if ttft is None and chunk.get("choices"):
+                        ttft = time.perf_counter() - t0
+        except urllib.error.HTTPError as e:
+            wait = _retry_after(e) if e.code == 429 else None
+            if wait is not None and time.perf_counter() - t0 + wait < timeout:
+                retries += 1
+                time.sleep(wait)
+                continue
+            return ReplayResult(False, 0.0, time.perf_counter() - t0, 0, str(e), retries)
+        except Exception as e:       # a failed request is reported, not fatal to the replay
+            return ReplayResult(False, 0.0, time.perf_counter() - t0, 0, str(e), retries)
+        e2e = time.perf_counter() - t0
+        return ReplayResult(True, ttft if ttft is not None else e2e, e2e, tokens, retries=retries)
 
 
 def replay(base_url: str, requests: list[dict[str, Any]], concurrency: int = 8, timeout: float = 600.0
@@ -184,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         with ServerProcess(["--capture-dir", args.capture_dir, *args.server_args.split()], log) as server:
             results = replay(server.url, reqs, args.concurrency)
         failed = sum(not r.ok for r in results)
-        print(f"replayed {len(results)} requests ({failed} failed, "
+        print(f"replayed {len(results)} requests ({failed} failed, {sum(r.retries for r in results)} 429s retried, "
               f"{sum(r.completion_tokens for r in results)} tokens) in {time.time() - t0:.0f} s -> {args.capture_dir}")
         if failed:
             print("first failure:", next(r.error for r in results if not r.ok), file=sys.stderr)
