@@ -1,0 +1,256 @@
+"""Draft trees with what depends on each node's path (`--speculative-tree-budget N`, namazu/spec/tree_step.py,
+namazu/structured/tree_masks.py), with namazu-tiny's shipped DFlash2 drafter:
+- penalties: a node row counts the output tokens plus its own path's drafts; greedy outputs with repetition,
+  presence and frequency penalties equal decoding without speculation;
+- grammar masks: a node row's mask is the grammar's after its own path, and a node the grammar rejects is
+  never accepted; greedy outputs under a grammar that reads token values (and under value-independent ones:
+  an allowed-token set, min_tokens) equal decoding without speculation, and every output follows its grammar;
+- at T = 1 the token decided at a tree's root follows the target's distribution masked by the grammar
+  (chi-square), the drafts being drawn from a q that knows nothing of the mask.
+"""
+import numpy as np
+import pytest
+import torch
+from engine_helpers import assert_same_outputs, dense_model
+from scipy.stats import chi2
+
+from namazu import LLM, SamplingParams
+from namazu.assets import default_model_path
+from namazu.spec.selection import SHIPPED_DRAFTER_DIR
+from namazu.spec.tree_step import TreeStep
+from namazu.structured.grammar import ids_to_words
+
+MODEL = str(default_model_path())
+DRAFTER = str(default_model_path() / SHIPPED_DRAFTER_DIR)
+TEXTS = ["Tell me a story about a fox.", "Hello, who are you?", "List three colours.",
+         "Write a JSON object with a name.", "What is two plus two?", "東京について教えて"]
+
+
+def engine(budget: int, **kw) -> LLM:
+    spec = dict(speculative_model=DRAFTER, num_speculative_tokens=6, speculative_disable_batch_size=0,
+                speculative_tree_budget=budget) if budget >= 0 else dict(num_speculative_tokens=0)
+    return LLM(MODEL, executor="inline", **spec, **kw)
+
+
+class ParityGrammar:
+    """Each token's parity differs from the one before it (the first output token is free): a grammar that
+    reads token values, whose mask at a node depends on the token of that node, so a row masked after the
+    wrong path allows the wrong half of the vocabulary. Its history is what it accepted, for the checks."""
+
+    depends_on_values = True
+
+    def __init__(self, vocab_size: int):
+        self.history: list[int] = []
+        self.words = [ids_to_words(range(parity, vocab_size, 2), vocab_size) for parity in (0, 1)]
+
+    def _ok(self, last: int | None, t: int) -> bool:
+        return last is None or (t - last) % 2 == 1
+
+    def validate_tokens(self, tokens):
+        last = self.history[-1] if self.history else None
+        for i, t in enumerate(tokens):
+            if not self._ok(last, int(t)):
+                return i
+            last = int(t)
+        return len(tokens)
+
+    def accept_tokens(self, tokens):
+        if self.validate_tokens(tokens) < len(tokens):
+            return False
+        self.history += [int(t) for t in tokens]
+        return True
+
+    def rollback(self, num_tokens):
+        del self.history[len(self.history) - num_tokens:]
+
+    def fill_bitmask(self, bitmask, row):
+        if self.history:
+            bitmask[row] &= self.words[1 - self.history[-1] % 2]
+
+    def is_terminated(self):
+        return False
+
+
+def alternates(tokens: list[int]) -> bool:
+    return all((b - a) % 2 == 1 for a, b in zip(tokens, tokens[1:]))
+
+
+class Verifies:
+    """Per tree verify of a sampling sequence: its accepted path, how many nodes it accepted, whether its row
+    has a penalty, and how many of its planned nodes carried a token their parent's processed row gives no
+    mass (a grammar's rejection)."""
+
+    def __init__(self):
+        self.raw = []
+        self.count_rows: list[int] = []      # penalized node rows checked per verify
+        self.count_errors: list[int] = []    # of which with counts other than the root's plus the path's
+
+    def rows(self):
+        for is_tree, path, n, pen, banned in self.raw:
+            for s in torch.nonzero(is_tree).flatten().tolist():
+                yield path[s].tolist(), int(n[s]), bool(pen[s]), int(banned[s])
+
+
+@pytest.fixture
+def verifies(monkeypatch):
+    seen = Verifies()
+    real = TreeStep.accept
+
+    def accept(self, plan, processed, target, tokens, accepted, st, row_layout, slot_index):
+        out = real(self, plan, processed, target, tokens, accepted, st, row_layout, slot_index)
+        first = row_layout[:, 0]
+        pen = (st.presence_penalty[first] != 0) | (st.frequency_penalty[first] != 0) | \
+            (st.repetition_penalty[first] != 1)
+        trees = self._trees
+        slot = torch.where(plan.is_tree, slot_index, 0)
+        node_tokens = trees.tokens[slot]                                    # [S, R]
+        k = row_layout.shape[1] - 1
+        parents = self.tt.parents[1:self.rows].clamp(max=k)                 # [N]
+        parent_rows = row_layout[:, parents]                                # [S, N]
+        nodes = torch.arange(1, self.rows)
+        logit = processed[parent_rows, node_tokens[:, 1:self.rows]]         # [S, N]
+        planned = nodes.unsqueeze(0) <= plan.num_nodes.unsqueeze(-1)
+        banned = (torch.isneginf(logit) & planned).sum(-1)
+        seen.raw.append((plan.is_tree.clone(), plan.path.clone(), plan.num_accepted.clone(), pen.clone(),
+                         banned.clone()))
+        if st.output_counts is not None:
+            # Node j's row counts the root row's tokens plus those of the path's nodes 1..j.
+            counts = st.output_counts
+            onehot = torch.nn.functional.one_hot(node_tokens, counts.shape[1]).float()       # [S, R, V]
+            path = self.tt.ancestors.float().clone()
+            path[:, 0] = 0
+            want = counts[first].unsqueeze(1) + torch.einsum("ij,sjv->siv", path, onehot)
+            rows = row_layout[:, nodes.clamp(max=k)]                                         # [S, N]
+            check = planned & (pen & plan.is_tree).unsqueeze(-1)
+            diff = (counts[rows] - want[:, 1:self.rows]).abs().amax(-1)
+            seen.count_errors.append(int((diff[check] > 0).sum()))
+            seen.count_rows.append(int(check.sum()))
+        return out
+
+    monkeypatch.setattr(TreeStep, "accept", accept)
+    return seen
+
+
+def leaves_the_chain(step: TreeStep, path: list[int], n: int) -> bool:
+    """An accepted path whose node j is not node j of a chain: its penalty counts differ from drafts[:j]."""
+    return any(node != d + 1 for d, node in enumerate(path[:n]))
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+PENALTIES = [
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3),
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=1.5),
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=1.0),
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.2, presence_penalty=0.5,
+                   frequency_penalty=0.5),
+    # A request's own seed: every node row's sample is compared with the drafts (exact matching), so any count
+    # a row gets wrong moves the tokens of the whole distribution, not only an argmax.
+    SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True, frequency_penalty=2.0),
+    SamplingParams(temperature=0.8, seed=9, max_tokens=40, ignore_eos=True, presence_penalty=2.0,
+                   repetition_penalty=1.5),
+]
+
+
+@pytest.mark.parametrize("async_sched", [True, False], ids=["async", "sync"])
+def test_penalized_outputs_equal_decoding_without_speculation(verifies, async_sched):
+    with engine(-1, async_scheduling=async_sched) as llm:
+        outs = llm.generate(TEXTS, PENALTIES, use_tqdm=False)
+        want, prompt_ids = [o.outputs[0].token_ids for o in outs], [o.prompt_token_ids for o in outs]
+    with engine(16, async_scheduling=async_sched) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(TEXTS, PENALTIES, use_tqdm=False)]
+        step = llm.engine.executor.worker.runner.spec.tree
+    assert_same_outputs(MODEL, prompt_ids, PENALTIES, got, want)
+    penalized = [(path, n) for path, n, pen, _ in verifies.rows() if pen]
+    assert len(penalized) > 20 and sum(n for _, n in penalized) > 20
+    # Accepted paths whose counts a chain's drafts[:j] would get wrong: what the test is about.
+    assert sum(leaves_the_chain(step, path, n) for path, n in penalized) > 5
+    # Outputs rarely show a row's count of a token it should not count (a sibling's draft is seldom a likely
+    # next token): every penalized node row's counts are checked against its path as well.
+    assert sum(verifies.count_rows) > 200 and sum(verifies.count_errors) == 0, sum(verifies.count_errors)
+
+
+def _grammar_params(vocab: int, grammars: list) -> list[SamplingParams]:
+    def factory():
+        grammars.append(ParityGrammar(vocab))
+        return grammars[-1]
+
+    parity = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, grammar_factory=factory)
+              for _ in range(4)]
+    # Value-independent grammars: rows by each node's depth (the engine walks the tree with placeholders).
+    low = list(range(0, vocab, 3))
+    others = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, allowed_token_ids=low),
+              SamplingParams(temperature=0, max_tokens=40, min_tokens=30)]
+    return parity + others
+
+
+@pytest.mark.parametrize("async_sched", [True, False], ids=["async", "sync"])
+def test_grammar_outputs_equal_decoding_without_speculation(verifies, async_sched):
+    base_grammars, tree_grammars = [], []
+    with engine(-1, async_scheduling=async_sched) as llm:
+        vocab = llm.engine.vocab_size
+        params = _grammar_params(vocab, base_grammars)
+        outs = llm.generate(TEXTS, params, use_tqdm=False)
+        want, prompt_ids = [o.outputs[0].token_ids for o in outs], [o.prompt_token_ids for o in outs]
+    with engine(16, async_scheduling=async_sched) as llm:
+        params = _grammar_params(vocab, tree_grammars)
+        outs = llm.generate(TEXTS, params, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        stats = llm.engine.get_stats()
+    for o in outs[:4]:
+        assert o.outputs[0].finish_reason == "length" and alternates(o.outputs[0].token_ids)
+    # Each grammar saw exactly its committed tokens: every node it was walked through was rolled back.
+    assert sorted(g.history for g in tree_grammars) == sorted(o.outputs[0].token_ids for o in outs[:4])
+    assert set(outs[4].outputs[0].token_ids) <= set(range(0, vocab, 3))
+    assert got == want       # a grammar's decision is never excused as a near-tie
+    rows = list(verifies.rows())
+    assert stats.num_accepted_draft_tokens > 0 and len(rows) > 20
+    # The drafter does not know the grammar: its trees hold nodes the grammar rejects, which the rule passes.
+    assert sum(banned for *_, banned in rows) > 20
+    assert sum(n for _, n, _, banned in rows if banned) > 5
+
+
+@torch.no_grad()
+def test_the_token_decided_at_the_root_follows_the_masked_target_at_t1(verifies):
+    """Token 2 of each sequence (the first a tree decides) against the dense model's p given the prompt and
+    token 1, masked to the parity the grammar allows after token 1 and renormalised; pooled over token 1."""
+    text = "Once upon a time"
+    grammars = []
+    pairs = []
+    with engine(6, max_num_seqs=48) as llm:
+        vocab = llm.engine.vocab_size
+
+        def factory():
+            grammars.append(ParityGrammar(vocab))
+            return grammars[-1]
+
+        params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, n=48, grammar_factory=factory)
+        for _ in range(60):
+            out = llm.generate([text], params, use_tqdm=False)[0]
+            pairs += [tuple(c.token_ids[:2]) for c in out.outputs]
+            assert all(alternates(c.token_ids) for c in out.outputs)
+        prompt = out.prompt_token_ids
+    rows = list(verifies.rows())
+    assert sum(banned for *_, banned in rows) > 100, "no drafted node was masked out: the test shows nothing"
+    assert sum(n for _, n, _, _ in rows) > 100
+    model = dense_model(MODEL)
+    firsts = np.asarray([a for a, _ in pairs])
+    stat, dof = 0.0, 0
+    for x1 in np.unique(firsts):
+        seconds = np.asarray([b for a, b in pairs if a == x1])
+        if len(seconds) < 100:
+            continue
+        hidden, _ = model(torch.tensor([prompt + [int(x1)]]))
+        logits = model.compute_logits(hidden[0, -1]).float()
+        allowed = (torch.arange(len(logits)) - int(x1)) % 2 == 1
+        p = logits.masked_fill(~allowed, float("-inf")).softmax(-1).numpy()
+        expect = p * len(seconds)
+        counts = np.bincount(seconds, minlength=len(p))
+        big = expect >= 5
+        e = np.append(expect[big], expect[~big].sum())
+        c = np.append(counts[big], counts[~big].sum())
+        keep = e > 0
+        stat += float((((c - e) ** 2)[keep] / e[keep]).sum())
+        dof += int(keep.sum()) - 1
+    assert dof >= 8, f"too few samples per first token ({len(pairs)} pairs)"
+    print(f"chi2 {stat:.1f} over {dof} dof")
+    assert stat < chi2.ppf(1 - 1e-3, dof), f"chi2 {stat:.1f} over {dof} dof"
