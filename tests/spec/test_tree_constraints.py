@@ -209,13 +209,32 @@ def test_grammar_outputs_equal_decoding_without_speculation(verifies, async_sche
     assert sum(n for _, n, _, banned in rows if banned) > 5
 
 
+def _parity_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The dense model's next-token p after `tokens`, masked to the parity the grammar allows after the last."""
+    hidden, _ = model(torch.tensor([tokens]))
+    logits = model.compute_logits(hidden[0, -1]).float()
+    allowed = (torch.arange(len(logits)) - tokens[-1]) % 2 == 1
+    return logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+
+
+def _chi2(expect: np.ndarray, counts: np.ndarray) -> tuple[float, int]:
+    """Cells expected 5 or more, the rest pooled into one."""
+    big = expect >= 5
+    e = np.append(expect[big], expect[~big].sum())
+    c = np.append(counts[big], counts[~big].sum())
+    keep = e > 0
+    return float((((c - e) ** 2)[keep] / e[keep]).sum()), int(keep.sum()) - 1
+
+
 @torch.no_grad()
-def test_the_token_decided_at_the_root_follows_the_masked_target_at_t1(verifies):
-    """Token 2 of each sequence (the first a tree decides) against the dense model's p given the prompt and
-    token 1, masked to the parity the grammar allows after token 1 and renormalised; pooled over token 1."""
+def test_tokens_decided_in_a_tree_follow_the_masked_target_at_t1(verifies):
+    """Tokens 2 and 3 of each sequence (token 1 is the prompt's plain sample; token 2 is decided at the tree's
+    root, token 3 at a depth-1 node's row when token 2 was a draft, whose mask is the grammar's after that
+    node's token) against the dense model's distributions masked by the grammar and renormalised: token 2
+    given token 1, and the joint of tokens 2 and 3 given token 1 (chi-square, pooled over token 1)."""
     text = "Once upon a time"
     grammars = []
-    pairs = []
+    triples = []
     with engine(6, max_num_seqs=48) as llm:
         vocab = llm.engine.vocab_size
 
@@ -226,31 +245,36 @@ def test_the_token_decided_at_the_root_follows_the_masked_target_at_t1(verifies)
         params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, n=48, grammar_factory=factory)
         for _ in range(60):
             out = llm.generate([text], params, use_tqdm=False)[0]
-            pairs += [tuple(c.token_ids[:2]) for c in out.outputs]
+            triples += [tuple(c.token_ids[:3]) for c in out.outputs]
             assert all(alternates(c.token_ids) for c in out.outputs)
         prompt = out.prompt_token_ids
     rows = list(verifies.rows())
     assert sum(banned for *_, banned in rows) > 100, "no drafted node was masked out: the test shows nothing"
-    assert sum(n for _, n, _, _ in rows) > 100
+    # Token 3 came from a depth-1 node's row (token 2 accepted) in many sequences.
+    assert sum(n >= 1 for _, n, _, _ in rows) > 300
     model = dense_model(MODEL)
-    firsts = np.asarray([a for a, _ in pairs])
-    stat, dof = 0.0, 0
+    firsts = np.asarray([a for a, _, _ in triples])
+    stat, dof, joint_stat, joint_dof = 0.0, 0, 0.0, 0
     for x1 in np.unique(firsts):
-        seconds = np.asarray([b for a, b in pairs if a == x1])
-        if len(seconds) < 100:
+        group = [(b, c) for a, b, c in triples if a == x1]
+        if len(group) < 100:
             continue
-        hidden, _ = model(torch.tensor([prompt + [int(x1)]]))
-        logits = model.compute_logits(hidden[0, -1]).float()
-        allowed = (torch.arange(len(logits)) - int(x1)) % 2 == 1
-        p = logits.masked_fill(~allowed, float("-inf")).softmax(-1).numpy()
-        expect = p * len(seconds)
-        counts = np.bincount(seconds, minlength=len(p))
-        big = expect >= 5
-        e = np.append(expect[big], expect[~big].sum())
-        c = np.append(counts[big], counts[~big].sum())
-        keep = e > 0
-        stat += float((((c - e) ** 2)[keep] / e[keep]).sum())
-        dof += int(keep.sum()) - 1
-    assert dof >= 8, f"too few samples per first token ({len(pairs)} pairs)"
-    print(f"chi2 {stat:.1f} over {dof} dof")
-    assert stat < chi2.ppf(1 - 1e-3, dof), f"chi2 {stat:.1f} over {dof} dof"
+        p2 = _parity_logits(model, prompt + [int(x1)]).numpy()
+        seconds = np.asarray([b for b, _ in group])
+        st, df = _chi2(p2 * len(group), np.bincount(seconds, minlength=len(p2)))
+        stat, dof = stat + st, dof + df
+        # The joint over (x2, x3): x2 values expected 5 times or more get their own p3 row, the rest one cell.
+        tops = [int(x) for x in np.flatnonzero(p2 * len(group) >= 5)]
+        expect, counts = [], []
+        for x2 in tops:
+            p3 = _parity_logits(model, prompt + [int(x1), x2]).numpy()
+            expect.append(p2[x2] * p3 * len(group))
+            counts.append(np.bincount([c for b, c in group if b == x2], minlength=len(p3)))
+        rest = sum(1 for b, _ in group if b not in tops)
+        e, c = np.concatenate(expect + [[len(group) * (1 - p2[tops].sum())]]), np.concatenate(counts + [[rest]])
+        st, df = _chi2(e, c)
+        joint_stat, joint_dof = joint_stat + st, joint_dof + df
+    assert dof >= 8 and joint_dof >= 8, f"too few samples per first token ({len(triples)} sequences)"
+    print(f"token 2: chi2 {stat:.1f} over {dof} dof; tokens 2-3: chi2 {joint_stat:.1f} over {joint_dof} dof")
+    assert stat < chi2.ppf(1 - 1e-3, dof), f"token 2: chi2 {stat:.1f} over {dof} dof"
+    assert joint_stat < chi2.ppf(1 - 1e-3, joint_dof), f"tokens 2-3: chi2 {joint_stat:.1f} over {joint_dof} dof"
