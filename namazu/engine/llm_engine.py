@@ -460,8 +460,8 @@ class LLMEngine:
                 # row at its position may still sample it).
                 stop = next((j for j, t in enumerate(ids) if t in self._stop_set), len(ids))
                 if self._tree_parents is not None:     # the nodes before the first that ends the grammar
-                    stop = usable_tree_nodes(seq.grammar, ids, self._tree_parents, self._stop_set)
-                    seq.num_next_drafts = stop if reason is None else 0
+                    seq.num_next_drafts = usable_tree_nodes(seq.grammar, ids, self._tree_parents,
+                                                            self._stop_set) if reason is None else 0
                 else:
                     seq.num_next_drafts = seq.grammar.validate_tokens(ids[:stop]) if reason is None else 0
                 seq.next_draft_ids = ids[:seq.num_next_drafts]

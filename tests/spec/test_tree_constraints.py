@@ -278,3 +278,35 @@ def test_tokens_decided_in_a_tree_follow_the_masked_target_at_t1(verifies):
     print(f"token 2: chi2 {stat:.1f} over {dof} dof; tokens 2-3: chi2 {joint_stat:.1f} over {joint_dof} dof")
     assert stat < chi2.ppf(1 - 1e-3, dof), f"token 2: chi2 {stat:.1f} over {dof} dof"
     assert joint_stat < chi2.ppf(1 - 1e-3, joint_dof), f"tokens 2-3: chi2 {joint_stat:.1f} over {joint_dof} dof"
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"status": {"enum": ["ok", "ng"]}, "n": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 50}},
+     "required": ["status", "n"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 6}, "minItems": 1, "maxItems": 3},
+]
+
+
+@pytest.mark.parametrize("async_sched", [True, False], ids=["async", "sync"])
+def test_json_schema_outputs_validate_with_trees(verifies, async_sched):
+    """The compiled grammars (xgrammar's matcher, rolled back node by node) at T > 0: every output that ends
+    with "stop" validates, the others end with "length"; trees were verified for them, with masked nodes."""
+    import json
+
+    import jsonschema
+
+    params = [SamplingParams(temperature=0.8, seed=i if i % 2 else None, max_tokens=48,
+                             json_schema=SCHEMAS[i % 2]) for i in range(8)]
+    with engine(16, async_scheduling=async_sched, max_num_seqs=8) as llm:
+        outs = llm.generate(["JSON: " + json.dumps(SCHEMAS[i % 2])[:60] for i in range(8)], params,
+                            use_tqdm=False)
+    stops = 0
+    for i, o in enumerate(outs):
+        c = o.outputs[0]
+        assert c.finish_reason in ("stop", "length"), c.finish_reason
+        if c.finish_reason == "stop":
+            stops += 1
+            jsonschema.validate(json.loads(c.text), SCHEMAS[i % 2])
+    rows = list(verifies.rows())
+    assert stops >= 4 and len(rows) > 10 and sum(banned for *_, banned in rows) > 10
