@@ -1,9 +1,10 @@
 """The draft tree inside one rank's step (`--speculative-tree-budget N`): which sequences verify a tree, the
 verify forward's tree inputs, the acceptance over the tree, and the move of the accepted path's latents.
 
-To the engine a tree of N nodes is a verify of N drafts: it reserves N + 1 slots, and the sequence's
-length moves by the n + 1 tokens the step emits, exactly as for a chain (async scheduling's corrections
-too: it planned N drafts and n were accepted). Everything that makes it a tree is here, on the worker:
+To the engine a tree of N nodes is a verify of N drafts that accepts at most its depth D: it reserves
+N + 1 slots, and the sequence's length moves by the n + 1 tokens the step emits, as for a chain; async
+scheduling assumes D accepted (`max_accepted`, on both sides), and the worker's corrections move the next
+plan back by D - n. Everything that makes it a tree is here, on the worker:
 - `plan`: the sequences of this step whose held drafts are a tree (`store` marked their slots when the
   drafter drafted them); their verify rows keep the chain's cache slots (node i at the root's slot + i),
   while each row's rotary position becomes the root's plus the node's depth, its sampler counter the

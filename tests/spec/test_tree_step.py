@@ -358,3 +358,19 @@ def test_async_planning_assumes_a_verify_accepts_the_trees_depth(monkeypatch):
     full = sum(r == 24 for r in rows)
     print(f"{full} of {len(rows)} tree verifies with all 24 nodes, {np.mean(rows):.1f} nodes on average")
     assert len(rows) > 20 and full >= 0.6 * len(rows), (full, len(rows), rows)
+
+
+def test_outputs_under_kv_pressure_equal_decoding_without_speculation():
+    """A KV pool this small preempts and hands blocks from one sequence to another every few steps, async. A
+    tree's rows past its depth lie beyond what the engine assumes computed, so their blocks may be released
+    while the step that writes them is in flight (harmless: the worker runs that step before any later one,
+    and they never hold committed tokens); outputs are still greedy decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    texts = TEXTS + ["Count to ten.", "Name a fruit."]
+    with engine(-1) as llm:
+        base, prompt_ids, _ = generate(llm, params, texts)
+    with engine(24, kv_cache_memory="2MiB", max_num_seqs=8, enable_prefix_caching=False) as llm:
+        got, _, _ = generate(llm, params, texts)
+        stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.num_accepted_draft_tokens > 0
+    assert_same_outputs(MODEL, prompt_ids, params, got, base)
