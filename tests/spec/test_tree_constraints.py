@@ -209,12 +209,27 @@ def test_grammar_outputs_equal_decoding_without_speculation(verifies, async_sche
     assert sum(n for _, n, _, banned in rows if banned) > 5
 
 
-def _parity_logits(model, tokens: list[int]) -> torch.Tensor:
-    """The dense model's next-token p after `tokens`, masked to the parity the grammar allows after the last."""
-    hidden, _ = model(torch.tensor([tokens]))
+# The penalties of the sampled variant: strong enough that a row counting the wrong tokens moves its mass.
+PENALTY = dict(repetition_penalty=1.3, presence_penalty=1.0, frequency_penalty=0.8)
+
+
+def _target(model, prompt: list[int], outputs: list[int], variant: str) -> np.ndarray:
+    """The dense model's next-token p after prompt + outputs, as the sampler processes it at T = 1: masked to
+    the parity the grammar allows after the last token ("grammar"), or with the request's penalties over the
+    outputs (and the prompt, for repetition) ("penalties")."""
+    hidden, _ = model(torch.tensor([prompt + outputs]))
     logits = model.compute_logits(hidden[0, -1]).float()
-    allowed = (torch.arange(len(logits)) - tokens[-1]) % 2 == 1
-    return logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+    v = len(logits)
+    if variant == "grammar":
+        allowed = (torch.arange(v) - outputs[-1]) % 2 == 1
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    else:
+        counts = torch.bincount(torch.tensor(outputs), minlength=v).float()
+        seen = (counts > 0) | (torch.bincount(torch.tensor(prompt), minlength=v) > 0)
+        rep = PENALTY["repetition_penalty"]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - PENALTY["frequency_penalty"] * counts - PENALTY["presence_penalty"] * (counts > 0).float()
+    return logits.softmax(-1).numpy()
 
 
 def _chi2(expect: np.ndarray, counts: np.ndarray) -> tuple[float, int]:
@@ -227,11 +242,13 @@ def _chi2(expect: np.ndarray, counts: np.ndarray) -> tuple[float, int]:
 
 
 @torch.no_grad()
-def test_tokens_decided_in_a_tree_follow_the_masked_target_at_t1(verifies):
+@pytest.mark.parametrize("variant", ["grammar", "penalties"])
+def test_tokens_decided_in_a_tree_follow_the_processed_target_at_t1(verifies, variant):
     """Tokens 2 and 3 of each sequence (token 1 is the prompt's plain sample; token 2 is decided at the tree's
-    root, token 3 at a depth-1 node's row when token 2 was a draft, whose mask is the grammar's after that
-    node's token) against the dense model's distributions masked by the grammar and renormalised: token 2
-    given token 1, and the joint of tokens 2 and 3 given token 1 (chi-square, pooled over token 1)."""
+    root, token 3 at a depth-1 node's row when token 2 was a draft, whose mask or penalty counts follow that
+    node's path) against the dense model's distributions as the sampler processes them (the grammar's mask,
+    or the penalties, then renormalised): token 2 given token 1, and the joint of tokens 2 and 3 given token 1
+    (chi-square, pooled over token 1). The drafts come from a q that knows neither."""
     text = "Once upon a time"
     grammars = []
     triples = []
@@ -242,14 +259,19 @@ def test_tokens_decided_in_a_tree_follow_the_masked_target_at_t1(verifies):
             grammars.append(ParityGrammar(vocab))
             return grammars[-1]
 
-        params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, n=48, grammar_factory=factory)
+        extra = dict(grammar_factory=factory) if variant == "grammar" else PENALTY
+        params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, n=48, **extra)
         for _ in range(60):
             out = llm.generate([text], params, use_tqdm=False)[0]
             triples += [tuple(c.token_ids[:3]) for c in out.outputs]
-            assert all(alternates(c.token_ids) for c in out.outputs)
+            if variant == "grammar":
+                assert all(alternates(c.token_ids) for c in out.outputs)
         prompt = out.prompt_token_ids
     rows = list(verifies.rows())
-    assert sum(banned for *_, banned in rows) > 100, "no drafted node was masked out: the test shows nothing"
+    if variant == "grammar":
+        assert sum(banned for *_, banned in rows) > 100, "no drafted node was masked out: the test shows nothing"
+    else:
+        assert all(pen for _, _, pen, _ in rows) and sum(verifies.count_errors) == 0
     # Token 3 came from a depth-1 node's row (token 2 accepted) in many sequences.
     assert sum(n >= 1 for _, n, _, _ in rows) > 300
     model = dense_model(MODEL)
@@ -259,7 +281,7 @@ def test_tokens_decided_in_a_tree_follow_the_masked_target_at_t1(verifies):
         group = [(b, c) for a, b, c in triples if a == x1]
         if len(group) < 100:
             continue
-        p2 = _parity_logits(model, prompt + [int(x1)]).numpy()
+        p2 = _target(model, prompt, [int(x1)], variant)
         seconds = np.asarray([b for b, _ in group])
         st, df = _chi2(p2 * len(group), np.bincount(seconds, minlength=len(p2)))
         stat, dof = stat + st, dof + df
@@ -267,7 +289,7 @@ def test_tokens_decided_in_a_tree_follow_the_masked_target_at_t1(verifies):
         tops = [int(x) for x in np.flatnonzero(p2 * len(group) >= 5)]
         expect, counts = [], []
         for x2 in tops:
-            p3 = _parity_logits(model, prompt + [int(x1), x2]).numpy()
+            p3 = _target(model, prompt, [int(x1), x2], variant)
             expect.append(p2[x2] * p3 * len(group))
             counts.append(np.bincount([c for b, c in group if b == x2], minlength=len(p3)))
         rest = sum(1 for b, _ in group if b not in tops)
@@ -275,10 +297,10 @@ def test_tokens_decided_in_a_tree_follow_the_masked_target_at_t1(verifies):
         st, df = _chi2(e, c)
         joint_stat, joint_dof = joint_stat + st, joint_dof + df
     assert dof >= 8 and joint_dof >= 8, f"too few samples per first token ({len(triples)} sequences)"
-    print(f"token 2: chi2 {stat:.1f} over {dof} dof; tokens 2-3: chi2 {joint_stat:.1f} over {joint_dof} dof")
+    print(f"{variant}: token 2: chi2 {stat:.1f} over {dof} dof; tokens 2-3: chi2 {joint_stat:.1f} over "
+          f"{joint_dof} dof")
     assert stat < chi2.ppf(1 - 1e-3, dof), f"token 2: chi2 {stat:.1f} over {dof} dof"
     assert joint_stat < chi2.ppf(1 - 1e-3, joint_dof), f"tokens 2-3: chi2 {joint_stat:.1f} over {joint_dof} dof"
-
 
 SCHEMAS = [
     {"type": "object", "properties": {"status": {"enum": ["ok", "ng"]}, "n": {"type": "integer", "minimum": 0,
