@@ -131,7 +131,7 @@ def verifies(monkeypatch):
     return seen
 
 
-def leaves_the_chain(step: TreeStep, path: list[int], n: int) -> bool:
+def leaves_the_chain(path: list[int], n: int) -> bool:
     """An accepted path whose node j is not node j of a chain: its penalty counts differ from drafts[:j]."""
     return any(node != d + 1 for d, node in enumerate(path[:n]))
 
@@ -158,12 +158,11 @@ def test_penalized_outputs_equal_decoding_without_speculation(verifies, async_sc
         want, prompt_ids = [o.outputs[0].token_ids for o in outs], [o.prompt_token_ids for o in outs]
     with engine(16, async_scheduling=async_sched) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(TEXTS, PENALTIES, use_tqdm=False)]
-        step = llm.engine.executor.worker.runner.spec.tree
     assert_same_outputs(MODEL, prompt_ids, PENALTIES, got, want)
     penalized = [(path, n) for path, n, pen, _ in verifies.rows() if pen]
     assert len(penalized) > 20 and sum(n for _, n in penalized) > 20
     # Accepted paths whose counts a chain's drafts[:j] would get wrong: what the test is about.
-    assert sum(leaves_the_chain(step, path, n) for path, n in penalized) > 5
+    assert sum(leaves_the_chain(path, n) for path, n in penalized) > 5
     # Outputs rarely show a row's count of a token it should not count (a sibling's draft is seldom a likely
     # next token): every penalized node row's counts are checked against its path as well.
     assert sum(verifies.count_rows) > 200 and sum(verifies.count_errors) == 0, sum(verifies.count_errors)
@@ -190,7 +189,7 @@ def test_grammar_outputs_equal_decoding_without_speculation(verifies, async_sche
         vocab = llm.engine.vocab_size
         params = _grammar_params(vocab, base_grammars)
         outs = llm.generate(TEXTS, params, use_tqdm=False)
-        want, prompt_ids = [o.outputs[0].token_ids for o in outs], [o.prompt_token_ids for o in outs]
+        want = [o.outputs[0].token_ids for o in outs]
     with engine(16, async_scheduling=async_sched) as llm:
         params = _grammar_params(vocab, tree_grammars)
         outs = llm.generate(TEXTS, params, use_tqdm=False)
