@@ -32,7 +32,8 @@ choice does not flap on noise, and it does not stop before every running sequenc
 `min_evidence` verifies: a first answer's first few blocks (0.75 and 0.42 accepted at the first two
 positions where the bucket later settled at 0.9) turned a T=0 batch-1 engine off until its probe, 30 steps
 later, in every fresh process. A sequence planned at 0 is probed with full blocks after `probe_every` of
-its steps (where no one drafts, together with the others due, at most once every `probe_every` steps), and every `probe_every` drafted steps two steps run plain (the second a plain decode) so that
+its steps (where no one drafts, together with the others due, at most once every `probe_every` steps),
+and every `probe_every` drafted steps two steps run plain (the second a plain decode) so that
 both costs stay measured. With no sequence drafting the step runs plain and the drafter does not run.
 
 `--speculative-adaptive` turns it on or off; the default is on for the drafter the model ships (the

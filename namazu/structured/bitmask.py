@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from namazu.scheduler.scheduler import ScheduledSeq
-from namazu.structured.grammar import PLACEHOLDER, token_mask_words
+from namazu.structured.grammar import PLACEHOLDER, accept_pending, token_mask_words
 from namazu.structured.tree_masks import fill_tree_rows
 
 
@@ -50,12 +50,7 @@ def fill_step_bitmask(samplers: list[ScheduledSeq], vocab_size: int,
 def fill_sequence_rows(grammar, mask: np.ndarray, row: int, num_pending: int, drafts: list[int]) -> None:
     """Rows row .. row+len(drafts) of one sequence. `num_pending` sampled tokens whose values are still
     on the worker come first (value-independent grammars only: the scheduler holds back the others)."""
-    advanced = 0
-    if num_pending:
-        if grammar.depends_on_values:
-            raise AssertionError("a grammar that reads token values was planned with a pending token")
-        grammar.accept_tokens([PLACEHOLDER] * num_pending)
-        advanced += num_pending
+    advanced = accept_pending(grammar, num_pending)
     try:
         for j in range(len(drafts) + 1):
             grammar.fill_bitmask(mask, row + j)

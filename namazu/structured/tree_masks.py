@@ -24,7 +24,7 @@ from collections.abc import Container, Sequence
 
 import numpy as np
 
-from namazu.structured.grammar import PLACEHOLDER
+from namazu.structured.grammar import accept_pending
 
 
 def _children(parents: Sequence[int]) -> list[list[int]]:
@@ -32,6 +32,33 @@ def _children(parents: Sequence[int]) -> list[list[int]]:
     for i, p in enumerate(parents[1:], 1):
         kids[p].append(i)
     return kids
+
+
+def _accepted_paths(grammar, kids: list[list[int]], drafts: list[int], below: list[int] | None = None):
+    """Depth first over the nodes whose whole path from the root the grammar accepts (and, with `below`,
+    whose index is under below[0], which the caller may lower as it goes): yields each with the grammar
+    holding root..node, accepted on the way down and rolled back on the way up; the grammar ends where it
+    started, also when the caller stops early."""
+    depth = 0
+    stack = [(0, 0)]          # (node, index of its next child to visit)
+    try:
+        while stack:
+            node, c = stack.pop()
+            if c == len(kids[node]):
+                if node:
+                    grammar.rollback(1)
+                    depth -= 1
+                continue
+            stack.append((node, c + 1))
+            child = kids[node][c]
+            if (below is not None and child >= below[0]) or not grammar.accept_tokens([drafts[child - 1]]):
+                continue
+            depth += 1
+            yield child
+            stack.append((child, 0))
+    finally:
+        if depth:
+            grammar.rollback(depth)
 
 
 def fill_tree_rows(grammar, mask: np.ndarray, row: int, num_pending: int, drafts: list[int],
@@ -44,30 +71,12 @@ def fill_tree_rows(grammar, mask: np.ndarray, row: int, num_pending: int, drafts
     if len(parents) < k + 1:
         raise ValueError(f"{k} tree nodes planned, the topology has {len(parents) - 1}")
     kids = _children(parents[:k + 1])
-    advanced = 0
-    if num_pending:
-        if grammar.depends_on_values:
-            raise AssertionError("a grammar that reads token values was planned with a pending token")
-        grammar.accept_tokens([PLACEHOLDER] * num_pending)
-        advanced += num_pending
+    advanced = accept_pending(grammar, num_pending)
     try:
-        # Depth first: (node, index of its next child to visit). The grammar holds the path to `node`.
         grammar.fill_bitmask(mask, row)
-        stack = [(0, 0)]
-        while stack:
-            node, c = stack.pop()
-            if c == len(kids[node]):
-                if node:
-                    grammar.rollback(1)
-                    advanced -= 1
-                continue
-            stack.append((node, c + 1))
-            child = kids[node][c]
-            if grammar.accept_tokens([drafts[child - 1]]):
-                advanced += 1
-                grammar.fill_bitmask(mask, row + child)
-                stack.append((child, 0))
-            # else: rejected by the grammar, never accepted; its subtree's rows keep all ones.
+        # A rejected node is never accepted; its subtree's rows keep all ones.
+        for child in _accepted_paths(grammar, kids, drafts):
+            grammar.fill_bitmask(mask, row + child)
     finally:
         if advanced:
             grammar.rollback(advanced)
@@ -80,26 +89,8 @@ def usable_tree_nodes(grammar, drafts: list[int], parents: Sequence[int], stop_i
     state is left as it was."""
     k = min(len(drafts), len(parents) - 1)
     kids = _children(parents[:k + 1])
-    first_end = k + 1
-    depth = 0
-    stack = [(0, 0)]
-    try:
-        while stack:
-            node, c = stack.pop()
-            if c == len(kids[node]):
-                if node:
-                    grammar.rollback(1)
-                    depth -= 1
-                continue
-            stack.append((node, c + 1))
-            child = kids[node][c]
-            if child >= first_end or not grammar.accept_tokens([drafts[child - 1]]):
-                continue
-            depth += 1
-            if drafts[child - 1] in stop_ids or grammar.is_terminated():
-                first_end = child
-            stack.append((child, 0))
-    finally:
-        if depth:
-            grammar.rollback(depth)
-    return first_end - 1
+    first_end = [k + 1]
+    for child in _accepted_paths(grammar, kids, drafts, below=first_end):
+        if drafts[child - 1] in stop_ids or grammar.is_terminated():
+            first_end[0] = child
+    return first_end[0] - 1
