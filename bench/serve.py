@@ -233,10 +233,10 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_results(path: Path, rows: list[dict], command: str, setup: str, plot_path: Path) -> None:
+def write_results(path: Path, rows: list[dict], command: str, setup: str, plot_path: Path | None) -> None:
     section = "\n".join([
         "## Online serving (`make bench-serve`)", "", f"Command: `{command}`", "", setup, "",
-        table(rows), "", f"![latency vs request rate]({plot_path.name})", "",
+        table(rows), "", *([f"![latency vs request rate]({plot_path.name})", ""] if plot_path else []),
         "TTFT: send to first streamed content; ITL: gaps between streamed content chunks (one per token "
         "per step); e2e: send to last chunk; prefix hit: cached prompt tokens / prompt tokens from the "
         "usage chunks. Shared-prefix turns wait for the same user's previous answer, so at high rates "
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turn-output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results", default=str(HERE / "RESULTS.md"), help="markdown file to update ('' to skip)")
-    p.add_argument("--plot", default=str(HERE / "serve_latency.png"))
+    p.add_argument("--plot", default=str(HERE / "serve_latency.png"), help="latency-vs-rate plot ('' to skip)")
     args = p.parse_args(argv)
 
     from namazu.assets import resolve_model_path
@@ -339,8 +339,10 @@ def main(argv: list[str] | None = None) -> None:
             proc.wait(timeout=30)
     print()
     print(table(rows))
-    plot_path = Path(args.plot)
-    plot(rows, plot_path)
+    # '' skips the plot (Path('') would name the current directory, and the writer then wrote ".png" there).
+    plot_path = Path(args.plot) if args.plot else None
+    if plot_path is not None:
+        plot(rows, plot_path)
     if args.results:
         command = "python bench/serve.py " + shlex.join(argv if argv is not None else sys.argv[1:])
         setup = (f"Model `{tok_dir.name}`; server `{args.server_args or 'default flags'}`; "
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
                  f"average {load_before:.1f} at the start, {load_after:.1f} at the end (other jobs on the machine "
                  "make the points noisy when it is above the core count).")
         write_results(Path(args.results), rows, command.strip(), setup, plot_path)
-        print(f"\nwrote {args.results} and {plot_path}")
+        print(f"\nwrote {args.results}" + (f" and {plot_path}" if plot_path else ""))
 
 
 if __name__ == "__main__":

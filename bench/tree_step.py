@@ -21,8 +21,9 @@ rows take the lossless rule with the drafter's q (a request's own seed takes exa
 --acceptance N: no timing; tokens per verify step of the chain and each tree on the first N prompts at
 once (16 sequences per step, synchronous scheduling, answers ending at EOS or --output-len), once per
 engine --seeds value (the engine-drawn per-sequence seeds at T > 0).
---sync turns async scheduling off in every setup: async planning assumes all N rows of the step in flight
-accepted, so near `max_tokens` it plans a tree's sequence fewer rows (docs/speculative.md, "In the step").
+--sync turns async scheduling off in every setup. The first tables of bench/RESULTS.md needed it: async
+planning then assumed all N rows of the step in flight accepted, so near `max_tokens` it planned a tree's
+sequence fewer rows; it now assumes the tree's depth (docs/speculative.md, "In the step").
 """
 from __future__ import annotations
 

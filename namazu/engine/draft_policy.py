@@ -32,7 +32,8 @@ choice does not flap on noise, and it does not stop before every running sequenc
 `min_evidence` verifies: a first answer's first few blocks (0.75 and 0.42 accepted at the first two
 positions where the bucket later settled at 0.9) turned a T=0 batch-1 engine off until its probe, 30 steps
 later, in every fresh process. A sequence planned at 0 is probed with full blocks after `probe_every` of
-its steps, and every `probe_every` drafted steps two steps run plain (the second a plain decode) so that
+its steps (where no one drafts, together with the others due, at most once every `probe_every` steps),
+and every `probe_every` drafted steps two steps run plain (the second a plain decode) so that
 both costs stay measured. With no sequence drafting the step runs plain and the drafter does not run.
 
 `--speculative-adaptive` turns it on or off; the default is on for the drafter the model ships (the
@@ -145,6 +146,7 @@ class DraftPolicy:
         self.seqs: dict[int, _SeqState] = {}
         self._drafted_steps = 0
         self._plain_left = 0
+        self._plain_steps = 0        # plans in a row in which no sequence drafted
         self.num_probes = 0
 
     # -- what the engine asks ------------------------------------------------------------------------
@@ -173,10 +175,19 @@ class DraftPolicy:
         settled = all(self.buckets[st.bucket].reached[0] >= self.min_evidence for st in states)
         if settled and (not any(ks) or drafted * plain_ms / b < (1.0 if was_on else self.margin)):
             ks = [0] * b
+        # A probe in a step that drafts anyway costs its verify rows; in one that would run plain it costs a
+        # drafted step (the drafter runs for the whole batch), so there the sequences due wait until
+        # `probe_every` plain steps have passed and are probed together: one drafted step in 32, where one
+        # probe per sequence every 32 of its steps made every other step at batch 16 a drafted one.
+        probes = [i for i, st in enumerate(states) if st.probe]
+        started = any(states[i].k > 0 for i in probes)      # drafted last step: this one verifies it
+        if probes and not any(ks) and not started and self._plain_steps < self.probe_every:
+            probes = []
+        for i in probes:        # until its verify is seen: the step that drafts, then the one that verifies
+            ks[i] = self.k_max
         for i, st in enumerate(states):
-            if st.probe:        # until its verify is seen: the step that drafts, then the one that verifies
-                ks[i] = self.k_max
             st.k = ks[i]
+        self._plain_steps = 0 if any(ks) else self._plain_steps + 1
         return {sid: k for (sid, _), k in zip(seqs, ks)}
 
     def plain_probe_due(self) -> bool:

@@ -10,6 +10,7 @@ worker's step (`spec/proposer.py`); the engine only learns how many drafts each 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -44,9 +45,11 @@ from namazu.spec.drafter_swap import (
 from namazu.spec.proposer import Proposer
 from namazu.spec.selection import choose_speculation
 from namazu.spec.shadow import ShadowStats, check_shadow
+from namazu.spec.tree_step import max_accepted, step_topology
 from namazu.step.batch import StepResult
 from namazu.structured.bitmask import fill_step_bitmask
 from namazu.structured.factory import StructuredOutputs, grammar_for, needs_compiler
+from namazu.structured.tree_masks import usable_tree_nodes
 from namazu.tokenizer import Tokenizer
 from namazu.worker.executor import make_executor
 
@@ -180,6 +183,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill, config.scheduling_policy,
                                    spec_disable_batch_size=choice.disable_batch_size)
+        self._tree_parents: tuple[int, ...] | None = None
+        self._use_tree_shape()
         self.vocab_size = self.model_config.vocab_size
         self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self._stop_set = frozenset(self.stop_ids)
@@ -207,6 +212,16 @@ class LLMEngine:
         logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s%s",
                     self.model_path, self.num_kv_blocks, config.block_size, self.max_model_len, info.device,
                     info.dtype, f", {self.num_speculative_tokens} draft tokens" if self.drafter else "")
+
+    def _use_tree_shape(self) -> None:
+        """With a tree budget every drafted block is a tree of one static shape (`tree_step.step_topology`, the
+        worker's too): grammar rows are filled per node along its path, and async scheduling assumes a verify
+        accepts the tree's depth, not its node count."""
+        if not self.config.speculative_tree_budget or self.drafter is None or not self.num_speculative_tokens:
+            return
+        topo = step_topology(self.config.speculative_tree_budget, self.num_speculative_tokens, self.drafter.cfg)
+        self._tree_parents = topo.parents
+        self.scheduler.max_accepted = functools.partial(max_accepted, topo.depths)
 
     def _plan_capacity(self) -> None:
         """max_model_len from the flag or the model, checked against what the KV cache holds: a lone
@@ -342,13 +357,13 @@ class LLMEngine:
         if self.shadow is not None:
             batch.shadow_seq_ids = self.shadow.take_new()
         t0 = time.perf_counter()
-        batch.sampling.bitmask = fill_step_bitmask(samplers, self.vocab_size)
+        batch.sampling.bitmask = fill_step_bitmask(samplers, self.vocab_size, self._tree_parents)
         if batch.sampling.bitmask is not None:
             self._mask_rows += len(batch.sampling.bitmask)
             self._mask_seconds += time.perf_counter() - t0
         speculate = plan.speculate and self._drafting_pays(plan.scheduled)
         if self.drafter is not None and self.drafter.on_device and speculate:
-            batch.spec.max_drafts_next = self.num_speculative_tokens
+            batch.spec.max_drafts_next = self.verify_rows     # a tree's nodes come back whole (grammar rows)
         self.executor.submit(batch)
         for item in plan.scheduled:
             self.scheduler.submitted(item, speculate)
@@ -428,6 +443,7 @@ class LLMEngine:
         drafts that were rejected, the emitted tokens are appended (up to the first stop) and its
         grammar accepts exactly those; returns the finish reason, if any."""
         accepted, k = int(result.accepted[s]), item.num_drafts
+        assumed = self.scheduler.max_accepted(k)        # what `submitted` assumed accepted
         self._drafted += int(result.num_drafts[s])
         self._accepted += accepted
         if result.num_drafts[s]:
@@ -440,9 +456,9 @@ class LLMEngine:
                                                  accepted)
             else:
                 self.draft_policy.observe_plain(seq.seq_id)
-        seq.num_pending -= k + 1
+        seq.num_pending -= assumed + 1
         if running:
-            seq.num_computed_tokens -= k - accepted
+            seq.num_computed_tokens -= assumed - accepted
         if seq.num_pending == 0:
             seq.inflight_drafts = 0
         n = accepted + 1
@@ -468,7 +484,11 @@ class LLMEngine:
                 # A stop token ends the grammar: no row after it has a mask, so drafts end before it (the
                 # row at its position may still sample it).
                 stop = next((j for j, t in enumerate(ids) if t in self._stop_set), len(ids))
-                seq.num_next_drafts = seq.grammar.validate_tokens(ids[:stop]) if reason is None else 0
+                if self._tree_parents is not None:     # the nodes before the first that ends the grammar
+                    seq.num_next_drafts = usable_tree_nodes(seq.grammar, ids, self._tree_parents,
+                                                            self._stop_set) if reason is None else 0
+                else:
+                    seq.num_next_drafts = seq.grammar.validate_tokens(ids[:stop]) if reason is None else 0
                 seq.next_draft_ids = ids[:seq.num_next_drafts]
         return reason
 
@@ -546,6 +566,7 @@ class LLMEngine:
         dropped = self.reset_prefix_cache()
         self.executor.collective_rpc(commit_on_rank)
         self.drafter, self.drafter_id = new, new.drafter_id
+        self._use_tree_shape()      # its tree may have another depth (nothing is in flight, all recompute)
         self.config = dataclasses.replace(self.config, speculative_model=new.path)   # a restart keeps it
         self._by_drafter.switch(new.drafter_id, self._acceptance_totals())
         self._drafter_swaps += 1

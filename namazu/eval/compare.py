@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"ref": args.ref, "cand": args.cand, "mode": args.mode,
-                       "ref_dtype": args.ref_dtype or args.dtype, "cand_dtype": args.cand_dtype or args.dtype, "rows": [r.as_dict() for r in rows],
-                       "failures": fails}, f, indent=2)
+                       "ref_dtype": args.ref_dtype or args.dtype, "cand_dtype": args.cand_dtype or args.dtype,
+                       "rows": [r.as_dict() for r in rows], "failures": fails}, f, indent=2)
     for msg in fails:
         print(f"FAIL {msg}")
     print("gate: " + ("FAIL" if fails else "PASS"))

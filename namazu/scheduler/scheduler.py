@@ -80,6 +80,10 @@ class Scheduler:
         self.waiting: list[Sequence] = []     # sorted by policy key
         self.running: list[Sequence] = []     # sorted by policy key
         self.num_preemptions = 0
+        # The most drafts a verify of k drafts can accept: k for a chain; for a draft tree of k nodes its depth
+        # (`spec/tree_step.max_accepted`, set by the engine). What async scheduling assumes accepted, and what
+        # bounds the tokens a verify may emit near max_tokens.
+        self.max_accepted: Callable[[int], int] = _whole_chain
 
     def _key(self, seq: Sequence) -> tuple[int, int]:
         return seq.sort_key(self.by_priority)
@@ -212,22 +216,27 @@ class Scheduler:
     def _trim_drafts(self, seq: Sequence, k: int, budget: int, at_end: bool) -> int:
         if k <= 0 or not at_end:
             return 0
-        limit = min(budget, self.max_model_len - seq.num_tokens)
+        k = max(0, min(k, budget, self.max_model_len - seq.num_tokens))
         if seq.params.max_tokens is not None:
-            # The bonus token always comes too, so k drafts may produce k + 1 tokens.
-            limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(k, limit))
+            # The bonus token always comes too, so a verify that may accept a drafts may produce a + 1 tokens
+            # (a tree of k nodes accepts at most its depth: near max_tokens it keeps every node that shallow).
+            room = seq.params.max_tokens - seq.num_output_tokens - 1
+            while k > 0 and self.max_accepted(k) > room:
+                k -= 1
+        return k
 
     def submitted(self, item: ScheduledSeq, speculate: bool) -> None:
         """The step is on its way to the workers. Its outcome is assumed in advance so the next step
         can be planned before the results arrive: the new tokens' KV will exist, a sampling row adds
-        one pending token, and a verify's drafts are assumed accepted (`commit` corrects that).
+        one pending token, and a verify is assumed to accept all it can (`max_accepted`: every draft of a
+        chain, a tree's depth; `commit` corrects that).
         `speculate`: the step's plan asked the worker to draft after it (`SchedulerOutput.speculate`)."""
         seq = item.seq
-        seq.num_computed_tokens += item.num_query_tokens
+        accepted = self.max_accepted(item.num_drafts)
+        seq.num_computed_tokens += item.num_new_tokens + accepted
         if item.samples:
-            seq.num_pending += item.num_drafts + 1
-            seq.inflight_drafts = item.num_drafts
+            seq.num_pending += accepted + 1
+            seq.inflight_drafts = accepted
             seq.drafts_requested = speculate
 
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
@@ -236,3 +245,7 @@ class Scheduler:
         seq.num_computed_tokens = num_computed_tokens
         self.bm.truncate(seq, max(num_computed_tokens, seq.num_tokens))
         self.bm.commit(seq)
+
+
+def _whole_chain(num_drafts: int) -> int:
+    return num_drafts

@@ -16,7 +16,7 @@ call here:
 The proposer's kind is checked once, when the runner is built (`proposer.check_proposer`).
 
 With `--speculative-tree-budget N` (`tree_step.py`) a device proposer that drafts trees (DFlash2) drafts
-one after a step whose sequences allow it; `plan_tree(...)` then gives the next step's tree inputs (rotary
+a tree in every step that drafts; `plan_tree(...)` then gives the next step's tree inputs (rotary
 positions, counters, the attention mask), `accept` decides over the tree and moves the accepted path's
 latents into place, and `propose_on_device` drafts the next trees from the accepted positions.
 """
@@ -31,8 +31,7 @@ import torch
 from namazu.distributed.decisions import share_decision, share_device_proposal
 from namazu.layers.sampler import SamplingTensors, seeded_rows
 from namazu.spec.proposer import DraftBuffer, Proposal, Proposer, ProposerInput, check_proposer
-from namazu.spec.tree import DEFAULT_RATES
-from namazu.spec.tree_step import TreePlan, TreeStep
+from namazu.spec.tree_step import TreePlan, TreeStep, step_topology
 from namazu.spec.verify import verify_deterministic, verify_stochastic
 from namazu.step.batch import StepBatch, StepResult, trim_drafts
 
@@ -110,9 +109,8 @@ class Speculator:
         if self.tree_budget:
             if not callable(getattr(self.proposer, "propose_tree", None)):
                 raise ValueError(f"--speculative-tree-budget {self.tree_budget} needs a drafter that drafts trees")
-            cfg = self.proposer.cfg
-            depth = min(self.k, cfg.num_draft_tokens, len(DEFAULT_RATES))
-            self.tree = TreeStep(self.tree_budget, depth, cfg.selector_k, self._block_size, self.device)
+            self.tree = TreeStep(step_topology(self.tree_budget, self.k, self.proposer.cfg), self._block_size,
+                                 self.device)
 
     @property
     def draft_seconds(self) -> float:
@@ -166,12 +164,23 @@ class Speculator:
     def tree_step_eager(self, b: StepBatch) -> bool:
         """Whether this step verifies a tree or drafts one: such a step runs eagerly (graph mode captures
         the chain's shapes only)."""
-        return self._plan is not None or (self.tree is not None and bool(b.spec.max_drafts_next)
-                                          and TreeStep.can_draft(b))
+        return self._plan is not None or (self.tree is not None and bool(b.spec.max_drafts_next))
 
     def emitted_rows(self, row_layout: torch.Tensor) -> torch.Tensor:
         """[S, K+1] the logit row of each emitted token (a tree's accepted path; a chain's rows in order)."""
         return self.tree.emitted_rows(self._plan, row_layout) if self._plan is not None else row_layout
+
+    def drafts_before(self, slot: int, drafts: list[int], row: int) -> list[int]:
+        """The held drafts that verify row `row` (0: the root) of the sequence in `slot` follows, for its
+        penalty counts: drafts[:row] for a chain, the node's own path for a tree."""
+        if self.tree is not None and slot in self.tree.held:
+            return self.tree.path_tokens(drafts, row)
+        return drafts[:row]
+
+    def max_accepted(self, num_drafts: np.ndarray) -> np.ndarray:
+        """The most drafts each verify of `num_drafts` can accept, what async scheduling assumes accepted
+        (the engine's `_assumed_accepted`): a tree's depth, a chain's length."""
+        return self.tree.max_accepted(num_drafts) if self.tree is not None else num_drafts
 
     def verify_inputs(self, draft_src: torch.Tensor | None) -> torch.Tensor | None:
         """The held draft ids this step verifies, in the order of `PreparedStep.draft_flat` (device)."""
@@ -231,9 +240,7 @@ class Speculator:
                                  counters=(plan.chain_counters if plan is not None else st.counters)[row_layout])
         inp = self._input(b, None, hidden, captured, rows, tokens, accepted, site)
         if self.tree is not None:
-            if TreeStep.can_draft(b):
-                return self._propose_tree(inp, prep, slot_index, b.spec.max_drafts_next)
-            self.tree.held.difference_update(int(s) for s in prep.slots)
+            return self._propose_tree(inp, prep, slot_index, b.spec.max_drafts_next)
         proposal = self.proposer.propose(inp, self.k)
         if self.share_decisions:
             proposal = share_device_proposal(proposal, self.world_size)

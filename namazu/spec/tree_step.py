@@ -1,9 +1,10 @@
 """The draft tree inside one rank's step (`--speculative-tree-budget N`): which sequences verify a tree, the
 verify forward's tree inputs, the acceptance over the tree, and the move of the accepted path's latents.
 
-To the engine a tree of N nodes is a verify of N drafts: it reserves N + 1 slots, and the sequence's
-length moves by the n + 1 tokens the step emits, exactly as for a chain (async scheduling's corrections
-too: it planned N drafts and n were accepted). Everything that makes it a tree is here, on the worker:
+To the engine a tree of N nodes is a verify of N drafts that accepts at most its depth D: it reserves
+N + 1 slots, and the sequence's length moves by the n + 1 tokens the step emits, as for a chain; async
+scheduling assumes D accepted (`max_accepted`, on both sides), and the worker's corrections move the next
+plan back by D - n. Everything that makes it a tree is here, on the worker:
 - `plan`: the sequences of this step whose held drafts are a tree (`store` marked their slots when the
   drafter drafted them); their verify rows keep the chain's cache slots (node i at the root's slot + i),
   while each row's rotary position becomes the root's plus the node's depth, its sampler counter the
@@ -15,10 +16,15 @@ too: it planned N drafts and n were accepted). Everything that makes it a tree i
   the sequence's end, never visible, overwritten when those positions are computed;
 - `emitted_rows`: the logit row behind each emitted token (for logprobs);
 - `store`: the drafter's next trees, their node tokens into the draft buffer (the verify inputs) and the
-  rest (candidates and q per node) into per-slot buffers here.
-A tree is drafted only in a step whose sampling sequences need nothing that depends on the path beyond the
-target's own logits: no penalties (counts along each path), no grammar mask or returned drafts (a grammar
-state per path). Those steps draft a chain; a batch may verify trees and chains side by side.
+  rest (candidates and q per node) into per-slot buffers here;
+- `path_tokens`: the drafts a node row's token follows (the node's own path), for the penalty rows' counts.
+With a tree budget every drafted block is a tree, whatever the batch's sampling asks: what depends on the
+path is filled per node row along that node's own path. Penalties count the output tokens plus the path's
+drafts (`path_tokens`, in the runner's penalty rows); a grammar's mask row for node i is the grammar's
+state after the root..i path (`structured/tree_masks.py`, filled by the engine, which knows the topology
+from `step_topology`). A node whose token the grammar rejects has no mass in its parent's masked row, so
+the rule never accepts it (at T > 0 it is a rejected draw, its q taken out of the later siblings' as any
+rejected draw's; lossless for any q).
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import numpy as np
 import torch
 
 from namazu.layers.sampler import SamplingTensors, seeded_rows
-from namazu.spec.tree import DraftTree, TreeTopology
+from namazu.spec.tree import DEFAULT_RATES, DraftTree, TreeTopology
 from namazu.spec.tree_verify import verify_tree
 
 # Children per node: what bench/tree_acceptance.py measured the budgets with (beyond the 4th draw a child's
@@ -53,13 +59,30 @@ class TreePlan:
     num_accepted: torch.Tensor | None = None  # [S] 0 where the sequence verified a chain
 
 
+def step_topology(budget: int, num_speculative_tokens: int, cfg) -> TreeTopology:
+    """The tree every drafted block has under `--speculative-tree-budget budget` with a DFlash2 drafter of
+    config `cfg`: as deep as the drafter's block (and the measured rates) allow, up to TREE_WIDTH children.
+    The worker's tree step and the engine (grammar rows, the assumed acceptance) both take it from here."""
+    depth = min(num_speculative_tokens, cfg.num_draft_tokens, len(DEFAULT_RATES))
+    return TreeTopology.build(budget, depth, min(TREE_WIDTH, cfg.selector_k))
+
+
+def max_accepted(depths: tuple[int, ...], num_drafts: int) -> int:
+    """The most drafts a verify of the first `num_drafts` nodes of a tree (`depths`: the topology's, root
+    first) can accept: the depth of its deepest node (node order is by depth). What async scheduling assumes
+    accepted, on the engine and on the worker alike."""
+    return depths[min(num_drafts, len(depths) - 1)] if num_drafts > 0 else 0
+
+
 class TreeStep:
-    def __init__(self, budget: int, depth: int, candidates: int, block_size: int, device: torch.device):
-        self.topology = TreeTopology.build(budget, depth, min(TREE_WIDTH, candidates))
+    def __init__(self, topology: TreeTopology, block_size: int, device: torch.device):
+        self.topology = topology
         self.tt = self.topology.tensors(device)
         self.rows = self.topology.num_nodes + 1
         self.depths = np.asarray(self.topology.depths, dtype=np.int64)
         self.ancestors = self.tt.ancestors.cpu().numpy()
+        # Per node, the draft nodes of its path from the root (itself last, the root not included).
+        self._paths = [np.flatnonzero(self.ancestors[i])[1:].tolist() for i in range(self.rows)]
         self.block_size, self.device = block_size, device
         self.held: set[int] = set()          # slots whose held drafts are a tree
         self._trees: DraftTree | None = None  # per slot: [slots, R], [slots, R], [slots, R, K], [slots, R, K]
@@ -68,12 +91,14 @@ class TreeStep:
     def num_nodes(self) -> int:
         return self.topology.num_nodes
 
-    # -- which steps ----------------------------------------------------------------------------------
-    @staticmethod
-    def can_draft(b) -> bool:
-        """Whether the drafter's next blocks after this step may be trees (host flags of the batch)."""
-        sp = b.sampling
-        return not sp.any_penalty and sp.bitmask is None and not b.spec.return_drafts.any()
+    def path_tokens(self, drafts: list[int], node: int) -> list[int]:
+        """The held drafts (node tokens, node order) that node `node`'s row's token follows: its path from
+        the root (a chain's row j follows drafts[:j])."""
+        return [drafts[i - 1] for i in self._paths[node]]
+
+    def max_accepted(self, num_drafts: np.ndarray) -> np.ndarray:
+        """`max_accepted` per sequence (the engine's assumption of an async verify's outcome)."""
+        return np.asarray([max_accepted(self.topology.depths, int(n)) for n in num_drafts], dtype=np.int64)
 
     def forget(self, slot: int) -> None:
         self.held.discard(slot)

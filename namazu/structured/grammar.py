@@ -187,3 +187,14 @@ class AllOf:
 
     def is_terminated(self) -> bool:
         return any(g.is_terminated() for g in self.grammars)
+
+
+def accept_pending(grammar, num_pending: int) -> int:
+    """Advances the grammar over `num_pending` sampled tokens whose values are still on the worker
+    (placeholders: value-independent grammars only, the scheduler holds back the others); returns how many
+    to roll back."""
+    if num_pending:
+        if grammar.depends_on_values:
+            raise AssertionError("a grammar that reads token values was planned with a pending token")
+        grammar.accept_tokens([PLACEHOLDER] * num_pending)
+    return num_pending

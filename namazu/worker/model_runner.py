@@ -269,7 +269,8 @@ class ModelRunner:
 
     def _penalty_tensors(self, b: StepBatch, prep: PreparedStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Output-token counts [R, V] and prompt-token masks [R, V] for the penalty rows, from the
-        worker's own histories (row j of a verify also counts drafts[:j])."""
+        worker's own histories (row j of a verify also counts the drafts it follows: drafts[:j], or a tree
+        node's path)."""
         sp = b.sampling
         if not sp.any_penalty:
             return None, None
@@ -286,7 +287,7 @@ class ModelRunner:
             if not penalized:
                 continue
             for j in range(int(b.seqs.num_drafts[i]) + 1):
-                outputs[rows[s, j]] = done + drafts[:j]
+                outputs[rows[s, j]] = done + self.spec.drafts_before(int(prep.slots[s]), drafts, j)
                 if sp.repetition_penalty[rows[s, 0]] != 1:
                     prompts[rows[s, j]] = hist[:plen]
 
@@ -355,7 +356,7 @@ class ModelRunner:
         result = unpack(layout_out, flat_i.cpu().numpy(), flat_f.cpu().numpy())
         t_computed = time.perf_counter()
         if result.tokens is not None:
-            self.seqs.record(b, prep, result.tokens, result.accepted, planned)
+            self.seqs.record(b, prep, result.tokens, result.accepted, self.spec.max_accepted(planned))
             self.spec.after_read(b, prep, result, self.seqs)
             if self.shadow is not None:
                 result.shadow = self.shadow.after_read(self.seqs)

@@ -138,8 +138,9 @@ class WorkerSeqTable:
     def record(self, b: StepBatch, prep: PreparedStep, tokens: np.ndarray, accepted: np.ndarray,
                planned: np.ndarray | None = None) -> None:
         """After the step: each sampling sequence's emitted tokens join its history. `planned`: the drafts
-        the engine planned per scheduled sequence, where the runner verified fewer (`step_batch.trim_drafts`);
-        the next plan's positions assume all of those."""
+        the engine assumed accepted per scheduled sequence (all it planned for a chain, where the runner
+        verified fewer, `step_batch.trim_drafts`; a tree's depth, `Speculator.max_accepted`); the next plan's
+        positions assume all of those."""
         seq_ids = b.seqs.seq_ids.tolist()
         planned = (b.seqs.num_drafts if planned is None else planned).tolist()
         rows, acc, frm = tokens.tolist(), accepted.tolist(), prep.verify_from.tolist()

@@ -78,10 +78,11 @@ def test_a_sequence_stops_where_drafting_does_not_pay_and_is_probed_with_a_full_
     for _ in range(9):                     # decayed counts: 17 verifies hold 16 of evidence
         p.observe_verify(1, 0.0, verified=6, accepted=0)
     assert p.plan([(1, 0.0)]) == {1: 0}
-    for _ in range(3):
+    p.observe_plain(1)
+    for _ in range(3):                     # a plain step: planned, then folded
+        assert p.plan([(1, 0.0)]) == {1: 0}
         p.observe_plain(1)
-    assert p.plan([(1, 0.0)]) == {1: 0}
-    p.observe_plain(1)                     # its fourth plain step: probed, with a full block, until the verify
+    # its fourth plain step: probed, with a full block, until the verify
     assert p.plan([(1, 0.0)]) == {1: 6} and p.plan([(1, 0.0)]) == {1: 6} and p.num_probes == 1
     p.observe_verify(1, 0.0, verified=6, accepted=0)
     assert p.plan([(1, 0.0)]) == {1: 0}
@@ -156,3 +157,27 @@ def test_a_drafter_that_is_never_accepted_stops_being_verified_and_outputs_do_no
     # steps of each sequence.
     assert counts[False] > 400
     assert counts[True] < counts[False] / 4, counts
+
+
+def test_sequences_due_a_probe_in_plain_steps_are_probed_together_once_every_probe_every_steps():
+    # At batch 4 with probes due at staggered steps, one probe per sequence every 4 of its steps would draft
+    # in most steps (the drafter runs for the whole batch); together they draft once in 4 plain steps.
+    p = DraftPolicy(max_tokens_per_step=7, probe_every=4)
+    _measured(p, plain_ms=2.0, fixed_ms=3.0, row_ms=1.0, batch=4)
+    seqs = [(s, 0.0) for s in range(4)]
+    for _ in range(20):
+        for s, _t in seqs:
+            p.observe_verify(s, 0.0, verified=6, accepted=0)
+    plans = []
+    for step in range(24):
+        plan = p.plan(seqs[:1 + min(step, 3)])     # sequences join one step apart
+        plans.append(plan)
+        for s, k in plan.items():
+            if k:
+                p.observe_verify(s, 0.0, verified=6, accepted=0)
+            else:
+                p.observe_plain(s)
+    drafted = [i for i, plan in enumerate(plans) if any(plan.values())]
+    assert drafted and len(drafted) <= 24 // 4 + 1
+    assert all(b - a >= 4 for a, b in zip(drafted, drafted[1:]))
+    assert sum(len([k for k in plans[i].values() if k]) for i in drafted) > len(drafted)   # several per probe step
