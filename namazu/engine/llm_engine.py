@@ -381,8 +381,9 @@ class LLMEngine:
         policy = self.draft_policy
         if policy is None:
             return True
-        wanted = any(self._draft_plan.get(it.seq.seq_id, 0) > 0 for it in scheduled if it.samples)
-        return wanted and not policy.plain_probe_due()
+        sampling = [it for it in scheduled if it.samples]
+        wanted = any(self._draft_plan.get(it.seq.seq_id, 0) > 0 for it in sampling)
+        return wanted and not policy.plain_probe_due(len(sampling))
 
     def _observe_step(self, launched: _Launched, result: StepResult, ms: float) -> None:
         """A pure decode step's time for the draft policy, with the drafts it verified: one that verified

@@ -141,6 +141,21 @@ def test_every_probe_every_drafted_steps_two_run_without_drafting():
     assert due == [False, False, False, True, True, False, False, False, True]
 
 
+def test_a_batch_size_with_drafted_steps_measured_and_plain_ones_not_runs_plain_until_it_is():
+    p = DraftPolicy(max_tokens_per_step=4, probe_every=100)
+    for _ in range(3):
+        p.observe_step(8, 3, 30.0)                 # drafted steps at batch 8, no plain one there yet
+    assert p.step_costs(8) == (1.0, 3.0, 0.0)       # the prior: a drafted step is 3 plain ones
+    due = []
+    for _ in range(8):
+        due.append(p.plain_probe_due(8))
+        if due[-1] and len(due) % 2 == 0:
+            p.observe_step(8, 0, 10.0)             # the second of each pair is a plain decode
+    assert due[:6] == [True] * 6 and due[6:] == [False, False]
+    assert p.step_costs(8)[:2] == (10.0, 30.0)
+    assert not p.plain_probe_due(1)                 # another batch size: nothing measured there, no probe
+
+
 def test_a_drafter_that_is_never_accepted_stops_being_verified_and_outputs_do_not_change():
     ps = prompts(2, lo=4, hi=10, seed=3)
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
