@@ -156,6 +156,22 @@ def test_a_batch_size_with_drafted_steps_measured_and_plain_ones_not_runs_plain_
     assert not p.plain_probe_due(1)                 # another batch size: nothing measured there, no probe
 
 
+def test_far_from_break_even_the_plain_cost_is_probed_four_times_less_often():
+    p = DraftPolicy(max_tokens_per_step=4, probe_every=3)
+    _measured(p, plain_ms=2.0, fixed_ms=3.0, row_ms=0.0, rows=(3,), batch=2)
+    for _ in range(50):
+        p.observe_verify(1, 0.0, verified=3, accepted=3)
+    p.plan([(1, 0.0), (2, 0.0)])            # E = 4 a sequence, 8 tokens for 3 ms against 1 per ms: 2.7x
+    assert p._last_win > 1.5
+    p._drafted_steps = 0
+    due = []
+    for _ in range(14):
+        due.append(p.plain_probe_due(2))
+        if not due[-1]:
+            p.observe_step(2, 3, 3.0)
+    assert due == [False] * 12 + [True, True]
+
+
 def test_a_drafter_that_is_never_accepted_stops_being_verified_and_outputs_do_not_change():
     ps = prompts(2, lo=4, hi=10, seed=3)
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
