@@ -124,6 +124,9 @@ def test_blocks_end_at_the_measured_threshold_by_default_and_where_told():
     assert choose(speculative_min_confidence=0.5).drafter.min_confidence == 0.5
     assert choose(speculative_model=shipped()).drafter.min_confidence == 0
     assert choose(speculative_model=shipped(), speculative_min_confidence=0.2).drafter.min_confidence == 0.2
+    # Graph mode verifies the entry's 1 + K rows whatever the block: there a cut only drops drafts.
+    assert choose(enforce_eager=False).drafter.min_confidence == 0
+    assert choose(enforce_eager=False, speculative_min_confidence=0.3).drafter.min_confidence == 0.3
 
 
 def test_a_bad_shipped_drafter_is_refused_naming_the_field(tmp_path):
