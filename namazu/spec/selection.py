@@ -41,6 +41,13 @@ SHIPPED_DRAFTER_DIR = "drafter"
 # (0.92-0.93x). `python bench/drafter_step.py` prints off / on / auto side by side and the largest batch at
 # which drafting paid.
 AUTO_DISABLE_BATCH_SIZE = 8
+# Graph mode (compiled steps, CPU): a plain step is 2-3x cheaper than eager's while a verify entry still
+# computes 1 + K rows per sequence, so drafting stops paying sooner. Idle 2-core AVX-512 CPU, fp32, T=0, the
+# default 64 held-out chat prompts, answers ending at EOS (`python bench/drafter_step.py --batch 1 2 4 8
+# --modes graph --groups 4 --output-len 64`, bench/RESULTS.md "The drafted step in graph mode, round 3"):
+# the shipped drafter's decode 1.51-1.53x / 1.35x / 0.90x / 0.82-0.90x of graph mode without it at batch
+# 1 / 2 / 4 / 8.
+AUTO_DISABLE_BATCH_SIZE_GRAPH = 2
 
 # The running-confidence threshold at which the shipped drafter's blocks end (`dflash.draft_counts`). It
 # belongs to the drafter: round 8's selector spreads its softmax over 32 candidates, trained against the
@@ -166,7 +173,9 @@ def _choose(config: EngineConfig, model_path: str | Path, model_config: ModelCon
                                      "it with --num-speculative-tokens 0") from e
     n = proposer.cfg.num_draft_tokens if n is None else n
     if limit is None:
-        limit, limit_why = AUTO_DISABLE_BATCH_SIZE, "the largest batch the shipped drafter was measured to pay at"
+        limit = AUTO_DISABLE_BATCH_SIZE_GRAPH if graph_mode(config) else AUTO_DISABLE_BATCH_SIZE
+        limit_why = "the largest batch the shipped drafter was measured to pay at" + (" in graph mode" if
+                                                                                       graph_mode(config) else "")
     # Cutting a block where the drafter is unsure saves verify rows in eager mode; graph mode computes the
     # entry's 1 + K rows anyway, so there a cut only loses the drafts it drops (held-out ja prose, T=0:
     # 3.00 tokens per verify step cut against 3.54 full).

@@ -23,6 +23,7 @@ from namazu.spec.dflash_config import DFlashConfig, DrafterCheckpointError
 from namazu.spec.dflash_proposer import DFlashProposer
 from namazu.spec.selection import (
     AUTO_DISABLE_BATCH_SIZE,
+    AUTO_DISABLE_BATCH_SIZE_GRAPH,
     AUTO_MIN_CONFIDENCE,
     SHIPPED_DRAFTER_DIR,
     choose_speculation,
@@ -102,6 +103,9 @@ def test_explicit_settings_override_the_defaults():
     assert isinstance(c.drafter, DFlashProposer) and c.drafter.path == shipped()
     assert c.num_speculative_tokens == 2 and c.disable_batch_size == AUTO_DISABLE_BATCH_SIZE
     assert choose(speculative_disable_batch_size=16).disable_batch_size == 16 != AUTO_DISABLE_BATCH_SIZE
+    # Graph mode's plain steps are cheaper: the measured break-even there is lower.
+    assert choose(enforce_eager=False).disable_batch_size == AUTO_DISABLE_BATCH_SIZE_GRAPH < AUTO_DISABLE_BATCH_SIZE
+    assert choose(enforce_eager=False, speculative_disable_batch_size=16).disable_batch_size == 16
     assert choose(speculative_disable_batch_size=0).disable_batch_size == 0
     named = choose(speculative_model=shipped())             # a named drafter: never disabled unless asked
     assert named.num_speculative_tokens == DFlashConfig.load(shipped()).num_draft_tokens
