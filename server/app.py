@@ -83,7 +83,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.server = state
     app.state.openapi = build_openapi(state.vocab_size, state.max_logprobs, auth=api_key is not None,
-                                      strict=strict_fields)
+                                      strict=strict_fields, admin=admin_key is not None)
     app.add_middleware(AuthMiddleware, api_key=api_key, exempt=ADMIN_PATHS if admin_key is not None else ())
     app.add_middleware(BrowserGuardMiddleware, hosts=allowed_hosts)
     app.add_middleware(_StatusCounter, metrics=metrics, paths={r.path for r in routes})

@@ -358,10 +358,38 @@ def _generation(summary: str, request: str, response: str) -> dict[str, Any]:
     }}
 
 
-def build_openapi(vocab_size: int, max_logprobs: int, auth: bool, strict: bool = True) -> dict[str, Any]:
+_DRAFTER = {"type": "object", "required": ["drafter_id"], "properties": {
+    "drafter_id": {"type": "string", "nullable": True}, "path": {"type": "string", "nullable": True},
+    "previous_drafter_id": {"type": "string", "nullable": True},
+    "shadow_drafter_id": {"type": "string"}, "shadow_path": {"type": "string"},
+    "shadow_fraction": {"type": "number"}}}
+
+
+def _admin_paths() -> dict[str, Any]:
+    """/admin/drafter (server/admin_routes.py): the admin key's bearer scheme, not the API key's."""
+    ok = {"description": "the serving drafter", "content": {"application/json": {"schema": _DRAFTER}}}
+    body = {"type": "object", "required": ["path"], "additionalProperties": False,
+            "properties": {"path": {"type": "string", "description": "a drafter directory under --drafter-root"}}}
+    said = {"400": "not {\"path\": DIR}, or not a directory", "401": "missing or wrong --admin-key",
+            "403": "a path outside --drafter-root", "409": "no DFlash drafter serving to replace",
+            "413": _ERROR_STATUSES["413"], "422": "the checkpoint does not fit the target (it names the field or "
+                                                  "tensor); the serving drafter is unchanged"}
+    ref = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    errors = {code: {"description": what, "content": ref} for code, what in said.items()}
+    return {"/admin/drafter": {
+        "get": {"summary": "the serving drafter (and the shadow drafter, with --shadow-drafter)",
+                "security": [{"admin": []}], "responses": {"200": ok, "401": errors["401"]}},
+        "post": {"summary": "replace the serving drafter without a restart (switched at a step boundary)",
+                 "security": [{"admin": []}],
+                 "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+                 "responses": {"200": ok, **errors}}}}
+
+
+def build_openapi(vocab_size: int, max_logprobs: int, auth: bool, strict: bool = True,
+                  admin: bool = False) -> dict[str, Any]:
     """The document for a server with these limits; `auth`: whether routes need the bearer key; `strict`:
     whether unknown request fields are refused (--strict-fields) or ignored, which the request bodies'
-    additionalProperties says."""
+    additionalProperties says; `admin`: the operator routes exist (--admin-key)."""
     json_ok = lambda schema, what: {"description": what, "content": {  # noqa: E731
         "application/json": {"schema": schema}}}
     health = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
@@ -424,7 +452,13 @@ def build_openapi(vocab_size: int, max_logprobs: int, auth: bool, strict: bool =
         for schema in doc["components"]["schemas"].values():
             if schema.get("additionalProperties") is False:
                 schema["additionalProperties"] = True
+    schemes: dict[str, Any] = {}
     if auth:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        schemes["bearer"] = {"type": "http", "scheme": "bearer"}
         doc["security"] = [{"bearer": []}]
+    if admin:
+        doc["paths"].update(_admin_paths())
+        schemes["admin"] = {"type": "http", "scheme": "bearer", "description": "the --admin-key"}
+    if schemes:
+        doc["components"]["securitySchemes"] = schemes
     return doc

@@ -136,6 +136,21 @@ def test_admin_route_wants_its_own_key_and_a_path_under_the_root(setup):
     assert admin(srv, "GET").json()["drafter_id"] == serving
 
 
+def test_the_openapi_document_lists_the_admin_route_under_the_admin_key(setup):
+    srv = setup.srv
+    doc = httpx.get(srv.url + "/openapi.json", headers={"Authorization": f"Bearer {API}"}, timeout=10).json()
+    route = doc["paths"]["/admin/drafter"]
+    assert set(route) == {"get", "post"}
+    assert all(op["security"] == [{"admin": []}] for op in route.values())
+    assert doc["components"]["securitySchemes"]["admin"]["scheme"] == "bearer"
+    body = route["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["required"] == ["path"] and body["additionalProperties"] is False
+    assert {"401", "403", "422"} <= set(route["post"]["responses"])
+    answer = admin(srv, "GET").json()
+    schema = route["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert set(schema["required"]) <= set(answer) and set(answer) <= set(schema["properties"])
+
+
 def test_a_bad_drafter_is_refused_naming_the_field_and_the_old_one_serves_on(setup):
     srv = setup.srv
     serving = admin(srv, "GET").json()["drafter_id"]
