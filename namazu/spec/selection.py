@@ -46,7 +46,8 @@ AUTO_DISABLE_BATCH_SIZE = 8
 # default 64 held-out chat prompts, answers ending at EOS (`python bench/drafter_step.py --batch 1 2 4 8
 # --modes graph --groups 4 --output-len 64`, bench/RESULTS.md "The drafted step in graph mode, round 3"):
 # the shipped drafter's decode 1.51-1.53x / 1.35x / 0.90x / 0.82-0.90x of graph mode without it at batch
-# 1 / 2 / 4 / 8.
+# 1 / 2 / 4 / 8 on 4 prompts per batch size; over 16 prompts (`--rounds 2 --groups 8`) batch 1 read 0.89-0.92x,
+# so 2 is an upper bound: the draft policy decides below it.
 AUTO_DISABLE_BATCH_SIZE_GRAPH = 2
 
 # The running-confidence threshold at which the shipped drafter's blocks end (`dflash.draft_counts`). It
