@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 
 import pytest
@@ -11,6 +12,12 @@ from namazu.kernels.moe_types import NVFP4MoEWeights
 from namazu.quant.nvfp4_experts import quantize_experts
 
 TOL = 1e-2  # acceptance: relative error against the torch reference, in bf16
+
+
+def host_cc(what: str) -> str:
+    """gcc, for the tests that check a CUDA header's host-side rules by compiling `what` for the CPU; a skip
+    that says so where the machine has none."""
+    return shutil.which("gcc") or pytest.skip(f"no gcc here: {what} are tested by compiling them for the CPU")
 
 
 @dataclass

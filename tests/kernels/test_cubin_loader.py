@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from kernel_cases import host_cc
 
 from namazu.kernels import cubin_loader as cl
 
@@ -28,8 +29,7 @@ def _cuda_include() -> Path:
 
 
 def test_args_struct_matches_the_c_header(tmp_path):
-    cc = shutil.which("gcc") or pytest.skip("no gcc here: the kernel header's host-side rules are tested by "
-                                            "compiling them for the CPU")
+    cc = host_cc("the kernel header's host-side rules")
     prints = "".join(f'printf("%zu %zu ", offsetof(Nvfp4GemmArgs, {f}), sizeof(((Nvfp4GemmArgs*)0)->{f}));'
                      for f in FIELDS)
     src = tmp_path / "layout.c"

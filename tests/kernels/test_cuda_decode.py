@@ -6,11 +6,11 @@ into the cuda backend). tests/kernels/test_cuda_decode_gpu.py runs every variant
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 
 import pytest
 import torch
+from kernel_cases import host_cc
 
 from namazu.kernels import backends
 from namazu.kernels import cubin_loader as cl
@@ -98,8 +98,7 @@ def test_e2m1_table_matches_the_format():
 def test_register_fp4_expansion_is_exact_for_every_input(tmp_path):
     """nvfp4_e2m1_bf16.h (the prmt variants' FP4 expansion), built for the host with its C __byte_perm,
     over all 65,536 pairs of packed bytes: each of the four bf16 results equals the format's value."""
-    cc = shutil.which("gcc") or pytest.skip("no gcc here: the kernel header's host-side rules are tested by "
-                                            "compiling them for the CPU")
+    cc = host_cc("the kernel header's host-side rules")
     src = tmp_path / "conv.c"
     src.write_text(f'#include <stdio.h>\n#include "{cl.CSRC / "nvfp4_e2m1_bf16.h"}"\n'
                    'int main(void) { for (unsigned w = 0; w < 65536; ++w) { uint32_t lo, hi;'
@@ -122,8 +121,7 @@ def test_register_fp4_expansion_is_exact_for_every_input(tmp_path):
                                            (cd.ReduceArgs, "Nvfp4DecodeReduceArgs")])
 def test_structs_match_the_c_header(tmp_path, struct, c_name):
     import ctypes
-    cc = shutil.which("gcc") or pytest.skip("no gcc here: the kernel header's host-side rules are tested by "
-                                            "compiling them for the CPU")
+    cc = host_cc("the kernel header's host-side rules")
     from test_cubin_loader import _cuda_include
     inc = _cuda_include()
     fields = [f for f, _ in struct._fields_]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
-import shutil
 import subprocess
 
 import pytest
 import torch
+from kernel_cases import host_cc
 
 from namazu.kernels import backends
 from namazu.kernels import cubin_loader as cl
@@ -90,8 +90,7 @@ def lane_rule_sf(row: int) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def header(tmp_path_factory) -> dict[str, list[int]]:
-    cc = shutil.which("gcc") or pytest.skip("no gcc here: the sm_100a header's layout rules are tested by "
-                                            "compiling them for the CPU")
+    cc = host_cc("the sm_100a header's layout rules")
     d = tmp_path_factory.mktemp("sm100")
     descs = "".join(f'P("desc", nvfp4_sm100_smem_desc({a}u, {lbo}u, {sbo}u));' for a, lbo, sbo in DESC_CASES)
     instrs = "".join(f'P("instr", nvfp4_sm100_instr_desc({m}u, {n}u));' for m, n in INSTR_CASES)
@@ -260,8 +259,7 @@ def test_quantizer_rounding_matches_the_reference(tmp_path):
     """The quantizer's E2M1 rounding (nvfp4_sm100_e2m1_code, compiled with gcc) against
     namazu.quant.nvfp4.e2m1_encode on every bf16 value (signs, zeros, subnormals, inf, NaN) and on the 64
     fp32 neighbours either side of each decision bound (the ties and the values just off them)."""
-    cc = shutil.which("gcc") or pytest.skip("no gcc here: the sm_100a header's layout rules are tested by "
-                                            "compiling them for the CPU")
+    cc = host_cc("the sm_100a header's layout rules")
     from namazu.quant.nvfp4 import e2m1_encode
     bf16 = (torch.arange(65536, dtype=torch.int32) << 16).view(torch.float32)
     bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
@@ -287,8 +285,7 @@ int main(void) {{
 
 @pytest.mark.parametrize("struct,c_name", [(bw.Sm100Args, "Nvfp4Sm100Args"), (bw.QuantArgs, "Nvfp4Sm100QuantArgs")])
 def test_structs_match_the_c_header(tmp_path, struct, c_name):
-    cc = shutil.which("gcc") or pytest.skip("no gcc here: the sm_100a header's layout rules are tested by "
-                                            "compiling them for the CPU")
+    cc = host_cc("the sm_100a header's layout rules")
     fields = [f for f, _ in struct._fields_]
     prints = "".join(f'printf("%zu %zu ", offsetof({c_name}, {f}), sizeof((({c_name}*)0)->{f}));' for f in fields)
     src = tmp_path / "layout.c"

@@ -8,6 +8,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from kernel_cases import host_cc
 
 CSRC = Path(__file__).resolve().parents[2] / "namazu" / "csrc"
 
@@ -124,8 +125,7 @@ def test_torch_cuda_binding_parses(tmp_path):
 
 def test_cpu_kernel_header_is_plain_c(tmp_path):
     """The C ABI header must stay usable from C (no C++ in it) so other hosts can link the kernel."""
-    cc = shutil.which("gcc") or pytest.skip("no gcc here: the sm_100a header's layout rules are tested by "
-                                            "compiling them for the CPU")
+    cc = host_cc("the CPU kernel's C header and its plain-C use")
     src = tmp_path / "use.c"
     src.write_text(f'#include "{CSRC / "cpu" / "nvfp4_moe_cpu.h"}"\nint main(void) {{ return 0; }}\n')
     res = subprocess.run([cc, "-std=c11", "-fsyntax-only", str(src)], capture_output=True, text=True)
