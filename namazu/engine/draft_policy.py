@@ -175,7 +175,7 @@ class DraftPolicy:
         # Start only on a clear win, stop only where it no longer wins: noise does not flap the choice.
         was_on = any(st.k > 0 for st in states)
         settled = all(self.buckets[st.bucket].reached[0] >= self.min_evidence for st in states)
-        if settled and (not any(ks) or drafted * plain_ms / b < (1.0 if was_on else self.margin)):
+        if settled and (not any(ks) or self._last_win < (1.0 if was_on else self.margin)):
             ks = [0] * b
         # A probe in a step that drafts anyway costs its verify rows; in one that would run plain it costs a
         # drafted step (the drafter runs for the whole batch), so there the sequences due wait until

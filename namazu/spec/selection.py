@@ -173,14 +173,14 @@ def _choose(config: EngineConfig, model_path: str | Path, model_config: ModelCon
         raise DrafterCheckpointError(f"the drafter shipped with the model does not fit it: {e}; serve without "
                                      "it with --num-speculative-tokens 0") from e
     n = proposer.cfg.num_draft_tokens if n is None else n
+    graphs = graph_mode(config)     # the shipped drafter's defaults differ by mode (measured)
     if limit is None:
-        limit = AUTO_DISABLE_BATCH_SIZE_GRAPH if graph_mode(config) else AUTO_DISABLE_BATCH_SIZE
-        limit_why = "the largest batch the shipped drafter was measured to pay at" + (" in graph mode" if
-                                                                                       graph_mode(config) else "")
+        limit = AUTO_DISABLE_BATCH_SIZE_GRAPH if graphs else AUTO_DISABLE_BATCH_SIZE
+        limit_why = "the largest batch the shipped drafter was measured to pay at" + (" in graph mode" * graphs)
     # Cutting a block where the drafter is unsure saves verify rows in eager mode; graph mode computes the
     # entry's 1 + K rows anyway, so there a cut only loses the drafts it drops (held-out ja prose, T=0:
     # 3.00 tokens per verify step cut against 3.54 full).
-    auto_mc = 0.0 if graph_mode(config) else AUTO_MIN_CONFIDENCE
+    auto_mc = 0.0 if graphs else AUTO_MIN_CONFIDENCE
     return _with_min_confidence(SpeculationChoice(proposer, n, limit, f"DFlash drafter {path} (shipped with the "
                                                   f"model, block size {proposer.cfg.block_size})", limit_why),
                                 mc, auto_mc)
