@@ -61,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="--speculative-min-confidence of the named drafters' setups, one setup per value "
                          "(0: full blocks)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                    help="engine dtype (auto: float32 on CPU, the checkpoint's on GPU; float32 on GPU keeps "
-                         "greedy answers comparable across setups)")
+    ap.add_argument("--dtype", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
+                    help="engine dtype(s), each a set of setups per mode (auto: the engine's default; float32 "
+                         "keeps greedy answers identical across setups: in bfloat16 a 7-row verify and a 1-row "
+                         "step round differently, and near-ties can flip)")
     ap.add_argument("--prose", choices=["ja", "en"], default=None,
                     help="prompts from the corpus's held-out test split of this language, as raw completions "
                          "(text unlike the drafter's chat traffic)")
@@ -118,10 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     swept = [(f"{name}@{x:g}" if len(args.min_confidence) > 1 else name, (path, x))
              for name, path in (d.split("=", 1) for d in named) for x in args.min_confidence]
     drafters = [("off", None)] + swept + [("auto", "auto")]
-    setups = [(f"{mode}/{name}" if len(args.modes) > 1 else name, path, mode)
-              for mode in args.modes for name, path in drafters]
+    # A variant is a mode at a dtype; its setups are compared with its own "off".
+    short = {"auto": "auto", "float32": "fp32", "bfloat16": "bf16"}
+    variants = {(f"{mode}-{short[d]}" if len(args.dtype) > 1 else mode): (mode, d)
+                for mode in args.modes for d in args.dtype}
+    setups = [(f"{label}/{name}" if len(variants) > 1 else name, path, label)
+              for label in variants for name, path in drafters]
     llms = {}
-    for name, path, mode in setups:
+    for name, path, label in setups:
+        mode, dtype = variants[label]
         if path is None:
             kw = dict(num_speculative_tokens=0)
         elif path == "auto":
@@ -131,18 +137,20 @@ def main(argv: list[str] | None = None) -> int:
                       speculative_min_confidence=path[1])
         t0 = time.perf_counter()
         # An explicit KV budget: the setups share one process (and, on a GPU, its memory).
-        llms[name] = LLM(None, executor="inline", threads=args.threads, dtype=args.dtype,
+        llms[name] = LLM(None, executor="inline", threads=args.threads, dtype=dtype,
                          kv_cache_memory="256MiB", enforce_eager=mode == "eager", max_num_seqs=max(args.batch),
                          **kw)
         eng = llms[name].engine
         print(f"{name}: started in {time.perf_counter() - t0:.1f} s; {eng.num_speculative_tokens} draft tokens, "
               f"min confidence {eng.config.speculative_min_confidence or 0:g}, "
-              f"disabled above batch {eng.scheduler.spec_disable_batch_size or 'never'}")
+              f"disabled above batch {eng.scheduler.spec_disable_batch_size or 'never'}, "
+              f"{eng.executor.infos()[0].dtype}")
     # At T > 0 the requests carry no seed, as users send them (a seeded row is verified by exact match,
     # which accepts fewer drafts): answers then differ across setups, in distribution only.
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
     rows: dict[tuple[str, int], list[dict]] = {}
-    same_work: dict[tuple[int, int], set[int]] = collections.defaultdict(set)   # answers per round and batch
+    # answers per round, batch and dtype (dtypes round differently: greedy answers differ across them)
+    same_work: dict[tuple[int, int, str], set[int]] = collections.defaultdict(set)
     print(f"load average before: {os.getloadavg()[0]:.1f}")
     for r in range(-1, args.rounds):          # round -1: warm-up (graph compilation), not counted
         for bsz in args.batch:
@@ -172,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                     decode_wall[name] += took - max(o.metrics.get("time_to_first_token", 0.0) for o in outs)
                     decode_tokens[name] += made - len(outs)
                     answers[name] += [list(o.outputs[0].token_ids) for o in outs]
-            for name, _, _ in setups:
+            for name, _, label in setups:
                 s0, s1 = before[name], llms[name].engine.get_stats()
-                same_work[(r, bsz)].add(hash(str(answers[name])))
+                same_work[(r, bsz, variants[label][1])].add(hash(str(answers[name])))
                 steps = s1.num_steps - s0.num_steps
                 hist = np.array(s1.acceptance_length_histogram or [0]) - np.array(s0.acceptance_length_histogram or [0])
                 if r < 0:
@@ -192,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     differ = sorted(k for k, v in same_work.items() if len(v) > 1)
     if args.temperature == 0:
-        print("greedy answers identical across setups: " + ("yes" if not differ else f"NO (round, batch): {differ}"))
+        print("greedy answers identical across setups of a dtype: " + ("yes" if not differ else
+              f"NO (round, batch, dtype): {differ}"))
     else:
         print(f"T = {args.temperature:g}, unseeded: answers differ across setups (same distribution)")
     print("| setup | batch | drafter ms/step | engine ms/step | CPU ms/step | output tok/s | vs off | vs off (CPU) "
@@ -200,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for bsz in args.batch:
         for name, _, mode in setups:
-            off_name = f"{mode}/off" if len(args.modes) > 1 else "off"
+            off_name = f"{mode}/off" if len(variants) > 1 else "off"
             off = statistics.median(x["tok_s"] for x in rows[(off_name, bsz)])
             off_cpu = statistics.median(x["tok_cpu_s"] for x in rows[(off_name, bsz)])
             off_dec = statistics.median(x["dec_tok_s"] for x in rows[(off_name, bsz)])
@@ -213,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {bsz} | {med('drafter_ms'):.2f} | {med('step_ms'):.2f} | {med('cpu_ms'):.2f} | "
                   f"{med('tok_s'):.1f} | {med('tok_s') / off:.2f}x | {med('tok_cpu_s') / off_cpu:.2f}x | "
                   f"{med('dec_tok_s'):.1f} | {med('dec_tok_s') / off_dec:.2f}x | {spec} |")
-    side_by_side(rows, setups, args.batch, args.modes)
+    side_by_side(rows, setups, args.batch, list(variants))
+    if len(args.dtype) > 1:
+        across_dtypes(rows, setups, args.batch, variants)
     if args.breakdown:
         bsz = args.batch[0]
         batches = [[prompts[(g * bsz + i) % len(prompts)] for i in range(bsz)] for g in range(args.groups)]
@@ -325,6 +336,22 @@ def side_by_side(rows: dict, setups: list, batches: list[int], modes: list[str])
             paid = [b for b in batches if tok_s(n, b) > tok_s(pre + "off", b)]
             print(f"{n}: drafting paid at batch {paid or 'none'}; break-even (largest batch that paid, "
                   f"among {batches}): {max(paid) if paid else 0}")
+
+
+def across_dtypes(rows: dict, setups: list, batches: list[int], variants: dict) -> None:
+    """Per mode and batch: every setup's decode tok/s against the first dtype's speculation off in the same
+    mode (what serving in another dtype buys, drafting or not)."""
+    for mode in dict.fromkeys(m for m, _ in variants.values()):
+        labels = [lb for lb, (m, _) in variants.items() if m == mode]
+        names = [n for n, _, lb in setups if lb in labels]
+        base = f"{labels[0]}/off"
+        print(f"\n{mode}: decode tok/s against {base}")
+        print("| batch | " + " | ".join(names) + " |")
+        print("|---:|" + "---:|" * len(names))
+        for bsz in batches:
+            ref = statistics.median(x["dec_tok_s"] for x in rows[(base, bsz)])
+            cells = [statistics.median(x["dec_tok_s"] for x in rows[(n, bsz)]) for n in names]
+            print(f"| {bsz} | " + " | ".join(f"{c:.1f} ({c / ref:.2f}x)" for c in cells) + " |")
 
 
 if __name__ == "__main__":
