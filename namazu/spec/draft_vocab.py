@@ -30,6 +30,17 @@ def frequent_tokens(outputs: Iterable[list[int]], size: int) -> torch.Tensor:
     return torch.tensor(sorted(t for t, _ in top), dtype=torch.long)
 
 
+def extend_vocab(base: torch.Tensor | None, outputs: Iterable[list[int]], extra: int) -> torch.Tensor | None:
+    """`base` (sorted ids) and the `extra` most frequent ids of `outputs` outside it, sorted by id; None (the
+    whole vocabulary) stays None."""
+    if base is None:
+        return None
+    keep = set(base.tolist())
+    counts: Counter[int] = Counter(t for ids in outputs for t in ids if t not in keep)
+    top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:extra]
+    return torch.tensor(sorted(keep | {t for t, _ in top}), dtype=torch.long)
+
+
 def coverage(vocab: torch.Tensor, outputs: Iterable[list[int]]) -> float:
     """Share of the output tokens that lie inside the draft vocabulary."""
     keep = set(vocab.tolist())

@@ -24,6 +24,7 @@ from typing import Any
 from namazu.tiny.chat_format import render_chat
 from namazu.tiny.copy_tasks import copy_task, term_readback
 from namazu.tiny.corpus import read_documents
+from namazu.tiny.drift_tasks import continuation, json_extraction, tool_call_request
 from namazu.tiny.synthetic_tools import synthetic_tools
 from namazu.tiny.tools import HELDOUT_TOOLS, TRAIN_TOOLS, Prop, Tool, draw_value, procedural_tools
 
@@ -49,14 +50,21 @@ class ChatDataConfig:
     num_copy: int = 0
     # Read-backs of random terms cut from corpus text (copy_tasks.term_readback), also copy tasks.
     num_readback: int = 0
+    # Request kinds of a drifted deployment (drift_tasks; none in the shipped drafter's traffic): requests
+    # answered by a call of a fresh tool, records returned as JSON under a json_schema response format,
+    # continuations of a document's opening lines. Drawn after every other kind, so 0 keeps the old data.
+    num_call: int = 0
+    num_json: int = 0
+    num_continue: int = 0
 
 
 @dataclass(frozen=True)
 class ChatExample:
-    kind: str  # qa | tool | no_call | copy
+    kind: str  # qa | tool | no_call | copy | call | json | continue
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     text: str
+    response_format: dict[str, Any] | None = None  # the request's OpenAI response_format (json kind)
 
 
 @dataclass(frozen=True)
@@ -337,7 +345,25 @@ def generate_chat_examples(corpus_dir: Path | str, cfg: ChatDataConfig = ChatDat
         lang = "en" if rng.random() < cfg.english_share else "ja"
         msgs = term_readback(rng, lang, ja.sentences if lang == "ja" else en.sentences)
         out.append(ChatExample("copy", msgs, None, render_chat(msgs)))
+    for kind, num in (("call", cfg.num_call), ("json", cfg.num_json), ("continue", cfg.num_continue)):
+        for _ in range(num):
+            lang = "en" if rng.random() < cfg.english_share else "ja"
+            sents = ja.sentences if lang == "ja" else en.sentences
+            if kind == "call":
+                msgs, tools, fmt = tool_call_request(rng, lang, sents)
+            elif kind == "json":
+                msgs, tools, fmt = json_extraction(rng, lang, sents)
+            else:
+                msgs, tools, fmt = continuation(rng, lang, _document_lines(str(corpus_dir), lang, split))
+            out.append(ChatExample(kind, msgs, tools, render_chat(msgs, tools), fmt))
     return out
+
+
+@lru_cache(maxsize=8)
+def _document_lines(corpus_dir: str, lang: str, split: str) -> list[list[str]]:
+    """Each document's lines of at most 200 characters (a continuation's prompt stays a few hundred tokens)."""
+    docs = [[ln for ln in d.split("\n") if len(ln) <= 200] for d in read_documents(corpus_dir, lang, split)]
+    return [d for d in docs if len(d) >= 3]
 
 
 def heldout_tool_prompts(corpus_dir: Path | str, n: int = 100, seed: int = 4321,

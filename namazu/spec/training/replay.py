@@ -2,8 +2,13 @@
 to two servers) and through the engine in this process, one request at a time, so that each request's
 verify steps are its own (`replay_acceptance`, the measurement `namazu.spec.refresh` gates on).
 
-A captured request without a seed gets one derived from its id, so the two drafters of an A/B see the
-same draws; `max_tokens` is the captured output's length, so both answer as long as the capture did.
+A request is replayed as it was served: with its seed where the capture has one (verified by exact match
+against its own seeded sample at T > 0), without one where the client sent none (verified by the lossless
+ratio rule, as a live server verifies it; the engine draws such a request's seed from its own seed, one per
+request in arrival order, so the two drafters of an A/B, replaying the same requests in the same order, see
+the same draws). `replay_params(rec, seed_unseeded=True)`
+gives every request a seed derived from its id instead (the exact-match rule throughout); `max_tokens` is
+the captured output's length, so both answer as long as the capture did.
 """
 from __future__ import annotations
 
@@ -31,12 +36,14 @@ def replay_settings(rec: CaptureRecord, temperature: float | None = None) -> dic
     return body
 
 
-def replay_params(rec: CaptureRecord):
-    """SamplingParams of a captured request, seeded (from its id where the capture had no seed)."""
+def replay_params(rec: CaptureRecord, seed_unseeded: bool = False):
+    """SamplingParams of a captured request: its own seed, or none where it had none (`seed_unseeded`: one
+    derived from its id)."""
     from namazu.sampling_params import SamplingParams
 
     kw = replay_settings(rec)
-    kw.setdefault("seed", zlib.crc32(rec.request_id.encode()))
+    if seed_unseeded:
+        kw.setdefault("seed", zlib.crc32(rec.request_id.encode()))
     kw["n"] = max(1, len(rec.output_token_ids))
     return SamplingParams(**kw)
 

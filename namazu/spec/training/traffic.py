@@ -1,13 +1,18 @@
 """Chat traffic for the drafter: a prompt set like users send, and its replay through a running server.
 
 `build_requests` draws chat requests from the namazu-tiny chat generators (Japanese and English chat,
-tool calls, JSON / read-back answers), each with sampling settings drawn from a mix users send (greedy,
-T=0.7 with top-p, T=1). `replay` posts them to an OpenAI-compatible server, concurrently, and returns
-per-request timings; `ServerProcess` starts `python -m namazu.server` with given flags and waits until
-it listens. `make drafter-model` serves namazu-tiny with `--capture-dir`, replays a prompt set, and
-trains on the captured ids; `bench.replay` replays held-out captured requests through two setups.
+answers after a tool's result, JSON / read-back answers), each with sampling settings drawn from a mix users
+send (greedy, T=0.7 with top-p, T=1). The kinds of a drifted deployment (`namazu.tiny.drift_tasks`: requests
+answered by a call of a freshly composed tool, records returned as JSON under a json_schema response format,
+document continuations) and the share of requests that carry a seed are flags, so a mix unlike the shipped
+drafter's traffic in content is one command (`make drafter-refresh`'s REFRESH_MIX). `replay` posts them to an
+OpenAI-compatible server, concurrently, and returns per-request timings; `ServerProcess` starts
+`python -m namazu.server` with given flags and waits until it listens. `make drafter-model` serves namazu-tiny
+with `--capture-dir`, replays a prompt set, and trains on the captured ids; `bench.replay` replays held-out
+captured requests through two setups.
 
-`python -m namazu.spec.training.traffic --out FILE -n N [--split train|valid]` writes a request file (JSONL).
+`python -m namazu.spec.training.traffic --out FILE -n N [--split train|valid] [mix flags] [--capture-dir DIR]`
+writes a request file (JSONL), and with --capture-dir serves namazu with it and replays the file through it.
 """
 from __future__ import annotations
 
@@ -36,17 +41,26 @@ SAMPLING_MIX: tuple[tuple[float, dict[str, Any]], ...] = (
 
 def build_requests(n: int, split: str = "train", seed: int = 0, max_tokens: int = 128,
                    corpus_dir: str | Path | None = None, english_share: float = 0.3, tool_weight: float = 1.0,
-                   copy_weight: float = 0.5) -> list[dict[str, Any]]:
-    """n chat requests (messages, tools, sampling settings, kind) from the tiny chat generators; the
-    'valid' split draws from held-out corpus text. The mix: `english_share` of the chat in English, and
-    per question-answer exchange `tool_weight` tool exchanges and `copy_weight` read-back / JSON-formatting
-    ones (the shipped drafter's traffic: 0.3, 1, 0.5; `make drafter-refresh` serves another mix)."""
+                   copy_weight: float = 0.5, qa_weight: float = 1.0, call_weight: float = 0.0,
+                   json_weight: float = 0.0, continue_weight: float = 0.0, seed_share: float = 1.0
+                   ) -> list[dict[str, Any]]:
+    """n chat requests (messages, tools, response format, sampling settings, kind) from the tiny chat
+    generators; the 'valid' split draws from held-out corpus text. The mix, in exchanges per `qa_weight`
+    question-answer ones: `tool_weight` tool exchanges (answered after the tool's result), `copy_weight`
+    read-back / JSON-formatting ones, and the kinds the shipped drafter's traffic never had
+    (`namazu.tiny.drift_tasks`): `call_weight` requests answered by a call of a fresh tool, `json_weight`
+    records returned as JSON under a json_schema response format, `continue_weight` continuations of a
+    document; `english_share` of every kind in English. `seed_share` of the requests carry a seed (the
+    rest none, as most clients send). The shipped drafter's traffic: 0.3 English, 1, 1, 0.5, 0, 0, 0, every
+    request seeded; `make drafter-refresh` serves the drifted mix of docs/speculative.md."""
     from namazu.tiny.corpus import default_corpus_dir
     from namazu.tiny.data import ChatDataConfig, generate_chat_examples
 
     rng = random.Random(seed)
-    cfg = ChatDataConfig(seed=10_000 + seed, num_qa=n, num_tool=int(n * tool_weight), num_copy=int(n * copy_weight),
-                         english_share=english_share, synthetic_tool_share=0.5)
+    cfg = ChatDataConfig(seed=10_000 + seed, num_qa=int(n * qa_weight), num_tool=int(n * tool_weight),
+                         num_copy=int(n * copy_weight), english_share=english_share, synthetic_tool_share=0.5,
+                         num_call=int(n * call_weight), num_json=int(n * json_weight),
+                         num_continue=int(n * continue_weight))
     examples = generate_chat_examples(corpus_dir or default_corpus_dir(), cfg, split=split)
     rng.shuffle(examples)
     out = []
@@ -59,8 +73,14 @@ def build_requests(n: int, split: str = "train", seed: int = 0, max_tokens: int 
             continue
         weights = [w for w, _ in SAMPLING_MIX]
         sampling = dict(rng.choices([s for _, s in SAMPLING_MIX], weights)[0])
-        sampling.update(max_tokens=max_tokens, seed=rng.randrange(2**31))
-        out.append({"kind": ex.kind, "messages": msgs, "tools": ex.tools, "sampling": sampling})
+        sampling.update(max_tokens=max_tokens)
+        seed_draw = rng.randrange(2**31)        # drawn for every request, so seed_share 1 keeps the old files
+        if seed_share >= 1 or rng.random() < seed_share:
+            sampling["seed"] = seed_draw
+        req = {"kind": ex.kind, "messages": msgs, "tools": ex.tools, "sampling": sampling}
+        if ex.response_format:
+            req["response_format"] = ex.response_format
+        out.append(req)
     return out
 
 
@@ -120,17 +140,23 @@ def _post_stream(url: str, body: dict[str, Any], timeout: float) -> ReplayResult
         return ReplayResult(True, ttft if ttft is not None else e2e, e2e, tokens, retries=retries)
 
 
+def request_body(r: dict[str, Any]) -> dict[str, Any]:
+    """The /v1/chat/completions body of a request of the file (streamed, with usage)."""
+    body = {"messages": r["messages"], "stream": True, "stream_options": {"include_usage": True}, **r["sampling"]}
+    if r.get("tools"):
+        body["tools"] = r["tools"]
+    if r.get("response_format"):
+        body["response_format"] = r["response_format"]
+    return body
+
+
 def replay(base_url: str, requests: list[dict[str, Any]], concurrency: int = 8, timeout: float = 600.0
            ) -> list[ReplayResult]:
     """Posts every request (streaming, with usage) to /v1/chat/completions; results in request order."""
     url = base_url.rstrip("/") + "/v1/chat/completions"
 
     def one(r: dict[str, Any]) -> ReplayResult:
-        body = {"messages": r["messages"], "stream": True, "stream_options": {"include_usage": True},
-                **r["sampling"]}
-        if r.get("tools"):
-            body["tools"] = r["tools"]
-        return _post_stream(url, body, timeout)
+        return _post_stream(url, request_body(r), timeout)
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, requests))
@@ -189,13 +215,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-weight", type=float, default=1.0, help="tool exchanges per question-answer one")
     ap.add_argument("--copy-weight", type=float, default=0.5,
                     help="read-back / JSON-formatting exchanges per question-answer one")
+    ap.add_argument("--qa-weight", type=float, default=1.0,
+                    help="weight of the question-answer exchanges (summaries, explanations); the other weights "
+                         "are per question-answer exchange at 1, and every weight is relative to their sum")
+    ap.add_argument("--call-weight", type=float, default=0.0,
+                    help="requests answered by a call of a freshly composed tool, per question-answer one")
+    ap.add_argument("--json-weight", type=float, default=0.0,
+                    help="records returned as JSON under response_format json_schema, per question-answer one")
+    ap.add_argument("--continue-weight", type=float, default=0.0,
+                    help="continuations of a document's opening lines, per question-answer one")
+    ap.add_argument("--seed-share", type=float, default=1.0,
+                    help="share of the requests that carry a seed (default 1: all, as the shipped drafter's "
+                         "traffic; the rest none, verified by the lossless rule at T > 0)")
     ap.add_argument("--capture-dir", default=None,
                     help="also serve namazu with --capture-dir DIR and replay the requests through it")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--server-args", default="", help="extra server flags (one string)")
     args = ap.parse_args(argv)
     reqs = build_requests(args.n, args.split, args.seed, args.max_tokens, english_share=args.english_share,
-                          tool_weight=args.tool_weight, copy_weight=args.copy_weight)
+                          tool_weight=args.tool_weight, copy_weight=args.copy_weight, qa_weight=args.qa_weight,
+                          call_weight=args.call_weight, json_weight=args.json_weight,
+                          continue_weight=args.continue_weight, seed_share=args.seed_share)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in reqs))
     print(f"{len(reqs)} requests -> {args.out}")

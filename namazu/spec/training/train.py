@@ -33,7 +33,7 @@ import torch
 from namazu.spec.capture import read_records
 from namazu.spec.dflash import DFlashDrafter, num_parameters
 from namazu.spec.dflash_config import DFlashConfig
-from namazu.spec.draft_vocab import frequent_tokens
+from namazu.spec.draft_vocab import extend_vocab, frequent_tokens
 
 log = logging.getLogger(__name__)
 
@@ -448,6 +448,11 @@ def train(args: argparse.Namespace) -> dict:
 
     def draft_vocabulary() -> torch.Tensor | None:
         # The N commonest output tokens of the data so far (a capture that is still growing: again per epoch).
+        if args.draft_vocab_extend:
+            # Fine-tuning on drifted traffic: the base's shortlist kept whole (its traffic loses nothing) and
+            # the commonest new output tokens outside it added (fresh tool names and keys it cannot propose).
+            return extend_vocab(drafter.draft_vocab.cpu() if args.init and drafter.draft_vocab is not None
+                                else None, (ex.ids[ex.loss_from:] for ex in examples), args.draft_vocab_extend)
         if not args.draft_vocab:
             return drafter.draft_vocab.cpu() if args.init and drafter.draft_vocab is not None else None
         ids = frequent_tokens((ex.ids[ex.loss_from:] for ex in examples), args.draft_vocab)
@@ -574,6 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="draft only over the N most frequent output tokens of the training data, and train the "
                     "softmax over those N rows of the lm_head (0: the whole vocabulary)")
+    ap.add_argument("--draft-vocab-extend", type=int, default=0, metavar="N",
+                    help="with --init: keep the base drafter's draft vocabulary and add the N most frequent "
+                    "output tokens of the training data outside it (0: keep it as it is)")
     ap.add_argument("--snapshot-at", nargs=2, default=None, metavar=("STEP", "DIR"),
                     help="also save the drafter as it is after STEP steps")
     g = ap.add_argument_group("drafter shape")
