@@ -62,7 +62,8 @@ def json_extraction(rng: random.Random, lang: str, sentences: list[str]
                       for p, v in zip(props, record.values()))
     if lang == "ja":
         ask = rng.choice(("以下の申請内容を、指定のスキーマの JSON で返してください。",
-                          "次の登録票を JSON に変換してください。", "下記の項目をシステム登録用の JSON にしてください。"))
+                          "次の登録票を JSON に変換してください。",
+                          "下記の項目をシステム登録用の JSON にしてください。"))
     else:
         ask = rng.choice(("Return this form as JSON in the given schema.", "Convert the record below to JSON.",
                           "Extract the fields of this ticket as a JSON object."))
