@@ -361,9 +361,11 @@ def generate_chat_examples(corpus_dir: Path | str, cfg: ChatDataConfig = ChatDat
 
 @lru_cache(maxsize=8)
 def _document_lines(corpus_dir: str, lang: str, split: str) -> list[list[str]]:
-    """Each document's lines of at most 200 characters (a continuation's prompt stays a few hundred tokens)."""
+    """Each document's lines of at most 200 characters (a continuation's prompt stays a few hundred tokens):
+    the documents of 4 lines or more, or of 3 where none has 4. Filtered here once, not per request."""
     docs = [[ln for ln in d.split("\n") if len(ln) <= 200] for d in read_documents(corpus_dir, lang, split)]
-    return [d for d in docs if len(d) >= 3]
+    docs = [d for d in docs if len(d) >= 3]
+    return [d for d in docs if len(d) >= 4] or docs
 
 
 def heldout_tool_prompts(corpus_dir: Path | str, n: int = 100, seed: int = 4321,

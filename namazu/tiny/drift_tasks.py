@@ -75,8 +75,9 @@ def json_extraction(rng: random.Random, lang: str, sentences: list[str]
 
 
 def continuation(rng: random.Random, lang: str, documents: list[list[str]]) -> tuple[Messages, None, None]:
-    """The first lines of a document and a request to go on; the reference answer is its next lines."""
-    lines = rng.choice([d for d in documents if len(d) >= 4] or documents)
+    """The first lines of a document and a request to go on; the reference answer is its next lines.
+    `documents`: each document's lines, filtered once by the caller (`data._document_lines`)."""
+    lines = rng.choice(documents)
     cut = rng.randint(2, min(5, max(2, len(lines) - 1)))
     head, tail = "\n".join(lines[:cut]), "\n".join(lines[cut:cut + 2])
     ask = rng.choice(("次の文書の続きを書いてください。", "この説明文の続きを作成してください。")) if lang == "ja" \

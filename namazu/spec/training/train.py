@@ -448,13 +448,13 @@ def train(args: argparse.Namespace) -> dict:
 
     def draft_vocabulary() -> torch.Tensor | None:
         # The N commonest output tokens of the data so far (a capture that is still growing: again per epoch).
+        base = drafter.draft_vocab.cpu() if args.init and drafter.draft_vocab is not None else None
         if args.draft_vocab_extend:
             # Fine-tuning on drifted traffic: the base's shortlist kept whole (its traffic loses nothing) and
             # the commonest new output tokens outside it added (fresh tool names and keys it cannot propose).
-            return extend_vocab(drafter.draft_vocab.cpu() if args.init and drafter.draft_vocab is not None
-                                else None, (ex.ids[ex.loss_from:] for ex in examples), args.draft_vocab_extend)
+            return extend_vocab(base, (ex.ids[ex.loss_from:] for ex in examples), args.draft_vocab_extend)
         if not args.draft_vocab:
-            return drafter.draft_vocab.cpu() if args.init and drafter.draft_vocab is not None else None
+            return base
         ids = frequent_tokens((ex.ids[ex.loss_from:] for ex in examples), args.draft_vocab)
         if len(ids) < cfg.selector_k:
             raise SystemExit(f"the training outputs hold {len(ids)} distinct tokens, fewer than the selector's "
