@@ -368,6 +368,13 @@ class MultiprocExecutor(Executor):
         return self._failure or self._problem()
 
     def kill(self) -> None:
+        """Ends every rank at once. A rank whose heartbeat stopped is recorded as the cause first: once
+        killed it would read as a death by SIGKILL, and the engine's watchdog often gets here before a
+        wait on the workers has noticed the hang."""
+        problem = self._problem()
+        if problem is not None:
+            self._fail(problem)
+            return
         for p in self.procs:
             if p.is_alive():
                 p.kill()
