@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from namazu.distributed.group import all_gather, all_reduce
+from namazu.kernels import small_gemm
 from namazu.layers.weight_loading import Loaded, TPShard, materialize
 
 
@@ -67,6 +68,9 @@ class ParallelLMHead(nn.Linear, _VocabRange):
                  tp: TPShard = TPShard()):
         nn.Linear.__init__(self, hidden_size, rows_per_rank(vocab_size, tp), bias=False, dtype=dtype, device=device)
         self._set_range(vocab_size, tp)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return small_gemm.linear(hidden, self.weight)
 
     def gather_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self(hidden)   # through the module call: calibration hooks on lm_head observe its input

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from namazu.kernels import small_gemm
 from namazu.layers.cpu_layout import k_major, wants_k_major
 from namazu.layers.norm import RMSNorm
 from namazu.spec.dflash_config import WEIGHTS_FILE, DFlashConfig, DrafterCheckpointError, check_drafter_checkpoint
@@ -105,7 +106,7 @@ class DraftLayer(nn.Module):
         hn = self.conv_attn(self.attn_norm(x))
         if self.qkv_weight is not None:
             # One product for q, k and v, and one rotation for q and k: the values below, up to summation order.
-            qkv = F.linear(hn, self.qkv_weight).view(m, b, 3, c.num_heads, c.head_dim).permute(0, 2, 3, 1, 4)
+            qkv = small_gemm.linear(hn, self.qkv_weight).view(m, b, 3, c.num_heads, c.head_dim).permute(0, 2, 3, 1, 4)
             qk = rope(qkv[:, :2], pos[:, None, None], c.rope_theta)                    # [M, 2, heads, B, D]
             q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
         else:
@@ -125,7 +126,7 @@ class DraftLayer(nn.Module):
         x = x + self.o_proj(att.transpose(1, 2).reshape(m, b, -1))
         hn = self.conv_mlp(self.mlp_norm(x))
         if self.gate_up_weight is not None:
-            gate, up = F.linear(hn, self.gate_up_weight).chunk(2, dim=-1)
+            gate, up = small_gemm.linear(hn, self.gate_up_weight).chunk(2, dim=-1)
             return x + self.down_proj(F.silu(gate) * up)
         return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
 
@@ -229,7 +230,7 @@ class DFlashDrafter(nn.Module):
         [layers, T, heads, head_dim] each (keys rotated), the values of each layer's `context_kv`, in
         one product and one rotation (after `fuse_for_serving`)."""
         c = self.cfg
-        kv = F.linear(feat, self.context_kv_weight).view(-1, c.num_layers, 2, c.num_heads, c.head_dim)
+        kv = small_gemm.linear(feat, self.context_kv_weight).view(-1, c.num_layers, 2, c.num_heads, c.head_dim)
         k = rope(kv[:, :, 0].permute(1, 2, 0, 3), positions, c.rope_theta)            # [layers, heads, T, D]
         return k.transpose(1, 2), kv[:, :, 1].transpose(0, 1)
 

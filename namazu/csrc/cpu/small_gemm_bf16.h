@@ -1,0 +1,16 @@
+// bf16 products of a few rows against a weight stored [N, K] (K contiguous): see small_gemm_bf16.cpp.
+#pragma once
+
+#include <cstdint>
+
+struct SmallGemmArgs {
+  const uint16_t* x;   // [batch][m][k], rows x_row apart, entries x_batch apart, k contiguous
+  const uint16_t* w;   // [batch][n][k], rows w_row apart, entries w_batch apart, k contiguous
+  uint16_t* y;         // [batch][m][n], rows y_row apart, entries y_batch apart, n contiguous
+  int64_t batch, m, n, k;
+  int64_t x_row, x_batch, w_row, w_batch, y_row, y_batch;
+};
+
+extern "C" int small_gemm_bf16_supported(void);
+// Computes the outputs (entry, column) in [begin, end) of the batch-major flattening, for every row.
+extern "C" void small_gemm_bf16_range(const SmallGemmArgs* args, int64_t begin, int64_t end);

@@ -1,0 +1,64 @@
+"""bf16 products of the few rows a decode or verify step has, on CPUs with AVX512_BF16.
+
+torch's bf16 matmul on the CPU goes through oneDNN: its kernel runs namazu-tiny's 1 x 256 x 128 product in
+about 3 us, but each call spends about 20-30 us more setting it up, where fp32's MKL call costs about 8 us in
+all. A decode step makes ~50 such calls (each compiled graph calls them as extern kernels too), so a bf16
+step was slower than an fp32 one although its weights are half the bytes (bench/RESULTS.md, "bf16 on CPU
+against fp32"). `namazu::small_bmm_bf16` (csrc/cpu/small_gemm_bf16.cpp) is a plain loop of AVX512_BF16 dot
+products with fp32 accumulation and one rounding to bf16, as oneDNN's result is rounded; it is used for
+at most `MAX_ROWS` rows, where it measured faster than oneDNN at every shape of namazu-tiny. Wider
+products (prefill, a batch's verify rows) keep oneDNN, whose set-up they amortise.
+
+NAMAZU_SMALL_GEMM=0 turns it off (the A/B in bench/small_gemm.py). On CPUs without AVX512_BF16, without the
+extension, on GPUs and in fp32 every call is torch's own.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 8
+
+
+def _available() -> bool:
+    if os.environ.get("NAMAZU_SMALL_GEMM", "1") == "0":
+        return False
+    try:
+        import namazu._nvfp4_cpu  # noqa: F401 -- registers torch.ops.namazu.small_bmm_bf16
+    except ImportError:
+        return False
+    return bool(torch.ops.namazu.small_gemm_bf16_supported())
+
+
+ENABLED = _available()
+
+if ENABLED:
+    @torch.library.register_fake("namazu::small_bmm_bf16")
+    def _small_bmm_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], x.shape[1], w.shape[1])
+
+
+def applies(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
+    return (ENABLED and rows <= MAX_ROWS and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            and x.device.type == "cpu" and w.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))   # no backward
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for w [N, K]."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not applies(x, w, rows) or w.dim() != 2 or rows == 0:
+        return F.linear(x, w, bias)
+    y = torch.ops.namazu.small_bmm_bf16(x.reshape(1, rows, k).contiguous(), w.unsqueeze(0))
+    y = y.view(*x.shape[:-1], w.shape[0])
+    return y if bias is None else y + bias
+
+
+def bmm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, M, K] @ w[B, N, K]^T -> [B, M, N] (torch.bmm(x, w.transpose(1, 2)))."""
+    if not applies(x, w, x.shape[1]):
+        return torch.bmm(x, w.transpose(1, 2))
+    return torch.ops.namazu.small_bmm_bf16(x if x.stride(-1) == 1 else x.contiguous(), w)
