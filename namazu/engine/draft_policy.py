@@ -46,6 +46,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 def temperature_bucket(t: float) -> int:
     return 0 if t <= 0 else 1 if t <= 0.5 else 2 if t <= 1.0 else 3
@@ -123,25 +125,68 @@ def _line(samples: deque, prior_row: float, floor: float) -> tuple[float, float]
     return max(m - prior_row * r, floor), prior_row
 
 
+class _PastSequences:
+    """A temperature bucket as a mixture over its last `size` finished sequences, each one component: its own
+    rates, with one pseudo-verify of the bucket's pooled rates. Requests differ more than a pooled count
+    shows: one hard prompt's many short verifies outweighed the easy ones that followed it, and a new
+    sequence started from that. A new sequence's prior is the components' rates weighted by how well each
+    explains the verifies it has had (equal weights before its first), beside a component of a new kind
+    (every draft accepted, `NEW_KIND` a position, the weight of one sequence): a sequence that accepts more
+    than any seen one is not held to them."""
+
+    NEW_KIND, FLOOR = 0.98, 0.02        # rates clipped so that one verify never rules a component out
+
+    def __init__(self, k: int, size: int):
+        self.rates: deque = deque(maxlen=size)
+        self.k, self.version = k, 0
+        self._table: tuple | None = None
+
+    def add(self, acc: Acceptance, pooled: list[float]) -> None:
+        if acc.reached[0] <= 0:
+            return                      # never verified: nothing of its own
+        rates = [(a + b) / (r + 1.0) for r, a, b in zip(acc.reached, acc.accepted, pooled)]
+        self.rates.append([min(max(x, self.FLOOR), self.NEW_KIND) for x in rates])
+        self.version += 1
+        self._table = None
+
+    def prior(self, acc: Acceptance) -> list[float] | None:
+        """The components' rates weighted by their likelihood of `acc`'s counts; None with no component."""
+        if not self.rates:
+            return None
+        if self._table is None:
+            r = np.array([[self.NEW_KIND] * self.k, *self.rates])
+            self._table = (r, np.log(r), np.log1p(-r))
+        r, log_r, log_miss = self._table
+        reached, accepted = np.array(acc.reached), np.array(acc.accepted)
+        loglik = log_r @ accepted + log_miss @ (reached - accepted)
+        w = np.exp(loglik - loglik.max())
+        return (w @ r / w.sum()).tolist()
+
+
 @dataclass
 class _SeqState:
     bucket: int
     acc: Acceptance
     k: int = -1                  # the last planned k (-1: not planned yet)
     steps_off: int = 0
-    probe: bool = False
+    probe: bool = True           # a new sequence is probed at once: its evidence, not only its bucket's
+    forced: bool = False         # k was set by a probe, not chosen: it does not count as drafting
+    verifies: int = 0
+    prior: list | None = None    # its prior rates, for (past sequences' version, its verifies) in prior_key
+    prior_key: tuple = ()
 
 
 class DraftPolicy:
     def __init__(self, max_tokens_per_step: int, prior_fixed: float = 3.0, prior_row: float = 0.0,
                  margin: float = 1.05, probe_every: int = 32, shrink: float = 8.0, min_samples: int = 3,
-                 padded_rows: bool = False, min_evidence: float = 16.0):
+                 padded_rows: bool = False, min_evidence: float = 16.0, history: int = 16):
         self.k_max = max_tokens_per_step - 1
         self.padded_rows, self.min_evidence = padded_rows, min_evidence
         self.prior_fixed, self.prior_row = prior_fixed, prior_row
         self.margin, self.probe_every, self.shrink, self.min_samples = margin, probe_every, shrink, min_samples
         # Optimistic start per temperature bucket: every draft accepted, so the first sequences draft.
         self.buckets = [Acceptance(self.k_max, prior=1.0) for _ in range(4)]
+        self.past = [_PastSequences(self.k_max, history) for _ in range(4)]
         self.costs: dict[int, _Costs] = {}
         self.seqs: dict[int, _SeqState] = {}
         self._drafted_steps = 0
@@ -173,19 +218,24 @@ class DraftPolicy:
         drafted = self._per_ms(tokens, rows, fixed_ms, row_ms)
         self._last_win = drafted * plain_ms / b
         # Start only on a clear win, stop only where it no longer wins: noise does not flap the choice.
-        was_on = any(st.k > 0 for st in states)
+        was_on = any(st.k > 0 and not st.forced for st in states)
         settled = all(self.buckets[st.bucket].reached[0] >= self.min_evidence for st in states)
         if settled and (not any(ks) or self._last_win < (1.0 if was_on else self.margin)):
             ks = [0] * b
         # A probe in a step that drafts anyway costs its verify rows; in one that would run plain it costs a
         # drafted step (the drafter runs for the whole batch), so there the sequences due wait until
         # `probe_every` plain steps have passed and are probed together: one drafted step in 32, where one
-        # probe per sequence every 32 of its steps made every other step at batch 16 a drafted one.
+        # probe per sequence every 32 of its steps made every other step at batch 16 a drafted one. Unless
+        # every sequence of the step is due (at batch 1, a new request): the drafted step then serves all.
         probes = [i for i, st in enumerate(states) if st.probe]
         started = any(states[i].k > 0 for i in probes)      # drafted last step: this one verifies it
-        if probes and not any(ks) and not started and self._plain_steps < self.probe_every:
+        whole = len(probes) == b
+        if probes and not any(ks) and not started and not whole and self._plain_steps < self.probe_every:
             probes = []
+        for st in states:
+            st.forced = False
         for i in probes:        # until its verify is seen: the step that drafts, then the one that verifies
+            states[i].forced = ks[i] == 0
             ks[i] = self.k_max
         for i, st in enumerate(states):
             st.k = ks[i]
@@ -213,7 +263,17 @@ class DraftPolicy:
         return False
 
     def rates(self, st: _SeqState) -> list[float]:
-        return st.acc.rates(self.buckets[st.bucket].rates(), self.shrink)
+        return st.acc.rates(self._prior(st), self.shrink)
+
+    def _prior(self, st: _SeqState) -> list[float]:
+        """The bucket's past sequences weighed by this one's verifies; before any finished, the pooled rates."""
+        past = self.past[st.bucket]
+        if not past.rates:
+            return self.buckets[st.bucket].rates()
+        key = (past.version, st.verifies)
+        if st.prior_key != key:
+            st.prior, st.prior_key = past.prior(st.acc), key
+        return st.prior
 
     def step_costs(self, batch: int) -> tuple[float, float, float]:
         """(plain step ms, drafted step's fixed ms, ms per verify row) at this batch size; in units of a
@@ -246,6 +306,7 @@ class DraftPolicy:
         st.acc.observe(verified, accepted)
         self.buckets[st.bucket].observe(verified, accepted)
         st.steps_off, st.probe = 0, False
+        st.verifies += 1
 
     def observe_plain(self, seq_id: int) -> None:
         """The sequence took a step without verifying: one planned at 0 counts towards its probe."""
@@ -258,7 +319,10 @@ class DraftPolicy:
             self.num_probes += 1
 
     def forget(self, seq_id: int) -> None:
-        self.seqs.pop(seq_id, None)
+        """The sequence finished: it joins its bucket's past sequences."""
+        st = self.seqs.pop(seq_id, None)
+        if st is not None:
+            self.past[st.bucket].add(st.acc, self.buckets[st.bucket].rates())
 
     # -- internals -------------------------------------------------------------------------------------
     def _state(self, seq_id: int, temperature: float) -> _SeqState:
