@@ -41,7 +41,8 @@ positions where the bucket later settled at 0.9) turned a T=0 batch-1 engine off
 later, in every fresh process. A new sequence is probed with a full block at its first step, and one
 planned at 0 again after `probe_every` of its steps; where no one drafts, the sequences due wait for the
 others due, at most once every `probe_every` steps, unless every sequence of the step is due (at batch 1
-a new request: one drafted step a request, what an all-hard stream pays). A probe's block is not a choice
+a new request: one or two drafted steps a request, two where async scheduling plans the next step before
+the verify is seen; what an all-hard stream pays). A probe's block is not a choice
 to draft: what it measured must win by `margin` for drafting to start. Every `probe_every` drafted steps
 two steps run plain (the second a plain decode) so that both costs stay measured. With no sequence
 drafting the step runs plain and the drafter does not run.
