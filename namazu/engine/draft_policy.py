@@ -8,9 +8,16 @@ a compiled step's rows are most of it), the dtype, the batch size and the machin
 
 - Acceptance, per temperature bucket (0, up to 0.5, up to 1, above 1) and per sequence: for each draft
   position i the share of verifies that reached it and accepted it (the conditional rate a_i), in decayed
-  counts. A sequence's rates are its own counts shrunk towards its bucket's (`shrink` pseudo-verifies), so
-  a sequence on unfamiliar text parts from its bucket within a few verifies. E(k) = 1 + sum over
-  i <= k of a_1 ... a_i. A bucket starts optimistic (every draft accepted) so that it gets measured.
+  counts. E(k) = 1 + sum over i <= k of a_1 ... a_i. A sequence's rates are its own counts shrunk
+  (`shrink` pseudo-verifies) towards a prior: its bucket's last `history` finished sequences as a mixture,
+  each sequence one component, weighted by how well it explains this sequence's verifies, beside a
+  component of a new kind (every draft accepted) of one sequence's weight; before any sequence of the
+  bucket finished, the bucket's pooled counts. Requests are a population, not one: pooled, one hard
+  prompt's 18 verifies of 0-1 accepted drafts said stop for the T = 0 bucket, every later request was
+  planned at 0 from that, and at 64 tokens an answer met its first probe (32 steps) once at most (eager
+  default 0.99x / 0.83x of speculation off where always drafting gave 1.36x / 1.37x). Weighed, one verify
+  that accepts 6 of 6 places a sequence with the easy ones (or the new kind) and one that accepts none with
+  the hard ones. A bucket starts optimistic (every draft accepted) so that it gets measured.
 - Cost, per batch-size bucket (powers of two): plain decode steps' wall time (the median of a window), and
   drafted steps' time as A + C * rows, fitted to the window's (verify rows, ms) pairs: the median per row
   count, a line through them where several counts were seen, else C from the prior. Medians, because one
@@ -31,10 +38,14 @@ small). Drafting starts only where it wins by `margin` and stops where it no lon
 choice does not flap on noise, and it does not stop before every running sequence's temperature bucket holds
 `min_evidence` verifies: a first answer's first few blocks (0.75 and 0.42 accepted at the first two
 positions where the bucket later settled at 0.9) turned a T=0 batch-1 engine off until its probe, 30 steps
-later, in every fresh process. A sequence planned at 0 is probed with full blocks after `probe_every` of
-its steps (where no one drafts, together with the others due, at most once every `probe_every` steps),
-and every `probe_every` drafted steps two steps run plain (the second a plain decode) so that
-both costs stay measured. With no sequence drafting the step runs plain and the drafter does not run.
+later, in every fresh process. A new sequence is probed with a full block at its first step, and one
+planned at 0 again after `probe_every` of its steps; where no one drafts, the sequences due wait for the
+others due, at most once every `probe_every` steps, unless every sequence of the step is due (at batch 1
+a new request: one or two drafted steps a request, two where async scheduling plans the next step before
+the verify is seen; what an all-hard stream pays). A probe's block is not a choice
+to draft: what it measured must win by `margin` for drafting to start. Every `probe_every` drafted steps
+two steps run plain (the second a plain decode) so that both costs stay measured. With no sequence
+drafting the step runs plain and the drafter does not run.
 
 `--speculative-adaptive` turns it on or off; the default is on for the drafter the model ships (the
 default setup must never be a loss) and off for a drafter the caller names (explicit users keep the
@@ -45,6 +56,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 def temperature_bucket(t: float) -> int:
@@ -123,25 +136,68 @@ def _line(samples: deque, prior_row: float, floor: float) -> tuple[float, float]
     return max(m - prior_row * r, floor), prior_row
 
 
+class _PastSequences:
+    """A temperature bucket as a mixture over its last `size` finished sequences, each one component: its own
+    rates, with one pseudo-verify of the bucket's pooled rates. Requests differ more than a pooled count
+    shows: one hard prompt's many short verifies outweighed the easy ones that followed it, and a new
+    sequence started from that. A new sequence's prior is the components' rates weighted by how well each
+    explains the verifies it has had (equal weights before its first), beside a component of a new kind
+    (every draft accepted, `NEW_KIND` a position, the weight of one sequence): a sequence that accepts more
+    than any seen one is not held to them."""
+
+    NEW_KIND, FLOOR = 0.98, 0.02        # rates clipped so that one verify never rules a component out
+
+    def __init__(self, k: int, size: int):
+        self.rates: deque = deque(maxlen=size)
+        self.k, self.version = k, 0
+        self._table: tuple | None = None
+
+    def add(self, acc: Acceptance, pooled: list[float]) -> None:
+        if acc.reached[0] <= 0:
+            return                      # never verified: nothing of its own
+        rates = [(a + b) / (r + 1.0) for r, a, b in zip(acc.reached, acc.accepted, pooled)]
+        self.rates.append([min(max(x, self.FLOOR), self.NEW_KIND) for x in rates])
+        self.version += 1
+        self._table = None
+
+    def prior(self, acc: Acceptance) -> list[float] | None:
+        """The components' rates weighted by their likelihood of `acc`'s counts; None with no component."""
+        if not self.rates:
+            return None
+        if self._table is None:
+            r = np.array([[self.NEW_KIND] * self.k, *self.rates])
+            self._table = (r, np.log(r), np.log1p(-r))
+        r, log_r, log_miss = self._table
+        reached, accepted = np.array(acc.reached), np.array(acc.accepted)
+        loglik = log_r @ accepted + log_miss @ (reached - accepted)
+        w = np.exp(loglik - loglik.max())
+        return (w @ r / w.sum()).tolist()
+
+
 @dataclass
 class _SeqState:
     bucket: int
     acc: Acceptance
     k: int = -1                  # the last planned k (-1: not planned yet)
     steps_off: int = 0
-    probe: bool = False
+    probe: bool = True           # a new sequence is probed at once: its evidence, not only its bucket's
+    forced: bool = False         # k was set by a probe, not chosen: it does not count as drafting
+    verifies: int = 0
+    prior: list | None = None    # its prior rates, for (past sequences' version, its verifies) in prior_key
+    prior_key: tuple = ()
 
 
 class DraftPolicy:
     def __init__(self, max_tokens_per_step: int, prior_fixed: float = 3.0, prior_row: float = 0.0,
                  margin: float = 1.05, probe_every: int = 32, shrink: float = 8.0, min_samples: int = 3,
-                 padded_rows: bool = False, min_evidence: float = 16.0):
+                 padded_rows: bool = False, min_evidence: float = 16.0, history: int = 16):
         self.k_max = max_tokens_per_step - 1
         self.padded_rows, self.min_evidence = padded_rows, min_evidence
         self.prior_fixed, self.prior_row = prior_fixed, prior_row
         self.margin, self.probe_every, self.shrink, self.min_samples = margin, probe_every, shrink, min_samples
         # Optimistic start per temperature bucket: every draft accepted, so the first sequences draft.
         self.buckets = [Acceptance(self.k_max, prior=1.0) for _ in range(4)]
+        self.past = [_PastSequences(self.k_max, history) for _ in range(4)]
         self.costs: dict[int, _Costs] = {}
         self.seqs: dict[int, _SeqState] = {}
         self._drafted_steps = 0
@@ -173,19 +229,24 @@ class DraftPolicy:
         drafted = self._per_ms(tokens, rows, fixed_ms, row_ms)
         self._last_win = drafted * plain_ms / b
         # Start only on a clear win, stop only where it no longer wins: noise does not flap the choice.
-        was_on = any(st.k > 0 for st in states)
+        was_on = any(st.k > 0 and not st.forced for st in states)
         settled = all(self.buckets[st.bucket].reached[0] >= self.min_evidence for st in states)
         if settled and (not any(ks) or self._last_win < (1.0 if was_on else self.margin)):
             ks = [0] * b
         # A probe in a step that drafts anyway costs its verify rows; in one that would run plain it costs a
         # drafted step (the drafter runs for the whole batch), so there the sequences due wait until
         # `probe_every` plain steps have passed and are probed together: one drafted step in 32, where one
-        # probe per sequence every 32 of its steps made every other step at batch 16 a drafted one.
+        # probe per sequence every 32 of its steps made every other step at batch 16 a drafted one. Unless
+        # every sequence of the step is due (at batch 1, a new request): the drafted step then serves all.
         probes = [i for i, st in enumerate(states) if st.probe]
         started = any(states[i].k > 0 for i in probes)      # drafted last step: this one verifies it
-        if probes and not any(ks) and not started and self._plain_steps < self.probe_every:
+        whole = len(probes) == b
+        if probes and not any(ks) and not started and not whole and self._plain_steps < self.probe_every:
             probes = []
+        for st in states:
+            st.forced = False
         for i in probes:        # until its verify is seen: the step that drafts, then the one that verifies
+            states[i].forced = ks[i] == 0
             ks[i] = self.k_max
         for i, st in enumerate(states):
             st.k = ks[i]
@@ -213,7 +274,21 @@ class DraftPolicy:
         return False
 
     def rates(self, st: _SeqState) -> list[float]:
-        return st.acc.rates(self.buckets[st.bucket].rates(), self.shrink)
+        return st.acc.rates(self._prior(st), self.shrink)
+
+    def _prior(self, st: _SeqState) -> list[float]:
+        """The bucket's past sequences weighed by this one's verifies; before any finished, the pooled rates."""
+        past = self.past[st.bucket]
+        if not past.rates:
+            return self.buckets[st.bucket].rates()
+        # Weighed again at each of its first `shrink` verifies, then at every `shrink`-th: by then its own
+        # counts outweigh the prior and the weights move slowly (the plan runs before every step: at batch
+        # 8, weighing at every verify cost 40 us a sequence).
+        n = int(self.shrink) or 1
+        key = (past.version, st.verifies if st.verifies < n else st.verifies // n * n)
+        if st.prior_key != key:
+            st.prior, st.prior_key = past.prior(st.acc), key
+        return st.prior
 
     def step_costs(self, batch: int) -> tuple[float, float, float]:
         """(plain step ms, drafted step's fixed ms, ms per verify row) at this batch size; in units of a
@@ -246,6 +321,7 @@ class DraftPolicy:
         st.acc.observe(verified, accepted)
         self.buckets[st.bucket].observe(verified, accepted)
         st.steps_off, st.probe = 0, False
+        st.verifies += 1
 
     def observe_plain(self, seq_id: int) -> None:
         """The sequence took a step without verifying: one planned at 0 counts towards its probe."""
@@ -258,7 +334,10 @@ class DraftPolicy:
             self.num_probes += 1
 
     def forget(self, seq_id: int) -> None:
-        self.seqs.pop(seq_id, None)
+        """The sequence finished: it joins its bucket's past sequences."""
+        st = self.seqs.pop(seq_id, None)
+        if st is not None:
+            self.past[st.bucket].add(st.acc, self.buckets[st.bucket].rates())
 
     # -- internals -------------------------------------------------------------------------------------
     def _state(self, seq_id: int, temperature: float) -> _SeqState:
