@@ -213,3 +213,43 @@ def test_memory_cache_packs_target_outputs_into_shared_slabs():
     assert torch.equal(arena.keep(odd), odd) and torch.equal(arena.keep(wide), wide)    # 6 bytes, then 8-byte items
     kept_big = arena.keep(big)
     assert torch.equal(kept_big, big) and kept_big.untyped_storage().nbytes() == big.numel() * 8
+
+
+def test_blend_init_ends_on_the_line_between_base_and_fine_tuned_weights(captured, tmp_path):
+    """`--blend-init SHARE`: the fine-tune ends at SHARE * base + (1 - SHARE) * fine-tuned weights, the draft
+    vocabulary the fine-tuned one; SHARE 1 gives the base's weights back, 0 the fine-tune's."""
+    import torch
+
+    from namazu.spec.training.train import blend_with_base
+
+    base_dir = tmp_path / "base"
+    shape = ["--block-size", "5", "--num-heads", "2", "--head-dim", "16", "--intermediate-size", "64",
+             "--selector-k", "4", "--selector-rank", "8"]
+    common = ["--target", tiny_checkpoint(), "--data", str(captured / "train"), "--heldout", str(captured / "heldout"),
+              "--steps", "6", "--batch", "2", "--anchors", "8", "--lr", "3e-3", "--eval-k", "4"]
+    train(build_parser().parse_args([*common, "--out", str(base_dir), "--draft-vocab", "180", *shape]))
+    from namazu.config import ModelConfig
+
+    tcfg = ModelConfig.from_pretrained(tiny_checkpoint())
+    load = lambda d: DFlashDrafter.load(d, tcfg.vocab_size, tcfg.hidden_size, tcfg.num_hidden_layers)  # noqa: E731
+    base = load(base_dir)
+    runs = {}
+    for share in (0.0, 1.0):
+        out = tmp_path / f"blend{share}"
+        train(build_parser().parse_args([*common, "--out", str(out), "--init", str(base_dir), "--blend-init",
+                                         str(share), "--draft-vocab-extend", "20", "--seed", "1"]))
+        runs[share] = load(out)
+    tuned, back = dict(runs[0.0].named_parameters()), dict(runs[1.0].named_parameters())
+    moved = [n for n, p in base.named_parameters() if not torch.equal(p, tuned[n])]
+    assert moved, "the fine-tune changed no weight"
+    for n, p in base.named_parameters():
+        assert torch.allclose(back[n], p, atol=1e-6), n                  # share 1: the base's weights
+    assert runs[1.0].draft_vocab.numel() > base.draft_vocab.numel()      # the extended vocabulary kept
+    assert torch.equal(runs[1.0].draft_vocab, runs[0.0].draft_vocab)
+    # A share in between: exactly on the line, parameter by parameter.
+    mid = load(tmp_path / "blend0.0")
+    blend_with_base(mid, {n: p.detach().clone() for n, p in base.named_parameters()}, 0.25)
+    for n, p in mid.named_parameters():
+        assert torch.allclose(p, 0.25 * dict(base.named_parameters())[n] + 0.75 * tuned[n], atol=1e-6), n
+    with pytest.raises(SystemExit, match="--init"):
+        train(build_parser().parse_args([*common, "--out", str(tmp_path / "x"), "--blend-init", "0.5", *shape]))

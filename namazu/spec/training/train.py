@@ -376,6 +376,18 @@ def acceptance_length(drafter: DFlashDrafter, target: Target, examples: list[Exa
 
 
 # -- the run ---------------------------------------------------------------------------------------------
+def blend_with_base(drafter: DFlashDrafter, base: dict[str, torch.Tensor], share: float) -> None:
+    """Every weight moved back to `share` * base + (1 - share) * fine-tuned (`--blend-init`), in place; the
+    draft vocabulary (a buffer of ids, possibly extended) stays the fine-tuned one. Why: a short fine-tune
+    on a drifted mix fits its new content and erodes what the base drafted well (bench/RESULTS.md, round 2:
+    greedy prose lost 13%, partly because the selector's confidence, which ends a block, fell); a point
+    on the line between the two weights trades one against the other (the weight-space ensembles of
+    robust fine-tuning, Wortsman et al. 2022)."""
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.lerp_(base[name].to(p.dtype), share)
+
+
 def default_target_layers(num_layers: int, count: int = 3) -> list[int]:
     """Spread evenly from layer 1 to L-3 (REFERENCE.md); small targets (a few layers): 1 .. L-1, since
     there the last layer carries most of what predicts the next tokens."""
@@ -414,7 +426,10 @@ def train(args: argparse.Namespace) -> dict:
         cfg = drafter.cfg
         cfg.trained_on = args.text_mode
         layers = cfg.target_layers
+        base_weights = {n: p.detach().clone() for n, p in drafter.named_parameters()} if args.blend_init else None
     else:
+        if args.blend_init:
+            raise SystemExit("--blend-init needs --init (the drafter to blend back towards)")
         drafter = DFlashDrafter(cfg)
     target = Target(target_path, layers, args.hidden_cache,
                     soft_top=args.soft_top if args.soft_weight > 0 or args.selector_soft_weight > 0 else 0)
@@ -521,12 +536,15 @@ def train(args: argparse.Namespace) -> dict:
         bar.set_postfix(loss=f"{tot_b:.3f}", sel=f"{tot_s:.3f}", lr=f"{lr:.1e}")
     bar.close()
     train_s = time.time() - t0
+    if args.blend_init:
+        blend_with_base(drafter, base_weights, args.blend_init)
     drafter.set_draft_vocab(vocab)
     drafter.save(args.out)
     if args.heldout:    # read only now: a held-out capture may still be in the making while training runs
         heldout = load_examples(args.heldout, args.max_len)
     acc = acceptance_length(drafter, target, heldout, args.eval_k)
-    result = {"steps": step, "train_seconds": train_s, "sequences": len(examples), "heldout": len(heldout),
+    result = {"steps": step, "train_seconds": train_s, "blend_init": args.blend_init,
+              "sequences": len(examples), "heldout": len(heldout),
               "parameters": n_params, "target_non_embedding_parameters": budget,
               "parameter_share": n_params / budget, "text_mode": args.text_mode, "eval_k": args.eval_k,
               "heldout_acceptance": acc, **stats, "history": [h for i, h in enumerate(history)
@@ -546,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--init", default=None, metavar="DIR",
                     help="fine-tune this drafter (its shape, weights and draft vocabulary) instead of training "
                          "a new one from scratch; the drafter-shape flags are then ignored")
+    ap.add_argument("--blend-init", type=float, default=0.0, metavar="SHARE",
+                    help="with --init: end at SHARE * init + (1 - SHARE) * fine-tuned weights (0: the fine-tuned "
+                    "ones), keeping more of what the base drafted well")
     ap.add_argument("--shuffle-ids", action="store_true",
                     help="train on each output's ids in random order (a negative control: a drafter that "
                          "learned nothing about the sequences; the refresh gate must refuse it)")
