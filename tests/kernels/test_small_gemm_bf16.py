@@ -74,7 +74,8 @@ def test_linear_routes_few_rows_and_compiles():
         _check(small_gemm.linear(x, w, b), ref, 256, roundings=2)
     x = torch.randn(2, 3, 256, generator=g).to(torch.bfloat16)       # leading dims flattened to 6 rows
     compiled = torch.compile(lambda t: small_gemm.linear(t, w, b), fullgraph=True)
-    torch.testing.assert_close(compiled(x), small_gemm.linear(x, w, b), rtol=0, atol=0)
+    # the same extern kernel; the bias add is inductor's own loop, so one bf16 rounding may differ
+    torch.testing.assert_close(compiled(x), small_gemm.linear(x, w, b), rtol=2 ** -7, atol=1e-2)
     assert small_gemm.applies(x, w, 6) and not small_gemm.applies(x, w, small_gemm.MAX_ROWS + 1)
     assert not small_gemm.applies(x.float(), w.float(), 1)
     wg = w.clone().requires_grad_(True)                               # training keeps autograd's path
