@@ -6,8 +6,9 @@
         [--plot bench/replay.png] [--write NAME]
 
 Each setup is a string of server flags (empty: the defaults, which speculate with a model's shipped
-drafter). Every captured request is replayed with its own prompt token ids and sampling settings
-(`--temperature` overrides the temperature of all), through /v1/completions, streamed; per setup: mean
+drafter). Every captured request is replayed with its own prompt token ids, sampling settings
+(`--temperature` overrides the temperature of all) and output constraint (a tool-call constraint, which
+/v1/completions cannot carry, is left off and counted), through /v1/completions, streamed; per setup: mean
 acceptance length and its histogram (from the server's /metrics), draft acceptance rate, drafter time
 per step, output tokens/s over the replay's wall time, TTFT and end-to-end p50/p99. `--write NAME` adds
 the table to bench/RESULTS.md under that name.
@@ -26,17 +27,24 @@ from pathlib import Path
 import numpy as np
 
 from namazu.spec.capture import read_records
-from namazu.spec.training.replay import replay_settings
+from namazu.spec.training.replay import completion_constraint, replay_settings
 from namazu.spec.training.traffic import ReplayResult, ServerProcess, _post_stream
 
 
-def captured_requests(sources: list[str], limit: int, temperature: float | None) -> list[dict]:
-    out = []
+def captured_requests(sources: list[str], limit: int, temperature: float | None) -> tuple[list, list[dict]]:
+    """The first `limit` records and their /v1/completions bodies."""
+    recs, out, unconstrained = [], [], 0
     for rec in read_records(sources):
-        out.append({"prompt": rec.prompt_token_ids, **replay_settings(rec, temperature)})
+        constraint = completion_constraint(rec)
+        unconstrained += constraint is None
+        recs.append(rec)
+        out.append({"prompt": rec.prompt_token_ids, **replay_settings(rec, temperature), **(constraint or {})})
         if len(out) == limit:
             break
-    return out
+    if unconstrained:
+        print(f"{unconstrained} of {len(out)} requests replayed without their tool-call constraint "
+              "(/v1/completions has no field for it)", file=sys.stderr)
+    return recs, out
 
 
 def _metric(text: str, name: str) -> float:
@@ -91,9 +99,9 @@ def run_setup(name: str, flags: str, requests: list[dict], concurrency: int, log
     return out
 
 
-def greedy_identity(flags_a: str, flags_b: str, requests: list[dict]) -> dict:
-    """The captured prompts at T=0 through LLM(...) offline with both setups (fp32): how many outputs are
-    token-identical (speculation must never change a greedy output)."""
+def greedy_identity(flags_a: str, flags_b: str, records: list) -> dict:
+    """The captured prompts at T=0 under their output constraints through LLM(...) offline with both setups
+    (fp32): how many outputs are token-identical (speculation must never change a greedy output)."""
     import dataclasses
 
     from namazu import LLM, SamplingParams
@@ -106,25 +114,27 @@ def greedy_identity(flags_a: str, flags_b: str, requests: list[dict]) -> dict:
         kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         kw.update(dtype="float32", executor="inline")
         with LLM(**kw) as llm:
-            params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"]) for r in requests]
-            res = llm.generate(prompt_token_ids=[r["prompt"] for r in requests], sampling_params=params,
+            params = [SamplingParams(temperature=0, max_tokens=replay_settings(r)["max_tokens"], **r.structured)
+                      for r in records]
+            res = llm.generate(prompt_token_ids=[r.prompt_token_ids for r in records], sampling_params=params,
                                use_tqdm=False)
             outs.append([o.outputs[0].token_ids for o in res])
     same = sum(a == b for a, b in zip(*outs))
-    return {"prompts": len(requests), "identical": same, "tokens": sum(len(a) for a in outs[0])}
+    return {"prompts": len(records), "identical": same, "tokens": sum(len(a) for a in outs[0])}
 
 
 def regenerate(sources: list[str], limit: int, temperature: float, top_p: float) -> list:
     """The held-out captured prompts answered again by the target at one sampling setting (seeded, the
-    captured max_tokens), offline: every request then counts at that setting, not only the ones captured
-    with it."""
+    captured max_tokens and output constraint), offline: every request then counts at that setting, not only
+    the ones captured with it."""
     from namazu import LLM, SamplingParams
     from namazu.spec.capture import read_records
     from namazu.spec.training.train import Example
 
     recs = list(read_records(sources))[:limit]
     params = [SamplingParams(temperature=temperature, top_p=top_p if temperature > 0 else 1.0, seed=i,
-                             max_tokens=int(r.sampling.get("max_tokens") or 128)) for i, r in enumerate(recs)]
+                             max_tokens=int(r.sampling.get("max_tokens") or 128), **r.structured)
+              for i, r in enumerate(recs)]
     with LLM(None, executor="inline") as llm:
         outs = llm.generate(prompt_token_ids=[r.prompt_token_ids for r in recs], sampling_params=params,
                             use_tqdm=False)
@@ -278,12 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.a is None or args.b is None:
         ap.error("--a and --b are required (or --simulate)")
-    reqs = captured_requests(args.requests, args.limit, args.temperature)
+    recs, reqs = captured_requests(args.requests, args.limit, args.temperature)
     if not reqs:
         print(f"no captured requests in {args.requests}", file=sys.stderr)
         return 1
     if args.identity:
-        res = greedy_identity(args.a, args.b, reqs)
+        res = greedy_identity(args.a, args.b, recs)
         print(f"greedy outputs identical: {res['identical']}/{res['prompts']} prompts ({res['tokens']} tokens)")
         if args.json:
             Path(args.json).write_text(json.dumps(res) + "\n")

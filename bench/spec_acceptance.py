@@ -46,7 +46,7 @@ def acceptance(drafter: str, records: list, temperature: float, k: int, greedy_d
     params = [SamplingParams(temperature=temperature, top_p=r.sampling.get("top_p") or 1.0,
                              top_k=r.sampling.get("top_k") or 0,
                              seed=r.sampling.get("seed") if request_seeds else None,
-                             max_tokens=max(1, len(r.output_token_ids[0]))) for r in records]
+                             max_tokens=max(1, len(r.output_token_ids[0])), **r.structured) for r in records]
     with LLM(model, dtype="float32", executor="inline", drafter=prop, num_speculative_tokens=k, max_num_seqs=16,
              speculative_disable_batch_size=0, **extra) as llm:
         llm.generate(prompt_token_ids=[r.prompt_token_ids for r in records], sampling_params=params,

@@ -1,12 +1,13 @@
 """Capture of served traffic as exact token ids, for training the drafter on what the target produced.
 
 `--capture-dir DIR` makes the serving engine append one record per finished request: the prompt and
-output token ids (never text), the sampling settings and timings. Records go to sharded, append-only
-files `capture-<start time>-<pid>-<n>.ndjson`, one line each: `<crc32 hex8> <json>\\n`. The line is
-written with one `write` on an O_APPEND descriptor, so a crash can leave at most a torn final line; a
-writer never reopens an existing shard (each process start begins new shards), so a torn tail is never
-followed by more records, and `read_records` skips it (and any line whose checksum fails). A shard
-rotates when it reaches `shard_bytes`.
+output token ids (never text), the sampling settings, the structured-output constraint (JSON schema,
+regex, grammar, tool calls: what a replay must apply again to decode what was served) and timings.
+Records go to sharded, append-only files `capture-<start time>-<pid>-<n>.ndjson`, one line each:
+`<crc32 hex8> <json>\\n`. The line is written with one `write` on an O_APPEND descriptor, so a crash can
+leave at most a torn final line; a writer never reopens an existing shard (each process start begins new
+shards), so a torn tail is never followed by more records, and `read_records` skips it (and any line whose
+checksum fails). A shard rotates when it reaches `shard_bytes`.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ class CaptureRecord:
     sampling: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)  # arrival, first_token, finished (unix seconds)
     model: str = ""
+    # The output constraint as SamplingParams keywords ({}: none): replayed without it, a JSON or tool-call
+    # request decodes other tokens than were served. Records written before the field existed read as {}.
+    structured: dict = field(default_factory=dict)
 
 
 def sampling_settings(params) -> dict:
@@ -43,6 +47,19 @@ def sampling_settings(params) -> dict:
     for name in SAMPLING_FIELDS:
         v = getattr(params, name, None)
         out[name] = list(v) if isinstance(v, (tuple, set)) else v
+    return out
+
+
+def structured_settings(params) -> dict:
+    """The request's structured-output constraint as SamplingParams keywords (plain JSON values; {} when it
+    has none): what the grammar is compiled from (`engine/grammar_compiles.compile_key`), so a replay
+    compiles the same grammar. A `grammar_factory` (a callable, offline only) cannot be recorded."""
+    out = {name: getattr(params, name) for name in ("json_schema", "regex", "grammar", "tool_calls")
+           if getattr(params, name) is not None}
+    if "json_schema" in out:
+        out["json_schema_strict"] = params.json_schema_strict
+    if params.json_object:
+        out["json_object"] = True
     return out
 
 
@@ -163,4 +180,5 @@ def record_from_output(out, params, arrival: float, first_token: float | None, m
         request_id=out.request_id, prompt_token_ids=list(out.prompt_token_ids),
         output_token_ids=[list(c.token_ids) for c in out.outputs],
         finish_reasons=[c.finish_reason for c in out.outputs], sampling=sampling_settings(params),
-        timings={"arrival": arrival, "first_token": first_token, "finished": time.time()}, model=model)
+        timings={"arrival": arrival, "first_token": first_token, "finished": time.time()}, model=model,
+        structured=structured_settings(params))

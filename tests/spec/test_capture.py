@@ -1,14 +1,19 @@
-"""Capture: exact token ids per finished request, sharded append-only files, torn records skipped."""
+"""Capture: exact token ids per finished request, sharded append-only files, torn records skipped; the
+output constraint kept, so a replay decodes under the grammar that was served."""
 import asyncio
+import json
 import os
+import zlib
+from dataclasses import asdict
 
 import pytest
 from engine_helpers import prompts, tiny_checkpoint
 
-from namazu import SamplingParams
+from namazu import LLM, SamplingParams
 from namazu.async_engine import AsyncEngine
 from namazu.engine_config import EngineConfig
-from namazu.spec.capture import CaptureRecord, CaptureWriter, ReadStats, read_records, shard_paths
+from namazu.spec.capture import CaptureRecord, CaptureWriter, ReadStats, read_records, shard_paths, structured_settings
+from namazu.spec.training.replay import completion_constraint, replay_params, replay_settings
 
 
 def rec(i: int) -> CaptureRecord:
@@ -96,3 +101,87 @@ def test_serving_engine_captures_exact_ids_only_when_on(tmp_path, on):
         assert r.output_token_ids == [c.token_ids for c in out.outputs]
         assert r.sampling["temperature"] == 0.7 and r.sampling["seed"] == 5 and r.sampling["n"] == 2
         assert r.timings["arrival"] <= r.timings["first_token"] <= r.timings["finished"]
+
+
+SCHEMA = {"type": "object", "properties": {"status": {"enum": ["ok", "ng"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 50}},
+          "required": ["status", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A JSON-schema and a plain greedy request served with --capture-dir, and their records."""
+    model = tiny_checkpoint()
+    [p] = prompts(1, lo=5, hi=10, seed=2)
+    got = {}
+    for name, params in (("json", SamplingParams(temperature=0, max_tokens=40, json_schema=SCHEMA)),
+                         ("plain", SamplingParams(temperature=0, max_tokens=12))):
+        d = tmp_path_factory.mktemp(name)
+        [out] = asyncio.run(_serve(EngineConfig(model=model, executor="inline", capture_dir=str(d)), [p], params))
+        [got[name]] = [(out, r) for r in read_records(d)]
+    return model, got
+
+
+def test_a_json_schema_request_keeps_its_constraint_through_the_capture(served):
+    _, got = served
+    out, rec = got["json"]
+    assert out.outputs[0].finish_reason == "stop"
+    assert rec.structured == {"json_schema": SCHEMA, "json_schema_strict": True}
+    assert got["plain"][1].structured == {}
+    assert replay_params(rec).json_schema == SCHEMA
+
+
+def _replay(model: str, rec: CaptureRecord):
+    with LLM(model, executor="inline") as llm:
+        [o] = llm.generate(prompt_token_ids=[rec.prompt_token_ids], sampling_params=replay_params(rec),
+                           use_tqdm=False)
+    return o.outputs[0]
+
+
+def test_a_replayed_constrained_greedy_request_reproduces_its_captured_output(served):
+    import jsonschema
+
+    model, got = served
+    _, rec = got["json"]
+    c = _replay(model, rec)
+    assert [c.token_ids] == rec.output_token_ids
+    jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_a_record_captured_before_the_constraint_was_kept_still_replays(served, tmp_path):
+    model, got = served
+    _, new = got["plain"]
+    payload = {k: v for k, v in asdict(new).items() if k != "structured"}     # the old format
+    line = json.dumps(payload, separators=(",", ":")).encode()
+    (tmp_path / "old.ndjson").write_bytes(b"%08x " % zlib.crc32(line) + line + b"\n")
+    stats = ReadStats()
+    [rec] = read_records(tmp_path, stats)
+    assert stats.skipped == 0 and rec.structured == {}
+    assert completion_constraint(rec) == {}
+    assert [_replay(model, rec).token_ids] == rec.output_token_ids
+
+
+@pytest.mark.parametrize("structured", [
+    {"json_schema": SCHEMA, "json_schema_strict": True}, {"json_schema": SCHEMA, "json_schema_strict": False},
+    {"json_schema": json.dumps(SCHEMA), "json_schema_strict": True}, {"json_object": True},
+    {"regex": "[a-z]{3}"}, {"grammar": 'root ::= "yes" | "no"'}, {}],
+    ids=["schema", "schema-not-strict", "schema-text", "json-object", "regex", "grammar", "none"])
+def test_an_http_replay_body_carries_the_captured_constraint(structured):
+    """bench.replay and bench.shadow_agreement post records to /v1/completions: the server reads the body
+    back into the same constraint."""
+    from server.protocol import make_sampling_params, parse_completion
+
+    rec = CaptureRecord("r", [1, 2, 3], [[4, 5]], ["stop"], {"temperature": 0.0}, structured=structured)
+    body = {"prompt": rec.prompt_token_ids, **replay_settings(rec), **completion_constraint(rec)}
+    req = parse_completion(body, 5)
+    params = make_sampling_params(req.sampling, req.max_tokens, None, None, vocab_size=100)
+    want = dict(structured, json_schema=SCHEMA) if "json_schema" in structured else structured
+    assert structured_settings(params) == want
+
+
+def test_a_tool_call_constraint_has_no_completions_field():
+    tools = {"functions": [{"name": "f", "parameters": {"type": "object"}, "strict": False}],
+             "tool_choice": "auto", "parallel_tool_calls": True}
+    rec = CaptureRecord("r", [1], [[2]], ["stop"], structured={"tool_calls": tools})
+    assert completion_constraint(rec) is None
+    assert replay_params(rec).tool_calls == tools        # offline it is applied

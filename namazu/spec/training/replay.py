@@ -8,7 +8,10 @@ ratio rule, as a live server verifies it; the engine draws such a request's seed
 request in arrival order, so the two drafters of an A/B, replaying the same requests in the same order, see
 the same draws). `replay_params(rec, seed_unseeded=True)`
 gives every request a seed derived from its id instead (the exact-match rule throughout); `max_tokens` is
-the captured output's length, so both answer as long as the capture did.
+the captured output's length, so both answer as long as the capture did. A request is replayed under its
+captured output constraint (`CaptureRecord.structured`: JSON schema, regex, grammar, tool calls), the grammar
+it was served with; over HTTP, /v1/completions has no field for a tool-call constraint
+(`completion_constraint`).
 """
 from __future__ import annotations
 
@@ -36,16 +39,32 @@ def replay_settings(rec: CaptureRecord, temperature: float | None = None) -> dic
     return body
 
 
+def completion_constraint(rec: CaptureRecord) -> dict | None:
+    """The record's output constraint as /v1/completions fields ({} when it has none), or None for a tool-call
+    constraint: that endpoint has no field for one, and the chat endpoint takes messages, not prompt ids."""
+    s = rec.structured
+    if "tool_calls" in s:
+        return None
+    if "json_schema" in s:
+        schema = s["json_schema"]
+        return {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "replay", "schema": json.loads(schema) if isinstance(schema, str) else schema,
+            "strict": s.get("json_schema_strict", True)}}}
+    if s.get("json_object"):
+        return {"response_format": {"type": "json_object"}}
+    return {k: s[k] for k in ("regex", "grammar") if k in s}
+
+
 def replay_params(rec: CaptureRecord, seed_unseeded: bool = False):
     """SamplingParams of a captured request: its own seed, or none where it had none (`seed_unseeded`: one
-    derived from its id)."""
+    derived from its id), and its own output constraint."""
     from namazu.sampling_params import SamplingParams
 
     kw = replay_settings(rec)
     if seed_unseeded:
         kw.setdefault("seed", zlib.crc32(rec.request_id.encode()))
     kw["n"] = max(1, len(rec.output_token_ids))
-    return SamplingParams(**kw)
+    return SamplingParams(**kw, **rec.structured)
 
 
 @dataclass
