@@ -19,18 +19,27 @@ a compiled step's rows are most of it), the dtype, the batch size and the machin
   that accepts 6 of 6 places a sequence with the easy ones (or the new kind) and one that accepts none with
   the hard ones. A bucket starts optimistic (every draft accepted) so that it gets measured.
 - Cost, per batch-size bucket (powers of two): plain decode steps' wall time (the median of a window), and
-  drafted steps' time as A + C * rows, fitted to the window's (verify rows, ms) pairs: the median per row
-  count, a line through them where several counts were seen, else C from the prior. Medians, because one
-  step that met a compile, a collection or a busy neighbour must not turn drafting off. Until a window holds
-  `min_samples` steps the prior holds: A = `prior_fixed` plain steps, C = `prior_row` per row (a 2-core
-  CPU: a drafted step cost 3 to 4.7 plain ones), and C is 0 until two row counts are measured: a prior
-  that priced rows shortened blocks before anything was measured, the later drafts were then never
-  reached, their rates never measured, and a compiled step, whose rows cost nothing extra, stopped
-  drafting where full blocks paid 1.28x). Where the step's shapes are static (graph mode: a verify entry
-  computes 1 + K rows per sequence whatever k is), a row costs nothing beyond the entry: `padded_rows`
-  fixes C at 0 and A is the drafted steps' median. A line fitted there anyway read C = 0.8 ms per row from
-  noise between blocks of 3 to 5 drafts, priced a full block at 8.4 ms against the 6.8 it cost, and kept
-  the default at 1.18x where full blocks decoded at 1.51x (bf16, batch 1).
+  drafted steps' as a ratio to the plain steps measured beside them: each drafted step's ms over the median
+  of the `min_samples` plain steps nearest it in time, before or after it (counted in measured steps), so
+  that a busy neighbour, which slows both, moves neither the ratio nor the choice. In ms, the drafted
+  window went stale: while drafting is off it gains a sample or two a probe, and a median taken in a busy
+  spell (load 2 -> 4.6) priced a drafted step at 3.0 plain ones where it cost 2.2, for many requests after
+  it, and requests whose probe accepted 6 of 6 drafts stayed off; while drafting is on, plain steps are
+  measured once a probe, and the nearest ones after a drafted step, not only those before it, say what
+  the machine was doing then. A drafted step is priced A + C * rows plain steps (the current median),
+  fitted to the window's (verify rows, ratio) pairs: the median per row count, a line through them where
+  several counts were seen, else C from the prior. Medians, because one step that met a compile, a
+  collection or a busy neighbour must not turn drafting off. Until the plain window holds `min_samples`
+  steps, and as many drafted steps have a ratio, the prior holds: A = `prior_fixed` plain steps, C =
+  `prior_row` per row (a 2-core CPU: a drafted step cost 3 to 4.7 plain ones), and C is 0 until two row
+  counts are measured: a prior that priced rows shortened blocks before anything was measured, the later
+  drafts were then never reached, their rates never measured, and a compiled step, whose rows cost nothing
+  extra, stopped drafting where full blocks paid 1.28x). A drafted step measured before any plain one
+  takes its ratio from the plain steps after it. Where the step's shapes are static (graph mode: a verify
+  entry computes 1 + K rows per sequence whatever k is), a row costs nothing beyond the entry:
+  `padded_rows` fixes C at 0 and A is the drafted steps' median ratio. A line fitted there anyway read C =
+  0.8 ms per row from noise between blocks of 3 to 5 drafts, priced a full block at 8.4 ms against the 6.8
+  it cost, and kept the default at 1.18x where full blocks decoded at 1.51x (bf16, batch 1).
 
 Each step the plan picks every sequence's k in 0..K to maximise the batch's tokens per second,
 sum E_s(k_s) / (A + C * sum k_s), against B / t_plain for a plain step (coordinate ascent: K and B are
@@ -55,7 +64,9 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 
@@ -107,18 +118,45 @@ def expected_tokens(rates: list[float], k: int) -> float:
     return expected_table(rates[:k])[-1]
 
 
+class _Drafted:
+    """A drafted step: its verify rows, its time `t` (the policy's count of measured steps), its ms, and the
+    `n` plain steps measured nearest it in time, before or after it, as (distance, ms). Its cost is `ratio`,
+    its ms over their median (None until a plain step is measured): a busy neighbour slows both."""
+
+    __slots__ = ("rows", "t", "ms", "near", "ratio", "open")
+
+    def __init__(self, rows: int, t: int, ms: float, before: Iterable[tuple[int, float]], n: int):
+        self.rows, self.t, self.ms, self.open = rows, t, ms, True
+        self.near, self.ratio = sorted((t - tp, p) for tp, p in before)[:n], None
+        if self.near:
+            self._price()
+
+    def add(self, t: int, ms: float, n: int) -> None:
+        """A plain step measured after it, at `t`: kept if among the nearest `n`; the first one that is not
+        closes it (later ones are farther still)."""
+        d = t - self.t
+        if len(self.near) >= n and d >= self.near[-1][0]:
+            self.open = False
+            return
+        self.near = sorted([*self.near, (d, ms)])[:n]
+        self._price()
+
+    def _price(self) -> None:
+        self.ratio = self.ms / max(statistics.median(p for _, p in self.near), 1e-6)
+
+
 @dataclass
 class _Costs:
-    plain: deque = field(default_factory=lambda: deque(maxlen=32))
-    drafted: deque = field(default_factory=lambda: deque(maxlen=32))   # (verify rows, ms)
+    plain: deque = field(default_factory=lambda: deque(maxlen=32))     # (t, ms)
+    drafted: deque = field(default_factory=lambda: deque(maxlen=32))   # _Drafted
 
 
-def _line(samples: deque, prior_row: float, floor: float) -> tuple[float, float]:
-    """A and C of ms = A + C * rows: medians per row count, least squares through them weighted by count
-    (C >= 0); with one row count seen, C = prior_row and A its median less that. A is at least `floor` (a
-    plain step: a drafted one runs the same forward and the drafter besides), the line still through the
-    weighted mean: a fit over row counts close together (blocks cut by confidence, 5 and 6 drafts)
-    extrapolates A to nothing or below, and the plan then verified one draft where six paid 2x."""
+def _line(samples: list, prior_row: float, floor: float) -> tuple[float, float]:
+    """A and C of cost = A + C * rows from (rows, cost) pairs: medians per row count, least squares through
+    them weighted by count (C >= 0); with one row count seen, C = prior_row and A its median less that. A is
+    at least `floor` (a plain step: a drafted one runs the same forward and the drafter besides), the line
+    still through the weighted mean: a fit over row counts close together (blocks cut by confidence, 5 and 6
+    drafts) extrapolates A to nothing or below, and the plan then verified one draft where six paid 2x."""
     by_rows: dict[int, list[float]] = {}
     for rows, ms in samples:
         by_rows.setdefault(rows, []).append(ms)
@@ -201,6 +239,7 @@ class DraftPolicy:
         self.costs: dict[int, _Costs] = {}
         self.seqs: dict[int, _SeqState] = {}
         self._drafted_steps = 0
+        self._t = 0                  # steps measured (observe_step), the clock of the cost samples
         self._plain_left = 0
         self._plain_steps = 0        # plans in a row in which no sequence drafted
         self._last_win = 0.0         # the last plan's drafted tokens per ms over a plain step's
@@ -294,26 +333,34 @@ class DraftPolicy:
         """(plain step ms, drafted step's fixed ms, ms per verify row) at this batch size; in units of a
         plain step where nothing is measured yet."""
         c = self.costs.get(batch_bucket(batch))
-        plain = statistics.median(c.plain) if c and len(c.plain) >= self.min_samples else None
+        plain = statistics.median(ms for _, ms in c.plain) if c and len(c.plain) >= self.min_samples else None
         if plain is None:
             return 1.0, self.prior_fixed, self.prior_row
-        if len(c.drafted) < self.min_samples:
+        # Drafted steps in plain steps measured beside them, priced at today's plain step: while drafting is
+        # off, the drafted window gains a sample or two a probe, and its median in ms dated from a busy spell.
+        ratios = [(d.rows, d.ratio) for d in c.drafted if d.ratio is not None]
+        if len(ratios) < self.min_samples:
             return plain, self.prior_fixed * plain, self.prior_row * plain
         if self.padded_rows:
-            return plain, max(plain, statistics.median(ms for _, ms in c.drafted)), 0.0
-        fixed, row = _line(c.drafted, self.prior_row * plain, plain)
-        return plain, fixed, row
+            return plain, plain * max(1.0, statistics.median(r for _, r in ratios)), 0.0
+        fixed, row = _line(ratios, self.prior_row, 1.0)
+        return plain, fixed * plain, row * plain
 
     # -- what the engine learns ----------------------------------------------------------------------
     def observe_step(self, batch: int, rows: int, ms: float) -> None:
         """A pure decode step (no prefill) of `batch` sampling sequences that verified `rows` drafts and
         drafted again, or (rows = 0) neither."""
         c = self.costs.setdefault(batch_bucket(batch), _Costs())
+        self._t += 1
+        n = self.min_samples
         if rows:
-            c.drafted.append((rows, ms))
+            c.drafted.append(_Drafted(rows, self._t, ms, islice(reversed(c.plain), n), n))
             self._drafted_steps += 1
         else:
-            c.plain.append(ms)
+            for d in c.drafted:
+                if d.open:
+                    d.add(self._t, ms, n)
+            c.plain.append((self._t, ms))
 
     def observe_verify(self, seq_id: int, temperature: float, verified: int, accepted: int) -> None:
         """A verify of `verified` drafts of the sequence accepted `accepted` of them."""

@@ -2,6 +2,7 @@
 beat the measured cost of a drafted step relative to a plain one, stops where they do not, and is probed
 again; through the engine, a drafter whose drafts are never accepted stops being verified, and greedy
 outputs stay those of speculation off (tests/MUTATIONS.md P2)."""
+import pytest
 from engine_helpers import prompts, tiny_checkpoint
 from test_dflash import make_proposer
 
@@ -147,7 +148,7 @@ def test_every_probe_every_drafted_steps_two_run_without_drafting():
 def test_a_batch_size_with_drafted_steps_measured_and_plain_ones_not_runs_plain_until_it_is():
     p = DraftPolicy(max_tokens_per_step=4, probe_every=100)
     for _ in range(3):
-        p.observe_step(8, 3, 30.0)                 # drafted steps at batch 8, no plain one there yet
+        p.observe_step(8, 3, 40.0)                 # drafted steps at batch 8, no plain one there yet
     assert p.step_costs(8) == (1.0, 3.0, 0.0)       # the prior: a drafted step is 3 plain ones
     due = []
     for _ in range(8):
@@ -155,7 +156,7 @@ def test_a_batch_size_with_drafted_steps_measured_and_plain_ones_not_runs_plain_
         if due[-1] and len(due) % 2 == 0:
             p.observe_step(8, 0, 10.0)             # the second of each pair is a plain decode
     assert due[:6] == [True] * 6 and due[6:] == [False, False]
-    assert p.step_costs(8)[:2] == (10.0, 30.0)
+    assert p.step_costs(8)[:2] == (10.0, 40.0)      # measured before any plain step: priced by those after
     assert not p.plain_probe_due(1)                 # another batch size: nothing measured there, no probe
 
 
@@ -297,3 +298,39 @@ def test_a_probe_does_not_start_drafting_below_the_margin():
     assert p.plan([(1, 0.0)]) == {1: 1} and p.plan([(1, 0.0)]) == {1: 1}      # the probe: drafts, verifies
     p.observe_verify(1, 0.0, verified=1, accepted=1)
     assert p.plan([(1, 0.0)]) == {1: 0}
+
+
+@pytest.mark.parametrize("padded_rows", [False, True])
+def test_a_drafted_step_is_priced_against_the_plain_steps_measured_beside_it(padded_rows):
+    # bench/RESULTS.md, "The draft policy per sequence": drafting off, the drafted steps' window gained a sample a
+    # probe, in a busy spell; the plain steps after it were quick again. In ms, a drafted step stood at 8.8
+    # plain ones where it costs 2.2, and an easy request whose probe accepted 6 of 6 drafts never drafted.
+    p = DraftPolicy(max_tokens_per_step=K + 1, padded_rows=padded_rows)
+    for _ in range(4):                                  # busy: a probe's drafted step among slow plain ones
+        for ms in (8.0,) * 4 + (None,) + (8.0,) * 4:
+            p.observe_step(1, K if ms is None else 0, 17.6 if ms is None else ms)
+    for _ in range(32):                                 # quiet again: only plain steps measured
+        p.observe_step(1, 0, 2.0)
+    hard = _serve(p, 1, HARD, 40)                       # settles the bucket, and stops
+    assert len(hard) >= 16 and hard[-1] < 39
+    easy = _serve(p, 2, EASY, 40)
+    assert easy[0] == 1 and len(easy) >= 35, easy       # drafted from its second step
+    plain, fixed, row = p.step_costs(1)
+    assert plain == 2.0 and abs(fixed - 4.4) < 1e-9 and row == 0.0     # 2.2 plain steps of today's
+
+
+def test_while_drafting_a_drafted_step_is_priced_against_the_plain_steps_after_it_too():
+    # Drafting on, plain steps are measured once a probe (here every 8 drafted steps). The machine slows down
+    # between two probes; the drafted steps after that are slow, the plain steps before them are not, and
+    # drafting stops: the plain steps measured after them (every step now) say what they cost.
+    p = DraftPolicy(max_tokens_per_step=K + 1)
+    for _ in range(3):
+        p.observe_step(1, 0, 2.0)
+        for _ in range(8):
+            p.observe_step(1, K, 4.4)
+    for _ in range(32):
+        p.observe_step(1, K, 13.2)                      # busy: 2.2 plain steps, if any had been measured
+    for _ in range(8):
+        p.observe_step(1, 0, 6.0)
+    plain, fixed, row = p.step_costs(1)
+    assert plain == 6.0 and abs(fixed - 13.2) < 1e-9 and row == 0.0
