@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 8
+# The pairs a compiled step's MoE runs through small_moe_bf16 (the verify rows of the batches that draft).
+MAX_MOE_PAIRS = 128
 
 
 def _available() -> bool:
@@ -38,6 +40,10 @@ if ENABLED:
     @torch.library.register_fake("namazu::small_bmm_bf16")
     def _small_bmm_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], x.shape[1], w.shape[1])
+
+    @torch.library.register_fake("namazu::small_moe_bf16")
+    def _small_moe_fake(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(topk_ids.numel(), x.shape[1])
 
 
 def applies(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
@@ -62,3 +68,12 @@ def bmm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not applies(x, w, x.shape[1]):
         return torch.bmm(x, w.transpose(1, 2))
     return torch.ops.namazu.small_bmm_bf16(x if x.stride(-1) == 1 else x.contiguous(), w)
+
+
+def moe_pairs(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
+    """Each (token, slot) pair's expert output [N * k, H] (csrc/cpu/small_moe_bf16_op.cpp: pairs grouped by
+    expert, each expert read once), or None where the kernel does not apply (then the caller's own path)."""
+    if not (applies(x, w13, 1) and applies(x, w2, 1) and topk_ids.device.type == "cpu"
+            and topk_ids.numel() <= MAX_MOE_PAIRS):
+        return None
+    return torch.ops.namazu.small_moe_bf16(x, topk_ids, w13, w2)

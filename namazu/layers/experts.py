@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from namazu.kernels import graph_ops  # also registers torch.ops.namazu.moe_grouped_mm for graph mode
+from namazu.kernels import graph_ops, small_gemm  # graph_ops registers torch.ops.namazu.moe_grouped_mm
 from namazu.kernels.moe_types import PROJS, MoERuntime, sort_by_expert
 from namazu.kernels.moe_workspace import active_workspace, gathers_in_graph
 from namazu.layers.weight_loading import Loaded, TPShard, load_shard
@@ -172,11 +172,16 @@ class TorchExperts(RoutedExperts):
         product-and-sum the compiler fuses into loops over the weights (nothing gathered into memory),
         the weighted top-k sum in fp32 as the grouped path computes it."""
         n, k = topk_ids.shape
+        w = topk_weights.to(torch.float32).unsqueeze(-1)
+        # bf16 on a CPU with AVX512_BF16: the pairs grouped by expert, each expert read once. Inductor's fused
+        # gather-and-sum reads an expert per pair, and runs bf16 products far below the kernel's rate.
+        pairs = small_gemm.moe_pairs(x, topk_ids, self.w13, self.w2)
+        if pairs is not None:
+            return (pairs.view(n, k, -1).float() * w).sum(1).to(x.dtype)
         ids = topk_ids.reshape(-1)
         xs = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, 1, -1)
         gate, up = (self.w13[ids] * xs).sum(-1).chunk(2, dim=-1)
         out = (self.w2[ids] * (F.silu(gate) * up).unsqueeze(1)).sum(-1)
-        w = topk_weights.to(torch.float32).unsqueeze(-1)
         return (out.view(n, k, -1).float() * w).sum(1).to(x.dtype)
 
     @torch.no_grad()

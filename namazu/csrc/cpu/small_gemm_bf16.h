@@ -14,3 +14,6 @@ struct SmallGemmArgs {
 extern "C" int small_gemm_bf16_supported(void);
 // Computes the outputs (entry, column) in [begin, end) of the batch-major flattening, for every row.
 extern "C" void small_gemm_bf16_range(const SmallGemmArgs* args, int64_t begin, int64_t end);
+// Rows [0, rows) of x against w's output columns [n0, n1) (one weight matrix, any row count).
+extern "C" void small_gemm_bf16_rows(const uint16_t* x, int64_t x_row, int64_t rows, const uint16_t* w,
+                                     int64_t w_row, int64_t k, int64_t n0, int64_t n1, uint16_t* y, int64_t y_row);
