@@ -154,6 +154,13 @@ class TorchExperts(RoutedExperts):
         """Inference: pairs sorted by expert, one grouped GEMM per projection driven by device-side offsets
         (each expert's weights read once, static shapes, no host sync). A custom op (kernels/graph_ops.py),
         so graph mode traces through it."""
+        # bf16 on a CPU with AVX512_BF16, the few pairs of decode and verify steps (eager or compiled): the
+        # small-row kernel, pairs grouped by expert. The grouped op pays oneDNN's set-up per expert product,
+        # and inductor's traced gather-and-sum reads an expert per pair at a fraction of the kernel's rate.
+        pairs = small_gemm.moe_pairs(x, topk_ids, self.w13, self.w2)
+        if pairs is not None:
+            n, k = topk_ids.shape
+            return (pairs.view(n, k, -1).float() * topk_weights.to(torch.float32).unsqueeze(-1)).sum(1).to(x.dtype)
         if torch.compiler.is_compiling():
             if gathers_in_graph(topk_ids.numel(), self.num_experts, self.expert_bytes):
                 return self._forward_gathered_traced(x, topk_ids, topk_weights)
@@ -173,11 +180,6 @@ class TorchExperts(RoutedExperts):
         the weighted top-k sum in fp32 as the grouped path computes it."""
         n, k = topk_ids.shape
         w = topk_weights.to(torch.float32).unsqueeze(-1)
-        # bf16 on a CPU with AVX512_BF16: the pairs grouped by expert, each expert read once. Inductor's fused
-        # gather-and-sum reads an expert per pair, and runs bf16 products far below the kernel's rate.
-        pairs = small_gemm.moe_pairs(x, topk_ids, self.w13, self.w2)
-        if pairs is not None:
-            return (pairs.view(n, k, -1).float() * w).sum(1).to(x.dtype)
         ids = topk_ids.reshape(-1)
         xs = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, 1, -1)
         gate, up = (self.w13[ids] * xs).sum(-1).chunk(2, dim=-1)

@@ -1,7 +1,7 @@
 """namazu::small_moe_bf16 (csrc/cpu/small_moe_bf16_op.cpp, routed by kernels/small_gemm.moe_pairs): every
 (token, slot) pair's expert output, pairs grouped by expert, against an fp64 oracle that rounds where the
 kernel rounds (the two products' results and the activation to bf16); an expert with more pairs than the
-8-row block; bad expert ids refused; and a compiled bf16 step's MoE really running through it. Compared
+8-row block; bad expert ids refused; and a bf16 MoE, compiled and eager, really running through it. Compared
 within bf16 rounding, never bit for bit: summation orders differ."""
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ def test_a_bad_expert_id_is_refused_with_its_position():
 
 @needs_kernel
 def test_a_compiled_bf16_moe_runs_through_the_kernel():
-    """The traced path graph mode takes for a verify entry (few pairs per expert) calls the kernel once per
-    forward, and gives the weighted sum the fp32 grouped path gives, within bf16 rounding."""
+    """A compiled bf16 forward of the routed experts (a verify entry's 7 rows) calls the kernel once, and gives
+    the weighted sum the fp32 grouped path gives, within bf16 rounding; so does an eager one."""
     from namazu.kernels import graph_ops
     from namazu.layers.experts import TorchExperts
 
@@ -80,7 +80,7 @@ def test_a_compiled_bf16_moe_runs_through_the_kernel():
     x = torch.randn(7, 256, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(12, generator=g)[:2] for _ in range(7)])
     w = torch.rand(7, 2, generator=g)
-    fn = torch.compile(experts._forward_gathered_traced, fullgraph=True, dynamic=False)
+    fn = torch.compile(experts.forward, fullgraph=True, dynamic=False)
     with torch.no_grad():
         fn(x, ids, w)                       # compiled outside the profile
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -89,6 +89,10 @@ def test_a_compiled_bf16_moe_runs_through_the_kernel():
     with torch.no_grad():
         want = graph_ops.moe_grouped_mm_eager(x.float(), ids, w, experts.w13.float(), experts.w2.float())
     torch.testing.assert_close(y.float(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        eager = experts(x, ids, w)
+    assert sum(e.count for e in prof.key_averages() if e.key == "namazu::small_moe_bf16") == 1
+    torch.testing.assert_close(eager, y, rtol=0, atol=0)    # the same kernel on the same inputs
 
 
 def test_without_the_kernel_the_traced_path_is_the_compilers(monkeypatch):
