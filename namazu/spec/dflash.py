@@ -62,7 +62,7 @@ class TwoTapConv(nn.Module):
         g = self.groups
         # Channel c belongs to group c // (H / groups): broadcast each group's delta over its channels
         # instead of materialising it per channel.
-        d = self.delta(x).view(m, b, 2, g, 1)
+        d = small_gemm.linear(x, self.delta.weight).view(m, b, 2, g, 1)
         w = self.base.to(x.dtype).view(2, g, h // g) + d                  # [M, B, 2, groups, H / groups]
         prev = F.pad(x, (0, 0, 1, 0))[:, :b]          # x[i-1], zero before the block's first position
         return (w[:, :, 0] * x.view(m, b, g, -1) + w[:, :, 1] * prev.reshape(m, b, g, -1)).view(m, b, h)
@@ -123,11 +123,11 @@ class DraftLayer(nn.Module):
             # Bidirectional inside the block: every block query sees all B block keys.
             visible = torch.cat([ctx_visible, ctx_visible.new_ones(m, b)], dim=1)[:, None, None, :]
             att = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=visible)
-        x = x + self.o_proj(att.transpose(1, 2).reshape(m, b, -1))
+        x = x + small_gemm.linear(att.transpose(1, 2).reshape(m, b, -1), self.o_proj.weight)
         hn = self.conv_mlp(self.mlp_norm(x))
         if self.gate_up_weight is not None:
             gate, up = small_gemm.linear(hn, self.gate_up_weight).chunk(2, dim=-1)
-            return x + self.down_proj(F.silu(gate) * up)
+            return x + small_gemm.linear(F.silu(gate) * up, self.down_proj.weight)
         return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
 
 
@@ -185,7 +185,7 @@ class Selector(nn.Module):
     def scores(self, prev: torch.Tensor, cand: torch.Tensor, cand_logits: torch.Tensor, h: torch.Tensor
                ) -> torch.Tensor:
         """prev [...], cand [..., K], cand_logits [..., K], h [..., H] -> scores [..., K]."""
-        a = self.pred[prev] * self.proj(h).to(self.pred.dtype)               # [..., r]
+        a = self.pred[prev] * small_gemm.linear(h, self.proj.weight).to(self.pred.dtype)   # [..., r]
         return cand_logits.float() + (self.succ[cand] * a.unsqueeze(-2)).sum(-1).float()
 
 
@@ -239,7 +239,7 @@ class DFlashDrafter(nn.Module):
         """The context feature of each position from the target's hidden states of `target_layers`."""
         hs = [hidden[i] for i in self.cfg.target_layers] if isinstance(hidden, dict) else hidden
         x = torch.cat(hs, dim=-1).to(self.fc.weight.dtype)
-        return self.fc_norm(self.fc(x))
+        return self.fc_norm(small_gemm.linear(x, self.fc.weight))
 
     def block_inputs(self, anchor: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
         """anchor [M] -> embedded [anchor, MASK x (B-1)] [M, B, H] through the target's embedding."""
@@ -285,7 +285,7 @@ class DFlashDrafter(nn.Module):
         if self.draft_vocab is not None:
             cand = self.draft_vocab[cand]                                     # shortlist index -> token id
         sel = self.selector
-        a = sel.proj(h[:, :k]).to(sel.pred.dtype)                             # [M, k, r]
+        a = small_gemm.linear(h[:, :k], sel.proj.weight).to(sel.pred.dtype)   # [M, k, r]
         first = cand_logits[:, 0] + ((sel.pred[anchor] * a[:, 0]).unsqueeze(-2) * sel.succ[cand[:, 0]]).sum(-1)
         pairs = cand_logits[:, 1:].unsqueeze(-2) + torch.einsum(
             "mjpr,mjcr->mjpc", sel.pred[cand[:, :-1]] * a[:, 1:].unsqueeze(-2), sel.succ[cand[:, 1:]]).float()

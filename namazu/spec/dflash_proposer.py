@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from namazu.kernels import small_gemm
 from namazu.layers.cpu_layout import k_major, use_k_major_linears, wants_k_major
 from namazu.layers.sampler import hash_uniform
 from namazu.spec.dflash import DFlashDrafter, draft_counts
@@ -116,7 +117,7 @@ class DFlashProposer:
             kv = self.cache[li][:, slots].transpose(2, 3)                   # keys and values in one gather
             ctx.append((kv[0], kv[1]))
         h = self.model.forward_blocks(anchor, anchor_pos, ctx, visible, self.embed)[:, :k]
-        return anchor, anchor_pos, h, torch.nn.functional.linear(h, self.head)
+        return anchor, anchor_pos, h, small_gemm.linear(h, self.head)
 
     def propose(self, inp: ProposerInput, k: int) -> Proposal:
         t0 = time.perf_counter()
