@@ -94,6 +94,37 @@ def test_a_bf16_decode_step_calls_the_kernel():
     assert calls >= 2 * 20, calls
 
 
+@needs_kernel
+def test_the_drafters_block_makes_no_onednn_product():
+    """The shipped drafter in bf16, as a drafted step runs it for one sequence (the context write of 7 verify
+    rows, one block, the selector's tables, the draft-vocabulary head): every product of its few rows is
+    the kernel's. Each oneDNN call costs ~50 us of set-up; a compiled tail made seven of them a step."""
+    from namazu.assets import default_model_path
+    from namazu.config import ModelConfig
+    from namazu.spec.dflash import DFlashDrafter
+    from namazu.spec.selection import SHIPPED_DRAFTER_DIR
+
+    t = ModelConfig.from_pretrained(default_model_path())
+    model = DFlashDrafter.load(default_model_path() / SHIPPED_DRAFTER_DIR, t.vocab_size, t.hidden_size,
+                               t.num_hidden_layers).to(torch.bfloat16)
+    model.fuse_for_serving()
+    cfg, g = model.cfg, torch.Generator().manual_seed(9)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    head = torch.randn(cfg.draft_vocab_size or cfg.vocab_size, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    hidden = [torch.randn(7, cfg.hidden_size, generator=g).to(torch.bfloat16) for _ in cfg.target_layers]
+    k = cfg.block_size - 1
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        keys, values = model.context_kv_all(model.fuse(hidden), torch.arange(7) + 20)
+        ctx = [(keys[i].transpose(0, 1).unsqueeze(0), values[i].transpose(0, 1).unsqueeze(0))
+               for i in range(cfg.num_layers)]
+        anchor, anchor_pos = torch.tensor([5]), torch.tensor([27])
+        h = model.forward_blocks(anchor, anchor_pos, ctx, torch.arange(7).unsqueeze(0) + 20 < 27, embed)[:, :k]
+        model.selector_tables(anchor, h, small_gemm.linear(h, head), k)
+    names = [e.key for e in prof.key_averages()]
+    assert not {"aten::linear", "aten::addmm", "aten::mm"} & set(names), names
+    assert sum(e.count for e in prof.key_averages() if e.key == "namazu::small_bmm_bf16") >= 8
+
+
 def test_without_the_kernel_every_call_is_torchs(monkeypatch):
     monkeypatch.setattr(small_gemm, "ENABLED", False)
     x = torch.randn(2, 64).to(torch.bfloat16)
