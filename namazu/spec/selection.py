@@ -42,13 +42,15 @@ SHIPPED_DRAFTER_DIR = "drafter"
 # which drafting paid.
 AUTO_DISABLE_BATCH_SIZE = 8
 # Graph mode (compiled steps, CPU): a plain step is 2-3x cheaper than eager's while a verify entry still
-# computes 1 + K rows per sequence, so drafting stops paying sooner. Idle 2-core AVX-512 CPU, fp32, T=0, the
-# default 64 held-out chat prompts, answers ending at EOS (`python bench/drafter_step.py --batch 1 2 4 8
-# --modes graph --groups 4 --output-len 64`, bench/RESULTS.md "The drafted step in graph mode, round 3"):
-# the shipped drafter's decode 1.51-1.53x / 1.35x / 0.90x / 0.82-0.90x of graph mode without it at batch
-# 1 / 2 / 4 / 8 on 4 prompts per batch size; over 16 prompts (`--rounds 2 --groups 8`) batch 1 read 0.89-0.92x,
-# so 2 is an upper bound: the draft policy decides below it.
-AUTO_DISABLE_BATCH_SIZE_GRAPH = 2
+# computes 1 + K rows per sequence, so drafting stops paying sooner. Round 3 (fp32, 4 prompts per batch size)
+# read 1.51x / 1.35x / 0.90x at batch 1 / 2 / 4 and set 2. With the small-row bf16 kernels of 2026-12-07, 16
+# held-out chat prompts per batch size, answers ending at EOS (`python bench/drafter_step.py --batch 1 2 4
+# --modes graph --dtype bfloat16 float32 --rounds 2 --groups 8 --output-len 64`, bench/RESULTS.md "Routed
+# experts and the drafter on the small-row kernel"): the shipped drafter's decode against graph mode without
+# it, bf16 1.15x / 0.86x / 1.06x and fp32 1.08x / 1.01x / 1.02x; the default with 2 read 0.85x (bf16) and
+# 0.94x (fp32) at batch 2. A batch of two sequences verifies 14 rows, and on this CPU that costs about twice
+# 7 rows, while its plain step costs 1.4x a single sequence's. So: one.
+AUTO_DISABLE_BATCH_SIZE_GRAPH = 1
 
 # The running-confidence threshold at which the shipped drafter's blocks end (`dflash.draft_counts`). It
 # belongs to the drafter: round 8's selector spreads its softmax over 32 candidates, trained against the
