@@ -145,6 +145,33 @@ class _Drafted:
         self.ratio = self.ms / max(statistics.median(p for _, p in self.near), 1e-6)
 
 
+class _Calibration:
+    """Drafts accepted over drafts expected, for the blocks the plan chose (probes excluded: nothing picked
+    them), decayed so that it follows the traffic; it scales each draft's expected share of a verify once
+    `min_blocks` blocks are in. Capped at 1: it corrects the estimates the plan's choice biases upwards, and
+    an estimate that runs low is corrected by the acceptance counts themselves."""
+
+    def __init__(self, decay: float = 1 / 256, min_blocks: float = 16.0):
+        self.decay, self.min_blocks = decay, min_blocks
+        self.expected = self.accepted = self.blocks = 0.0
+
+    def observe(self, expected: float, accepted: int) -> None:
+        keep = 1.0 - self.decay
+        self.expected = keep * self.expected + expected
+        self.accepted = keep * self.accepted + accepted
+        self.blocks = keep * self.blocks + 1.0
+
+    @property
+    def factor(self) -> float:
+        if self.blocks < self.min_blocks or self.expected <= 0.0:
+            return 1.0
+        return min(1.0, self.accepted / self.expected)
+
+    def apply(self, table: list[float]) -> list[float]:
+        f = self.factor
+        return table if f == 1.0 else [1.0 + f * (e - 1.0) for e in table]
+
+
 @dataclass
 class _Costs:
     plain: deque = field(default_factory=lambda: deque(maxlen=32))     # (t, ms)
@@ -220,6 +247,7 @@ class _SeqState:
     steps_off: int = 0
     probe: bool = True           # a new sequence is probed at once: its evidence, not only its bucket's
     forced: bool = False         # k was set by a probe, not chosen: it does not count as drafting
+    predicted: float = 0.0       # the drafts the plan expected this block to get accepted (0: forced or none)
     verifies: int = 0
     prior: list | None = None    # its prior rates, for (past sequences' version, its verifies) in prior_key
     prior_key: tuple = ()
@@ -244,6 +272,10 @@ class DraftPolicy:
         self._plain_steps = 0        # plans in a row in which no sequence drafted
         self._last_win = 0.0         # the last plan's drafted tokens per ms over a plain step's
         self.num_probes = 0
+        # Per temperature bucket, the accepted drafts of chosen blocks against what the plan expected of them
+        # (decayed sums): the plan drafts where its estimate is high, so the estimates of the blocks it picks
+        # run high (T=0.8, shipped drafter: 3.03 tokens a verify expected, 2.44 got).
+        self.calibration = [_Calibration() for _ in range(4)]
 
     # -- what the engine asks ------------------------------------------------------------------------
     def plan(self, seqs: list[tuple[int, float]]) -> dict[int, int]:
@@ -254,7 +286,7 @@ class DraftPolicy:
             return {}
         # E_s(k) for every sequence and k once; the ascent then moves running totals (O(B K) a step: the
         # plan runs on the engine's thread before every step).
-        gains = [expected_table(self.rates(st)) for st in states]
+        gains = [self.calibration[st.bucket].apply(expected_table(self.rates(st))) for st in states]
         plain_ms, fixed_ms, row_ms = self.step_costs(b)
         ks = [self.k_max] * b
         tokens = sum(g[-1] for g in gains)
@@ -282,13 +314,15 @@ class DraftPolicy:
         whole = len(probes) == b
         if probes and not any(ks) and not started and not whole and self._plain_steps < self.probe_every:
             probes = []
-        for st in states:
-            st.forced = False
+        for i, st in enumerate(states):
+            st.forced, st.predicted = False, gains[i][ks[i]] - 1.0
         for i in probes:        # until its verify is seen: the step that drafts, then the one that verifies
             states[i].forced = ks[i] == 0
             ks[i] = self.k_max
         for i, st in enumerate(states):
             st.k = ks[i]
+            if st.forced:
+                st.predicted = 0.0
         self._plain_steps = 0 if any(ks) else self._plain_steps + 1
         return {sid: k for (sid, _), k in zip(seqs, ks)}
 
@@ -365,6 +399,9 @@ class DraftPolicy:
     def observe_verify(self, seq_id: int, temperature: float, verified: int, accepted: int) -> None:
         """A verify of `verified` drafts of the sequence accepted `accepted` of them."""
         st = self._state(seq_id, temperature)
+        if st.predicted > 0.0 and verified:
+            self.calibration[st.bucket].observe(st.predicted, accepted)
+        st.predicted = 0.0
         st.acc.observe(verified, accepted)
         self.buckets[st.bucket].observe(verified, accepted)
         st.steps_off, st.probe = 0, False

@@ -334,3 +334,44 @@ def test_while_drafting_a_drafted_step_is_priced_against_the_plain_steps_after_i
         p.observe_step(1, 0, 6.0)
     plain, fixed, row = p.step_costs(1)
     assert plain == 6.0 and abs(fixed - 13.2) < 1e-9 and row == 0.0
+
+
+def test_blocks_the_plan_chose_calibrate_what_it_expects_of_the_next():
+    """The plan drafts where its estimate is high, so the blocks it picks get fewer drafts accepted than it
+    expected (the shipped drafter at T=0.8 through the engine: 3.03 tokens a verify expected, 2.44 got).
+    Here a sequence's own counts say 3 of 6 drafts are accepted (E = 4 tokens, worth a drafted step that
+    costs 3 plain ones), but chosen blocks of other sequences in its temperature bucket keep getting one:
+    once 16 such blocks are in, its expectation is scaled by what they realised and the plan stops drafting.
+    A probe's block (nobody chose it) teaches the calibration nothing."""
+    p = DraftPolicy(max_tokens_per_step=7, margin=1.0, padded_rows=True)
+    _measured(p, plain_ms=2.0, fixed_ms=6.0, row_ms=0.0, rows=(6,))
+    for _ in range(40):
+        p.observe_verify(1, 0.8, verified=6, accepted=3)
+    assert p.plan([(1, 0.8)]) == {1: 6}
+    cal = p.calibration[p.seqs[1].bucket]
+    drafting = 0
+    for _ in range(20):                       # sequence 1's own chosen blocks realise 1 of the 3 expected
+        k = p.plan([(1, 0.8)])[1]
+        drafting += k > 0
+        if k:
+            p.observe_verify(1, 0.8, verified=k, accepted=1)
+        else:
+            p.observe_plain(1)
+    assert cal.blocks >= 16 and cal.factor < 0.5
+    assert p.plan([(1, 0.8)]) == {1: 0}
+    assert 16 <= drafting < 20
+
+
+def test_a_probes_block_does_not_calibrate_the_plan():
+    """A probe drafts a block nobody chose (drafting does not pay here: a drafted step costs 10 plain ones),
+    so what it realises says nothing of the plan's estimates."""
+    p = DraftPolicy(max_tokens_per_step=7, padded_rows=True)
+    _measured(p, plain_ms=2.0, fixed_ms=20.0, row_ms=0.0, rows=(6,))
+    for _ in range(40):
+        p.observe_verify(1, 0.8, verified=6, accepted=0)
+    p.forget(1)
+    for sid in range(2, 40):
+        assert p.plan([(sid, 0.8)]) == {sid: 6} and p.seqs[sid].forced      # its arrival probe
+        p.observe_verify(sid, 0.8, verified=6, accepted=0)
+        p.forget(sid)
+    assert all(c.blocks == 0 for c in p.calibration)
