@@ -248,6 +248,9 @@ class _SeqState:
     probe: bool = True           # a new sequence is probed at once: its evidence, not only its bucket's
     forced: bool = False         # k was set by a probe, not chosen: it does not count as drafting
     predicted: float = 0.0       # the drafts the plan expected this block to get accepted (0: forced or none)
+    dormant: bool = False        # arrived while its bucket was dormant: never drafts, no drafter context
+    planned: int = 0             # plans it was in
+    chosen: int = 0              # of them, those that chose to draft for it (probes not counted)
     verifies: int = 0
     prior: list | None = None    # its prior rates, for (past sequences' version, its verifies) in prior_key
     prior_key: tuple = ()
@@ -256,7 +259,8 @@ class _SeqState:
 class DraftPolicy:
     def __init__(self, max_tokens_per_step: int, prior_fixed: float = 3.0, prior_row: float = 0.0,
                  margin: float = 1.05, probe_every: int = 32, shrink: float = 8.0, min_samples: int = 3,
-                 padded_rows: bool = False, min_evidence: float = 16.0, history: int = 16):
+                 padded_rows: bool = False, min_evidence: float = 16.0, history: int = 16,
+                 dormant_window: int = 8, dormant_below: float = 0.05, explore_every: int = 8):
         self.k_max = max_tokens_per_step - 1
         self.padded_rows, self.min_evidence = padded_rows, min_evidence
         self.prior_fixed, self.prior_row = prior_fixed, prior_row
@@ -276,6 +280,14 @@ class DraftPolicy:
         # (decayed sums): the plan drafts where its estimate is high, so the estimates of the blocks it picks
         # run high (T=0.8, shipped drafter: 3.03 tokens a verify expected, 2.44 got).
         self.calibration = [_Calibration() for _ in range(4)]
+        # A bucket whose last `dormant_window` finished sequences all chose drafting in under
+        # `dormant_below` of their steps is dormant: its new sequences neither draft nor pay the drafter's
+        # context write on every step (eager fp32 at batch 1: 6% of a step, a drafter that never drafts),
+        # except every `explore_every`-th, which runs as before and wakes the bucket if it chose to draft.
+        self.dormant_window, self.dormant_below, self.explore_every = dormant_window, dormant_below, explore_every
+        self.dormant = [False] * 4
+        self._choices = [deque(maxlen=dormant_window) for _ in range(4)]
+        self._arrivals = [0] * 4
 
     # -- what the engine asks ------------------------------------------------------------------------
     def plan(self, seqs: list[tuple[int, float]]) -> dict[int, int]:
@@ -286,7 +298,11 @@ class DraftPolicy:
             return {}
         # E_s(k) for every sequence and k once; the ascent then moves running totals (O(B K) a step: the
         # plan runs on the engine's thread before every step).
-        gains = [self.calibration[st.bucket].apply(expected_table(self.rates(st))) for st in states]
+        none = [1.0] * (self.k_max + 1)
+        for st in states:
+            st.probe = st.probe and not st.dormant
+        gains = [none if st.dormant else self.calibration[st.bucket].apply(expected_table(self.rates(st)))
+                 for st in states]
         plain_ms, fixed_ms, row_ms = self.step_costs(b)
         ks = [self.k_max] * b
         tokens = sum(g[-1] for g in gains)
@@ -321,8 +337,11 @@ class DraftPolicy:
             ks[i] = self.k_max
         for i, st in enumerate(states):
             st.k = ks[i]
+            st.planned += 1
             if st.forced:
                 st.predicted = 0.0
+            elif ks[i]:
+                st.chosen += 1
         self._plain_steps = 0 if any(ks) else self._plain_steps + 1
         return {sid: k for (sid, _), k in zip(seqs, ks)}
 
@@ -420,14 +439,34 @@ class DraftPolicy:
     def forget(self, seq_id: int) -> None:
         """The sequence finished: it joins its bucket's past sequences."""
         st = self.seqs.pop(seq_id, None)
-        if st is not None:
-            self.past[st.bucket].add(st.acc, self.buckets[st.bucket].rates())
+        if st is None or st.dormant:
+            return
+        self.past[st.bucket].add(st.acc, self.buckets[st.bucket].rates())
+        if st.planned:
+            drafted = st.chosen / st.planned >= self.dormant_below
+            choices = self._choices[st.bucket]
+            choices.append(drafted)
+            if drafted:
+                self.dormant[st.bucket] = False
+            elif len(choices) == choices.maxlen and not any(choices):
+                self.dormant[st.bucket] = True
+
+    def wants_context(self, seq_id: int, temperature: float) -> bool:
+        """Whether the drafter needs this sequence's context (False: it arrived while its temperature bucket
+        was dormant and is not that bucket's explorer). A step writes the drafter's context when any of its
+        sequences wants it."""
+        return not self._state(seq_id, temperature).dormant
 
     # -- internals -------------------------------------------------------------------------------------
     def _state(self, seq_id: int, temperature: float) -> _SeqState:
         st = self.seqs.get(seq_id)
         if st is None:
-            st = self.seqs[seq_id] = _SeqState(temperature_bucket(temperature), Acceptance(self.k_max))
+            b = temperature_bucket(temperature)
+            st = self.seqs[seq_id] = _SeqState(b, Acceptance(self.k_max))
+            if self.dormant[b]:
+                self._arrivals[b] += 1
+                st.dormant = self._arrivals[b] % self.explore_every != 0
+                st.probe = not st.dormant
         return st
 
     @staticmethod

@@ -361,6 +361,9 @@ class LLMEngine:
         if batch.sampling.bitmask is not None:
             self._mask_rows += len(batch.sampling.bitmask)
             self._mask_seconds += time.perf_counter() - t0
+        if self.draft_policy is not None:
+            batch.spec.write_context = any(self.draft_policy.wants_context(it.seq.seq_id, it.seq.params.temperature)
+                                           for it in plan.scheduled)
         speculate = plan.speculate and self._drafting_pays(plan.scheduled)
         if self.drafter is not None and self.drafter.on_device and speculate:
             batch.spec.max_drafts_next = self.verify_rows     # a tree's nodes come back whole (grammar rows)

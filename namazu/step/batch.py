@@ -94,6 +94,8 @@ class SpecInputs:
     return_drafts: np.ndarray      # [S] bool: send the next drafts' ids back (the engine checks them
                                    # against the sequence's grammar before planning their verify)
     max_drafts_next: int = 0       # a device proposer's draft count per sequence (0: none, or a host proposer)
+    write_context: bool = True     # the drafter's context from this step's rows (off: no sequence of the
+                                   # step will draft, engine/draft_policy.py's dormant buckets)
 
     @property
     def max_drafts(self) -> int:

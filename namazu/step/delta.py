@@ -66,6 +66,7 @@ _SCALARS = ("num_logprobs", "max_drafts_next", "plp_num", "flags", "bitmask_widt
 _HEADER = 1 + len(_SCALARS) + len(_FIELDS)
 _FLAGS = ("any_penalty", "any_repetition_penalty", "any_top_k_top_p", "any_min_p", "all_greedy")
 _PLAIN_DECODE = 1 << len(_FLAGS)    # flag: every sequence decodes one token without drafts and samples
+_NO_CONTEXT = 1 << (len(_FLAGS) + 1)  # flag: the drafter's context is not written from this step
 _PARAM_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -253,6 +254,8 @@ class StepEncoder:
         flags = sum(1 << j for j, f in enumerate(_FLAGS) if getattr(sp, f))
         if plain:
             flags |= _PLAIN_DECODE
+        if not spec.write_context:
+            flags |= _NO_CONTEXT
         mask = sp.bitmask
         scalars = [sp.num_logprobs, spec.max_drafts_next, b.prompt_lp.num, flags,
                    -1 if mask is None else mask.shape[1]]
@@ -337,6 +340,7 @@ class StepDecoder:
         if len(bias_values):
             sampling.bias, sampling.bias_values = bias.reshape(2, -1), bias_values
         plp = plp.reshape(2, -1)
+        spec.write_context = not flags & _NO_CONTEXT
         return StepBatch(attn=attn, seqs=seqs, sampling=sampling, spec=spec,
                          prompt_lp=PromptLogprobInputs(plp[0], plp[1], plp_num), finished_seq_ids=finished,
                          shadow_seq_ids=shadow_arr.tolist())

@@ -95,6 +95,7 @@ class StepInputs:
     pad: torch.Tensor | None = None              # [N] padded row of each flat token
     width: int | None = None
     tail: bool = False                           # graph mode: the drafted step's compiled tail runs it
+    write_context: bool = True                   # the drafter's context from this step's rows
 
 
 @dataclass
@@ -341,7 +342,7 @@ class ModelRunner:
             else:
                 st = self._sampling_tensors(b, prep)
                 site = self._draft_site(b, inp) if self.spec.on_device else None
-                if not fwd.context_written:
+                if not fwd.context_written and inp.write_context:
                     self.spec.extend_context(b, fwd.hidden, fwd.captured, site)
                 if self.shadow is not None and site is not None:
                     self.shadow.extend_context(b, site.positions, site.slot_mapping, fwd.captured)
@@ -377,6 +378,7 @@ class ModelRunner:
         inp = StepInputs(logit_rows=T(a.logit_rows), row_layout=T(b.spec.row_layout),
                          slot_index=T(prep.slots) if self.spec.k else None)
         # A step with a shadowed sequence skips the compiled tail: the shadow reads what the tail keeps inside.
+        inp.write_context = b.spec.write_context
         inp.tail = layout is not None and self._tail_covers(b, layout[0]) \
             and not (self.shadow is not None and self.shadow.wants(b))
         # Each input costs a host-to-device copy (on CPU, a tensor wrapper: still a few microseconds): a graph
@@ -412,7 +414,7 @@ class ModelRunner:
                 entry.input_ids.index_put_((pad[inp.draft_flat],), drafts_in)
             all_logits, hidden, captured = self.graphs.launch(entry, inp.width)
             written = self.tails is not None and self.world_size == 1 and self.tails.writes_context(entry)
-            if written:
+            if written and inp.write_context:
                 t0 = time.perf_counter()
                 self.tails.write_context(entry, captured)
                 self.spec.proposer.draft_seconds += time.perf_counter() - t0

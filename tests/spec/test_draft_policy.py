@@ -2,6 +2,8 @@
 beat the measured cost of a drafted step relative to a plain one, stops where they do not, and is probed
 again; through the engine, a drafter whose drafts are never accepted stops being verified, and greedy
 outputs stay those of speculation off (tests/MUTATIONS.md P2)."""
+from collections import deque
+
 import pytest
 from engine_helpers import prompts, tiny_checkpoint
 from test_dflash import make_proposer
@@ -194,6 +196,27 @@ def test_a_drafter_that_is_never_accepted_stops_being_verified_and_outputs_do_no
     assert counts[True] < counts[False] / 4, counts
 
 
+def test_a_dormant_buckets_steps_skip_the_drafters_context_and_outputs_do_not_change():
+    ps = prompts(2, lo=4, hi=10, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(tiny_checkpoint(), executor="inline", drafter=make_proposer(), num_speculative_tokens=3,
+             speculative_adaptive=True) as llm:
+        spec = llm.engine.executor.worker.runner.spec
+        writes = []
+        inner = spec.extend_context
+        spec.extend_context = lambda *a, **k: (writes.append(1), inner(*a, **k))
+        want = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params,
+                                                               use_tqdm=False)]
+        assert writes
+        policy = llm.engine.draft_policy
+        policy.dormant[0], policy.explore_every = True, 10 ** 9
+        drafts, writes[:] = llm.engine.get_stats().num_draft_tokens, []
+        got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params,
+                                                              use_tqdm=False)]
+        assert got == want and writes == []
+        assert llm.engine.get_stats().num_draft_tokens == drafts
+
+
 def test_sequences_due_a_probe_in_plain_steps_are_probed_together_once_every_probe_every_steps():
     # At batch 4 with probes due at staggered steps, one probe per sequence every 4 of its steps would draft
     # in most steps (the drafter runs for the whole batch); together they draft once in 4 plain steps.
@@ -263,11 +286,34 @@ def test_after_hard_requests_an_easy_one_drafts_from_its_second_step():
 
 def test_an_all_hard_stream_stays_off_at_one_drafted_step_a_request():
     p = _costed()
+    p.dormant_window = 1000                 # (the dormant bucket: the test below)
+    p._choices = [deque(maxlen=1000) for _ in range(4)]
     _serve(p, 1, HARD, 40)
     for sid in range(2, 12):
         verified = _serve(p, sid, HARD, 40)
         assert verified[0] == 1 and len(verified) <= 2, (sid, verified)    # its arrival probe, its 32-step probe
     assert len(p.past[0].rates) == 11
+
+
+def test_a_bucket_whose_sequences_never_choose_to_draft_goes_dormant_and_an_explorer_wakes_it():
+    """After 8 finished sequences of a temperature bucket that never chose to draft (probes aside), its new
+    sequences neither draft nor probe, and want no drafter context (the step skips the drafter's context
+    write, which they paid on every step); every 8th new one explores as before, and one that chooses to
+    draft wakes the bucket. Buckets are independent."""
+    p = _costed()
+    assert len(_serve(p, 1, HARD, 40)) >= 16            # the optimistic start: it chose to draft, then stopped
+    for sid in range(2, 10):
+        assert p.wants_context(sid, 0.0) and not p.dormant[0]
+        _serve(p, sid, HARD, 40)                         # its arrival probe (not a choice), then plain
+    assert p.dormant[0] and not p.dormant[1]
+    for sid in range(10, 17):                # arrivals 1-7 of the dormant bucket
+        assert not p.wants_context(sid, 0.0)
+        assert _serve(p, sid, EASY, 40) == []     # easy, but never tried: dormant
+    assert p.dormant[0] and p.wants_context(100, 0.7)        # another bucket drafts on
+    assert p.wants_context(17, 0.0)          # the 8th arrival explores
+    assert len(_serve(p, 17, EASY, 40)) >= 30
+    assert not p.dormant[0] and p.wants_context(18, 0.0)
+    assert len(_serve(p, 18, EASY, 40)) >= 30
 
 
 def test_a_sequence_is_weighed_against_past_sequences_not_their_pooled_verifies():
@@ -365,7 +411,7 @@ def test_blocks_the_plan_chose_calibrate_what_it_expects_of_the_next():
 def test_a_probes_block_does_not_calibrate_the_plan():
     """A probe drafts a block nobody chose (drafting does not pay here: a drafted step costs 10 plain ones),
     so what it realises says nothing of the plan's estimates."""
-    p = DraftPolicy(max_tokens_per_step=7, padded_rows=True)
+    p = DraftPolicy(max_tokens_per_step=7, padded_rows=True, dormant_window=1000)
     _measured(p, plain_ms=2.0, fixed_ms=20.0, row_ms=0.0, rows=(6,))
     for _ in range(40):
         p.observe_verify(1, 0.8, verified=6, accepted=0)

@@ -123,6 +123,9 @@ def test_tables_that_shrink_or_are_replaced_arrive_intact():
     b2.finished_seq_ids, b2.seqs.seq_ids[0] = [0], 9        # 0 forgotten, 9 arrives in its slot
     assert_same_fields(b2, dec.decode(enc.encode(b2)), "reused slot")
     assert dec.num_known == enc.num_known == 3
+    b3 = _decode_batch(3, 40, 0)
+    b3.spec.write_context = False                           # no sequence of the step will draft
+    assert_same_fields(b3, dec.decode(enc.encode(b3)), "no drafter context")
 
 
 def test_bad_messages_are_refused():
