@@ -14,15 +14,6 @@ namespace {
 
 #define SMALL_GEMM_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-// Round to nearest even, as torch's float -> bfloat16 conversion does (NaN kept quiet).
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // Up to kRows rows of x against output columns [n0, n1) of one batch entry.
 constexpr int kRows = 8;
 
@@ -86,7 +77,7 @@ SMALL_GEMM_BF16 void rows_block(const uint16_t* x, int64_t x_row, const uint16_t
     }
     float sums[R];
     reduce_rows<R>(acc, sums);
-    for (int m = 0; m < R; ++m) y[m * y_row + n] = to_bf16(sums[m]);
+    for (int m = 0; m < R; ++m) y[m * y_row + n] = small_gemm_to_bf16(sums[m]);
   }
 }
 

@@ -2,6 +2,16 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+
+// Round to nearest even, as torch's float -> bfloat16 conversion does (NaN kept quiet).
+inline uint16_t small_gemm_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
 
 struct SmallGemmArgs {
   const uint16_t* x;   // [batch][m][k], rows x_row apart, entries x_batch apart, k contiguous

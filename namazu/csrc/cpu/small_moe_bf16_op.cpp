@@ -25,15 +25,6 @@ inline float from_bf16(uint16_t h) {
   return f;
 }
 
-// Round to nearest even, NaN kept quiet (as torch and small_gemm_bf16.cpp round).
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // Runs `rows` of each group (a contiguous run of `rows_of` rows starting at `first`) against its expert's
 // weight, columns split over threads: work item g * n + c is group g's column c.
 template <class Fn>
@@ -102,7 +93,7 @@ at::Tensor small_moe_bf16_op(const at::Tensor& x, const at::Tensor& topk_ids, co
   for (int64_t j = 0; j < P; ++j)
     for (int64_t i = 0; i < I; ++i) {
       const float g = from_bf16(h13[j * 2 * I + i]), u = from_bf16(h13[j * 2 * I + I + i]);
-      act[j * I + i] = to_bf16(g / (1.0f + std::exp(-g)) * u);
+      act[j * I + i] = small_gemm_to_bf16(g / (1.0f + std::exp(-g)) * u);
     }
   over_groups(G, H, P * I / std::max<int64_t>(1, G), [&](int64_t g, int64_t c0, int64_t c1) {
     small_gemm_bf16_rows(&act[first[g] * I], I, rows[g], w2p + expert[g] * w2.stride(0), w2.stride(1), I, c0, c1,
