@@ -299,8 +299,6 @@ class DraftPolicy:
         # E_s(k) for every sequence and k once; the ascent then moves running totals (O(B K) a step: the
         # plan runs on the engine's thread before every step).
         none = [1.0] * (self.k_max + 1)
-        for st in states:
-            st.probe = st.probe and not st.dormant
         gains = [none if st.dormant else self.calibration[st.bucket].apply(expected_table(self.rates(st)))
                  for st in states]
         plain_ms, fixed_ms, row_ms = self.step_costs(b)
@@ -429,7 +427,7 @@ class DraftPolicy:
     def observe_plain(self, seq_id: int) -> None:
         """The sequence took a step without verifying: one planned at 0 counts towards its probe."""
         st = self.seqs.get(seq_id)
-        if st is None or st.k != 0:
+        if st is None or st.k != 0 or st.dormant:      # a dormant sequence is never probed
             return
         st.steps_off += 1
         if st.steps_off >= self.probe_every:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 8
-# The pairs a compiled step's MoE runs through small_moe_bf16 (the verify rows of the batches that draft).
+# The most (token, slot) pairs a MoE runs through small_moe_bf16: decode and verify steps, eager or compiled.
 MAX_MOE_PAIRS = 128
 
 
@@ -73,7 +73,12 @@ def bmm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def moe_pairs(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
     """Each (token, slot) pair's expert output [N * k, H] (csrc/cpu/small_moe_bf16_op.cpp: pairs grouped by
     expert, each expert read once), or None where the kernel does not apply (then the caller's own path)."""
-    if not (applies(x, w13, 1) and applies(x, w2, 1) and topk_ids.device.type == "cpu"
-            and topk_ids.numel() <= MAX_MOE_PAIRS):
+    if not (applies(x, w13, 1) and applies(x, w2, 1) and moe_applies(w13.dtype, topk_ids.device, topk_ids.numel())):
         return None
     return torch.ops.namazu.small_moe_bf16(x, topk_ids, w13, w2)
+
+
+def moe_applies(dtype: torch.dtype, device: torch.device, num_pairs: int) -> bool:
+    """Whether a MoE of `num_pairs` pairs in `dtype` on `device` runs through small_moe_bf16 (graph mode then
+    allocates no grouped-GEMM workspace for it)."""
+    return ENABLED and dtype == torch.bfloat16 and device.type == "cpu" and num_pairs <= MAX_MOE_PAIRS

@@ -179,11 +179,11 @@ class TorchExperts(RoutedExperts):
         product-and-sum the compiler fuses into loops over the weights (nothing gathered into memory),
         the weighted top-k sum in fp32 as the grouped path computes it."""
         n, k = topk_ids.shape
-        w = topk_weights.to(torch.float32).unsqueeze(-1)
         ids = topk_ids.reshape(-1)
         xs = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, 1, -1)
         gate, up = (self.w13[ids] * xs).sum(-1).chunk(2, dim=-1)
         out = (self.w2[ids] * (F.silu(gate) * up).unsqueeze(1)).sum(-1)
+        w = topk_weights.to(torch.float32).unsqueeze(-1)
         return (out.view(n, k, -1).float() * w).sum(1).to(x.dtype)
 
     @torch.no_grad()

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from namazu.kernels import small_gemm
 from namazu.kernels.moe_workspace import MoEWorkspace, gathers_in_graph, workspace_scope
 from namazu.kernels.paged_mla import paged_latent_attention
 from namazu.layers.experts import TorchExperts
@@ -382,7 +383,8 @@ def _moe_workspace(model: torch.nn.Module | None, num_tokens: int) -> MoEWorkspa
     for m in model.modules() if model is not None else ():
         if isinstance(m, TorchExperts):
             top_k = model.config.num_experts_per_tok
-            if gathers_in_graph(num_tokens * top_k, m.num_experts, m.expert_bytes):
+            if gathers_in_graph(num_tokens * top_k, m.num_experts, m.expert_bytes) or \
+                    small_gemm.moe_applies(m.w13.dtype, m.w13.device, num_tokens * top_k):
                 return None
             return MoEWorkspace.allocate(num_tokens, top_k, m.num_experts,
                                          m.hidden_size, m.intermediate_size, m.w13.dtype, m.w13.device)
