@@ -16,7 +16,7 @@ dropped; the rows the step samples are gathered from the real ones.
 
 On CPU each entry is one torch.compile of the forward (plus the logits of every row and their argmax,
 inductor's C++ wrapper calling the kernels); the block-table width is a dynamic dimension there, so an
-entry compiles once, and after warm-up its compiled graph is called directly (`_DirectCall`). Attention
+entry compiles once, and after warm-up its compiled graph is called directly (`worker/direct_call.py`). Attention
 is traced into the graph (one softmax over the padded table) where the gathered keys stay small, else it
 is the paged_mla op; the routed experts run traced (few pairs per expert) or in the entry's MoE
 workspace (kernels/moe_workspace.py).
@@ -40,6 +40,7 @@ from namazu.kernels.moe_workspace import MoEWorkspace, gathers_in_graph, workspa
 from namazu.kernels.paged_mla import paged_latent_attention
 from namazu.layers.experts import TorchExperts
 from namazu.layers.forward_context import forward_context
+from namazu.worker.direct_call import DirectCall, GraphRecorder
 from namazu.worker.host_sync_guard import HostSyncError, no_host_sync
 from namazu.worker.paged_kv_cache import PagedAttentionContext, PagedAttentionMetadata, PagedLatentCache
 
@@ -90,7 +91,7 @@ class GraphEntry:
         self.host_is_buffers = device.type == "cpu"
         self.host = tuple(t.numpy() if self.host_is_buffers else np.zeros(t.shape, dtype=np.int64) for t in bufs)
         self.compiled: Callable | None = None
-        self.direct: _DirectCall | None = None
+        self.direct: DirectCall | None = None
         self.greedy: torch.Tensor | None = None   # [Bp * Tq] the last launch's argmax of every row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}   # width -> (graph, outputs)
 
@@ -207,12 +208,14 @@ class StepGraphs:
         return out + [self.max_width]
 
     def _compile(self, e: GraphEntry) -> None:
-        compiled: list[tuple[Callable, list]] = []
-        backend = compile_backend(self.backend, compiled)
-        e.compiled = torch.compile(self._entry_forward(e), backend=backend, dynamic=False, fullgraph=True)
+        recorder = GraphRecorder(compile_backend(self.backend, []))
+        e.compiled = torch.compile(self._entry_forward(e), backend=recorder, dynamic=False, fullgraph=True)
         table = e.block_tables[:, :2]
-        ref = self._run_compiled(e, 2, table=table)   # the first call compiles; padding rows only
-        e.direct = _DirectCall.of(compiled, table, ref)
+        with recorder.record():
+            ref = self._run_compiled(e, 2, table=table)   # the first call compiles; padding rows only
+        # Every input but the table's view at the step's width is the same tensor on every call (the entry's
+        # buffers, the parameters, the cache).
+        e.direct = DirectCall.learn(recorder.last, {"table": table}, 2, ref)
         if e.direct is None:
             logger.warning("graph mode: entry (%d, %d) is called through torch.compile's frame (its compiled "
                            "graph did not reproduce the traced call)", e.bp, e.tq)
@@ -228,7 +231,7 @@ class StepGraphs:
     def _run_compiled(self, e: GraphEntry, width: int, check_guards: bool = True, table: torch.Tensor | None = None):
         if e.direct is not None:
             with _disable_current_modes():   # (as below)
-                return e.direct(e.block_tables[:, :width], width)
+                return e.direct({"table": e.block_tables[:, :width]}, width)
         ctx = e.context(width, traced_attention=self._traces_attention(e), table=table)
         torch._dynamo.mark_dynamic(ctx.meta.block_tables, 1, min=2, max=max(3, self.max_width))
         # torch.compile does not run under a dispatch mode, which is how --debug-no-host-sync watches
@@ -335,46 +338,6 @@ def own_code(fn: Callable, name: str) -> types.FunctionType:
     batch 1, even with guard evaluation skipped); one each, a call finds its own."""
     code = fn.__code__.replace(co_name=name, co_qualname=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-
-
-class _DirectCall:
-    """An entry's compiled graph called with its argument list built once, past torch.compile's frame
-    machinery: its cache lookup and the bytecode that gathers the graph's inputs (every parameter, by
-    attribute) cost about 0.1 ms of a 1.7 ms batch-1 step. Every input but the block table's width and
-    its view at that width is the same tensor on every call (the entry's buffers, the parameters, the
-    cache), so only those two are replaced."""
-
-    def __init__(self, fn: Callable, args: list, table_at: int, width_at: list[int]):
-        self.fn, self.args, self.table_at, self.width_at = fn, args, table_at, width_at
-
-    @classmethod
-    def of(cls, compiled: list[tuple[Callable, list]], table: torch.Tensor, ref: tuple[torch.Tensor, ...]
-           ) -> _DirectCall | None:
-        """From the one graph the traced call compiled, if its inputs hold the table view `table` once and
-        its width once among their integers (the others, such as the view's row stride, which the
-        dynamic width makes symbolic too, are constants of the entry), and a direct call returns what
-        the traced call returned (`ref`: the same tensors in the same order); else None (the entry
-        keeps the traced call)."""
-        if len(compiled) != 1:
-            return None
-        fn, args = compiled[0]
-        args = [int(a) if isinstance(a, torch.SymInt) else a for a in args]
-        tables = [i for i, a in enumerate(args) if a is table]
-        widths = [i for i, a in enumerate(args) if isinstance(a, int) and a == table.shape[1]]
-        # (a table of the widest width 2 has a row stride of 2 too: every such integer is the width)
-        if len(tables) != 1 or not widths or (len(widths) > 1 and table.stride(0) != table.shape[1]):
-            return None
-        direct = cls(fn, args, tables[0], widths)
-        out = direct(table, table.shape[1])
-        same = len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref))
-        return direct if same else None
-
-    def __call__(self, table: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
-        args = list(self.args)
-        args[self.table_at] = table
-        for i in self.width_at:
-            args[i] = width
-        return tuple(self.fn(*args))
 
 
 def _moe_workspace(model: torch.nn.Module | None, num_tokens: int) -> MoEWorkspace | None:
