@@ -8,19 +8,26 @@ Records go to sharded, append-only files `capture-<start time>-<pid>-<n>.ndjson`
 leave at most a torn final line; a writer never reopens an existing shard (each process start begins new
 shards), so a torn tail is never followed by more records, and `read_records` skips it (and any line whose
 checksum fails). A shard rotates when it reaches `shard_bytes`.
+
+Reading is forward compatible: a key this version does not know (a field added later) is ignored and named
+once in the log, so an older reader keeps using newer captures; a record missing a required field
+(`REQUIRED`) is skipped with a warning naming its file and line, never raised.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from namazu.engine_config import parse_bytes
+
+logger = logging.getLogger(__name__)
 
 SUFFIX = ".ndjson"
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "presence_penalty",
@@ -149,12 +156,14 @@ def shard_paths(sources: str | Path | Iterable[str | Path]) -> list[Path]:
 
 def read_records(sources: str | Path | Iterable[str | Path], stats: ReadStats | None = None
                  ) -> Iterator[CaptureRecord]:
-    """Every intact record of the shards, in order; torn or corrupt lines are counted and skipped."""
+    """Every intact record of the shards, in order; torn or corrupt lines, and records without a required
+    field, are counted and skipped."""
     stats = stats if stats is not None else ReadStats()
     for path in shard_paths(sources):
         with open(path, "rb") as f:
-            for line in f:
-                rec = _parse(line)
+            for lineno, line in enumerate(f, 1):
+                payload = _payload(line)
+                rec = None if payload is None else record_from_dict(payload, f"{path}:{lineno}")
                 if rec is None:
                     stats.skipped += 1
                     continue
@@ -162,16 +171,41 @@ def read_records(sources: str | Path | Iterable[str | Path], stats: ReadStats | 
                 yield rec
 
 
-def _parse(line: bytes) -> CaptureRecord | None:
+def _payload(line: bytes):
+    """The JSON object of an intact line; None for a torn or corrupt one (silently: a crash leaves one)."""
     if not line.endswith(b"\n") or len(line) < 10 or line[8:9] != b" ":
         return None
     payload = line[9:-1]
     try:
         if int(line[:8], 16) != zlib.crc32(payload):
             return None
-        return CaptureRecord(**json.loads(payload))
-    except (ValueError, TypeError):
+        return json.loads(payload)
+    except ValueError:
         return None
+
+
+_FIELDS = {f.name: f for f in fields(CaptureRecord)}
+REQUIRED = tuple(n for n, f in _FIELDS.items() if f.default is MISSING and f.default_factory is MISSING)
+_unknown_logged: set[str] = set()
+
+
+def record_from_dict(d, where: str = "record") -> CaptureRecord | None:
+    """A record from its JSON object. Keys this version does not know (written by a newer one) are dropped,
+    so an older reader still trains and replays on newer captures; each is logged once per process. A record
+    missing a required field cannot be replayed: None, with a warning naming `where`."""
+    if not isinstance(d, dict):
+        logger.warning("capture %s: not a JSON object, skipped", where)
+        return None
+    missing = [n for n in REQUIRED if n not in d]
+    if missing:
+        logger.warning("capture %s: skipped, missing required field(s) %s", where, ", ".join(missing))
+        return None
+    unknown = sorted(k for k in d if k not in _FIELDS and k not in _unknown_logged)
+    if unknown:
+        _unknown_logged.update(unknown)
+        logger.warning("capture records carry field(s) this version does not know, ignored (written by a newer "
+                       "namazu?): %s", ", ".join(unknown))
+    return CaptureRecord(**{k: v for k, v in d.items() if k in _FIELDS})
 
 
 def record_from_output(out, params, arrival: float, first_token: float | None, model: str = "") -> CaptureRecord:

@@ -2,6 +2,7 @@
 output constraint kept, so a replay decodes under the grammar that was served."""
 import asyncio
 import json
+import logging
 import os
 import zlib
 from dataclasses import asdict
@@ -12,7 +13,9 @@ from engine_helpers import prompts, tiny_checkpoint
 from namazu import LLM, SamplingParams
 from namazu.async_engine import AsyncEngine
 from namazu.engine_config import EngineConfig
-from namazu.spec.capture import CaptureRecord, CaptureWriter, ReadStats, read_records, shard_paths, structured_settings
+from namazu.spec import capture
+from namazu.spec.capture import (REQUIRED, CaptureRecord, CaptureWriter, ReadStats, read_records, shard_paths,
+                                 structured_settings)
 from namazu.spec.training.replay import completion_constraint, replay_params, replay_settings
 
 
@@ -69,6 +72,36 @@ def test_a_corrupt_line_is_skipped(tmp_path):
     data[data.index(b'"r1"') + 2] ^= 1      # one flipped bit inside record r1
     shard.write_bytes(bytes(data))
     assert [r.request_id for r in read_records(tmp_path)] == ["r0", "r2"]
+
+
+def _line(payload: dict) -> bytes:
+    data = json.dumps(payload, separators=(",", ":")).encode()
+    return b"%08x " % zlib.crc32(data) + data + b"\n"
+
+
+def test_a_record_from_a_newer_version_keeps_its_known_fields(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(capture, "_unknown_logged", set())      # once per process: this test's process
+    newer = {**asdict(rec(1)), "draft_trace": [1, 2], "tenant": "t"}
+    (tmp_path / "a.ndjson").write_bytes(_line(newer) + _line(newer))
+    stats = ReadStats()
+    with caplog.at_level(logging.WARNING, logger="namazu.spec.capture"):
+        assert list(read_records(tmp_path, stats)) == [rec(1), rec(1)]
+    assert stats.skipped == 0
+    [msg] = [r.getMessage() for r in caplog.records]             # logged once, not per record
+    assert "draft_trace" in msg and "tenant" in msg
+
+
+@pytest.mark.parametrize("missing", REQUIRED)
+def test_a_record_missing_a_required_field_is_skipped_and_its_neighbours_read(tmp_path, caplog, missing):
+    assert REQUIRED == ("request_id", "prompt_token_ids", "output_token_ids", "finish_reasons")
+    bad = {k: v for k, v in asdict(rec(1)).items() if k != missing}
+    (tmp_path / "a.ndjson").write_bytes(_line(asdict(rec(0))) + _line(bad) + _line(asdict(rec(2))))
+    stats = ReadStats()
+    with caplog.at_level(logging.WARNING, logger="namazu.spec.capture"):
+        assert [r.request_id for r in read_records(tmp_path, stats)] == ["r0", "r2"]
+    assert (stats.records, stats.skipped) == (2, 1)
+    [msg] = [r.getMessage() for r in caplog.records]
+    assert "a.ndjson:2" in msg and missing in msg
 
 
 async def _serve(config, ps, params):
