@@ -1,8 +1,10 @@
 """Capture of served traffic as exact token ids, for training the drafter on what the target produced.
 
 `--capture-dir DIR` makes the serving engine append one record per finished request: the prompt and
-output token ids (never text), the sampling settings, the structured-output constraint (JSON schema,
-regex, grammar, tool calls: what a replay must apply again to decode what was served) and timings.
+output token ids (never text), timings, and what a replay must apply again to decode what was served: the
+sampling settings that decide the tokens (`SAMPLING_FIELDS`: temperature, top-p/k, min-p, penalties, seed, n,
+min/max tokens, stop strings and stop token ids, ignore_eos, allowed token ids, logit bias, bad-word token
+ids, skip_special_tokens) and the structured-output constraint (JSON schema, regex, grammar, tool calls).
 Records go to sharded, append-only files `capture-<start time>-<pid>-<n>.ndjson`, one line each:
 `<crc32 hex8> <json>\\n`. The line is written with one `write` on an O_APPEND descriptor, so a crash can
 leave at most a torn final line; a writer never reopens an existing shard (each process start begins new
@@ -30,8 +32,12 @@ from namazu.engine_config import parse_bytes
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".ndjson"
+# SamplingParams fields that decide which token ids a request produces, so a replay must apply them again.
+# skip_special_tokens is among them because stop strings are matched on the decoded text; settings that only
+# shape the response (logprobs, include_stop_str_in_output) or the serving (cache_salt, speculation) are not.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "n", "stop", "ignore_eos", "min_tokens")
+                   "frequency_penalty", "repetition_penalty", "n", "stop", "ignore_eos", "min_tokens",
+                   "stop_token_ids", "skip_special_tokens", "allowed_token_ids", "logit_bias", "bad_words_ids")
 
 
 @dataclass
@@ -40,7 +46,7 @@ class CaptureRecord:
     prompt_token_ids: list[int]
     output_token_ids: list[list[int]]           # one list per choice (n > 1)
     finish_reasons: list[str | None]
-    sampling: dict = field(default_factory=dict)
+    sampling: dict = field(default_factory=dict)  # SAMPLING_FIELDS; older records lack the later ones
     timings: dict = field(default_factory=dict)  # arrival, first_token, finished (unix seconds)
     model: str = ""
     # The output constraint as SamplingParams keywords ({}: none): replayed without it, a JSON or tool-call
@@ -49,12 +55,23 @@ class CaptureRecord:
 
 
 def sampling_settings(params) -> dict:
-    """The sampling settings worth replaying (plain JSON values)."""
+    """The sampling settings worth replaying, as JSON values (logit_bias keeps its int keys: JSON writes them as
+    strings, `read_records` turns them back)."""
     out = {}
     for name in SAMPLING_FIELDS:
         v = getattr(params, name, None)
-        out[name] = list(v) if isinstance(v, (tuple, set)) else v
+        if isinstance(v, dict):
+            v = dict(v)
+        elif isinstance(v, (tuple, set, list)):
+            v = [list(x) if isinstance(x, (tuple, list)) else x for x in v]
+        out[name] = v
     return out
+
+
+def _sampling_from_json(s: dict) -> dict:
+    """JSON object keys are strings: logit_bias's token ids come back as ints (what SamplingParams takes)."""
+    lb = s.get("logit_bias")
+    return {**s, "logit_bias": {int(t): b for t, b in lb.items()}} if isinstance(lb, dict) else s
 
 
 def structured_settings(params) -> dict:
@@ -205,7 +222,14 @@ def record_from_dict(d, where: str = "record") -> CaptureRecord | None:
         _unknown_logged.update(unknown)
         logger.warning("capture records carry field(s) this version does not know, ignored (written by a newer "
                        "namazu?): %s", ", ".join(unknown))
-    return CaptureRecord(**{k: v for k, v in d.items() if k in _FIELDS})
+    kw = {k: v for k, v in d.items() if k in _FIELDS}
+    try:
+        if isinstance(kw.get("sampling"), dict):
+            kw["sampling"] = _sampling_from_json(kw["sampling"])
+    except ValueError as e:
+        logger.warning("capture %s: skipped, unreadable sampling settings (%s)", where, e)
+        return None
+    return CaptureRecord(**kw)
 
 
 def record_from_output(out, params, arrival: float, first_token: float | None, model: str = "") -> CaptureRecord:
