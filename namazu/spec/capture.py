@@ -152,7 +152,7 @@ def write_records(path: str | Path, records: Iterable[CaptureRecord]) -> int:
 @dataclass
 class ReadStats:
     records: int = 0
-    skipped: int = 0      # torn or corrupt lines
+    skipped: int = 0      # torn or corrupt lines, records missing a required field
 
 
 def shard_paths(sources: str | Path | Iterable[str | Path]) -> list[Path]:
