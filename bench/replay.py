@@ -7,11 +7,11 @@
 
 Each setup is a string of server flags (empty: the defaults, which speculate with a model's shipped
 drafter). Every captured request is replayed with its own prompt token ids, sampling settings
-(`--temperature` overrides the temperature of all) and output constraint (a tool-call constraint, which
-/v1/completions cannot carry, is left off and counted), through /v1/completions, streamed; per setup: mean
-acceptance length and its histogram (from the server's /metrics), draft acceptance rate, drafter time
-per step, output tokens/s over the replay's wall time, TTFT and end-to-end p50/p99. `--write NAME` adds
-the table to bench/RESULTS.md under that name.
+(`--temperature` overrides the temperature of all) and output constraint (a tool-call constraint or bad-word
+token ids, which /v1/completions cannot carry, are left off and counted), through /v1/completions, streamed;
+per setup: mean acceptance length and its histogram (from the server's /metrics), draft acceptance rate,
+drafter time per step, output tokens/s over the replay's wall time, TTFT and end-to-end p50/p99. `--write
+NAME` adds the table to bench/RESULTS.md under that name.
 """
 from __future__ import annotations
 
@@ -22,28 +22,29 @@ import re
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from namazu.spec.capture import read_records
-from namazu.spec.training.replay import completion_constraint, replay_settings
+from namazu.spec.training.replay import completion_body, replay_settings
 from namazu.spec.training.traffic import ReplayResult, ServerProcess, _post_stream
 
 
 def captured_requests(sources: list[str], limit: int, temperature: float | None) -> tuple[list, list[dict]]:
     """The first `limit` records and their /v1/completions bodies."""
-    recs, out, unconstrained = [], [], 0
+    recs, out, left = [], [], Counter()
     for rec in read_records(sources):
-        constraint = completion_constraint(rec)
-        unconstrained += constraint is None
+        body, missing = completion_body(rec, temperature)
+        left.update(missing)
         recs.append(rec)
-        out.append({"prompt": rec.prompt_token_ids, **replay_settings(rec, temperature), **(constraint or {})})
+        out.append(body)
         if len(out) == limit:
             break
-    if unconstrained:
-        print(f"{unconstrained} of {len(out)} requests replayed without their tool-call constraint "
-              "(/v1/completions has no field for it)", file=sys.stderr)
+    for name, n in left.items():
+        print(f"{n} of {len(out)} requests replayed without their {name} (/v1/completions has no field for it)",
+              file=sys.stderr)
     return recs, out
 
 

@@ -27,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from namazu.spec.capture import read_records
 from namazu.spec.shadow_report import from_prometheus
-from namazu.spec.training.replay import completion_constraint, replay_acceptance, replay_settings
+from namazu.spec.training.replay import completion_body, replay_acceptance
 from namazu.spec.training.traffic import ServerProcess, _post_stream
 
 SHIPPED = "namazu/assets/namazu-tiny/drafter"
@@ -97,17 +98,16 @@ def offline(records: list, drafter: str, k: int, min_confidence: float, out: Pat
 
 
 def live(records: list, flags: list[str], seeded: bool, concurrency: int, out: Path, name: str) -> dict:
-    bodies, unconstrained = [], 0
+    bodies, left = [], Counter()
     for rec in records:
-        constraint = completion_constraint(rec)
-        unconstrained += constraint is None
-        body = {"prompt": rec.prompt_token_ids, **replay_settings(rec), **(constraint or {}), "stream": True,
-                "stream_options": {"include_usage": True}}
+        body, missing = completion_body(rec)
+        left.update(missing)
+        body.update(stream=True, stream_options={"include_usage": True})
         if not seeded and float(body.get("temperature") or 0.0) > 0:
             body.pop("seed", None)
         bodies.append(body)
-    if unconstrained:     # offline they are constrained: those requests differ between the two
-        print(f"{name}: {unconstrained} of {len(bodies)} requests posted without their tool-call constraint "
+    for what, n in left.items():     # offline they have them: those requests differ between the two
+        print(f"{name}: {n} of {len(bodies)} requests posted without their {what} "
               "(/v1/completions has no field for it)", file=sys.stderr)
     t0 = time.perf_counter()
     with ServerProcess(flags, out / f"server-{name}.log") as server:

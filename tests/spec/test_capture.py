@@ -2,9 +2,10 @@
 output constraint kept, so a replay decodes under the grammar that was served."""
 import asyncio
 import json
+import logging
 import os
 import zlib
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import pytest
 from engine_helpers import prompts, tiny_checkpoint
@@ -12,8 +13,20 @@ from engine_helpers import prompts, tiny_checkpoint
 from namazu import LLM, SamplingParams
 from namazu.async_engine import AsyncEngine
 from namazu.engine_config import EngineConfig
-from namazu.spec.capture import CaptureRecord, CaptureWriter, ReadStats, read_records, shard_paths, structured_settings
-from namazu.spec.training.replay import completion_constraint, replay_params, replay_settings
+from namazu.outputs import CompletionOutput, RequestOutput
+from namazu.spec import capture
+from namazu.spec.capture import (
+    REQUIRED,
+    SAMPLING_FIELDS,
+    CaptureRecord,
+    CaptureWriter,
+    ReadStats,
+    read_records,
+    record_from_output,
+    shard_paths,
+    structured_settings,
+)
+from namazu.spec.training.replay import REPLAY_KEYS, completion_body, completion_constraint, replay_params
 
 
 def rec(i: int) -> CaptureRecord:
@@ -69,6 +82,36 @@ def test_a_corrupt_line_is_skipped(tmp_path):
     data[data.index(b'"r1"') + 2] ^= 1      # one flipped bit inside record r1
     shard.write_bytes(bytes(data))
     assert [r.request_id for r in read_records(tmp_path)] == ["r0", "r2"]
+
+
+def _line(payload: dict) -> bytes:
+    data = json.dumps(payload, separators=(",", ":")).encode()
+    return b"%08x " % zlib.crc32(data) + data + b"\n"
+
+
+def test_a_record_from_a_newer_version_keeps_its_known_fields(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(capture, "_unknown_logged", set())      # once per process: this test's process
+    newer = {**asdict(rec(1)), "draft_trace": [1, 2], "tenant": "t"}
+    (tmp_path / "a.ndjson").write_bytes(_line(newer) + _line(newer))
+    stats = ReadStats()
+    with caplog.at_level(logging.WARNING, logger="namazu.spec.capture"):
+        assert list(read_records(tmp_path, stats)) == [rec(1), rec(1)]
+    assert stats.skipped == 0
+    [msg] = [r.getMessage() for r in caplog.records]             # logged once, not per record
+    assert "draft_trace" in msg and "tenant" in msg
+
+
+@pytest.mark.parametrize("missing", REQUIRED)
+def test_a_record_missing_a_required_field_is_skipped_and_its_neighbours_read(tmp_path, caplog, missing):
+    assert REQUIRED == ("request_id", "prompt_token_ids", "output_token_ids", "finish_reasons")
+    bad = {k: v for k, v in asdict(rec(1)).items() if k != missing}
+    (tmp_path / "a.ndjson").write_bytes(_line(asdict(rec(0))) + _line(bad) + _line(asdict(rec(2))))
+    stats = ReadStats()
+    with caplog.at_level(logging.WARNING, logger="namazu.spec.capture"):
+        assert [r.request_id for r in read_records(tmp_path, stats)] == ["r0", "r2"]
+    assert (stats.records, stats.skipped) == (2, 1)
+    [msg] = [r.getMessage() for r in caplog.records]
+    assert "a.ndjson:2" in msg and missing in msg
 
 
 async def _serve(config, ps, params):
@@ -172,7 +215,8 @@ def test_an_http_replay_body_carries_the_captured_constraint(structured):
     from server.protocol import make_sampling_params, parse_completion
 
     rec = CaptureRecord("r", [1, 2, 3], [[4, 5]], ["stop"], {"temperature": 0.0}, structured=structured)
-    body = {"prompt": rec.prompt_token_ids, **replay_settings(rec), **completion_constraint(rec)}
+    body, left = completion_body(rec)
+    assert left == []
     req = parse_completion(body, 5)
     params = make_sampling_params(req.sampling, req.max_tokens, None, None, vocab_size=100)
     want = dict(structured, json_schema=SCHEMA) if "json_schema" in structured else structured
@@ -184,4 +228,56 @@ def test_a_tool_call_constraint_has_no_completions_field():
              "tool_choice": "auto", "parallel_tool_calls": True}
     rec = CaptureRecord("r", [1], [[2]], ["stop"], structured={"tool_calls": tools})
     assert completion_constraint(rec) is None
+    assert completion_body(rec)[1] == ["tool_calls"]     # named, so the bench counts it
     assert replay_params(rec).tool_calls == tools        # offline it is applied
+
+
+# The token-level settings a capture records beyond the first format, each away from its default.
+TOKEN_SETTINGS = {"stop_token_ids": [3, 9], "skip_special_tokens": False, "allowed_token_ids": [1, 2, 3, 4, 5],
+                  "logit_bias": {5: -100.0, 17: 2.5}, "bad_words_ids": [[4, 5], [6]]}
+STRUCTURED = {"json_schema", "json_schema_strict", "json_object", "regex", "grammar", "tool_calls"}
+# Fields that cannot change the token ids (logprobs, response text, cache sharing, lossless speculation), and
+# grammar_factory, a callable that a file cannot hold.
+NOT_CAPTURED = {"logprobs", "prompt_logprobs", "include_stop_str_in_output", "cache_salt", "num_speculative_tokens",
+                "grammar_factory"}
+
+
+def test_every_sampling_field_is_captured_or_known_not_to_change_the_tokens():
+    """A field added to SamplingParams fails here until someone decides whether a replay needs it."""
+    assert {f.name for f in fields(SamplingParams) if f.init} == set(SAMPLING_FIELDS) | STRUCTURED | NOT_CAPTURED
+    assert set(SAMPLING_FIELDS) - set(REPLAY_KEYS) == {"max_tokens", "n"}     # a replay derives these two
+
+
+def _captured(tmp_path, params: SamplingParams) -> CaptureRecord:
+    """`params` through what the serving engine does on a finished request, a shard and the reader."""
+    out = RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "", [4, 5], finish_reason="stop")], True)
+    w = CaptureWriter(tmp_path)
+    w.write(record_from_output(out, params, 1.0, 2.0))
+    w.close()
+    [rec] = read_records(tmp_path)
+    return rec
+
+
+@pytest.mark.parametrize("name", TOKEN_SETTINGS)
+def test_a_token_level_setting_survives_capture_and_replay(tmp_path, name):
+    value = TOKEN_SETTINGS[name]
+    assert getattr(SamplingParams(), name) != value
+    rec = _captured(tmp_path, SamplingParams(temperature=0.5, seed=3, max_tokens=8, **{name: value}))
+    assert getattr(replay_params(rec), name) == value        # logit_bias: int keys again, not JSON's strings
+
+
+def test_all_token_level_settings_together_survive_capture_and_replay(tmp_path):
+    params = replay_params(_captured(tmp_path, SamplingParams(temperature=0.5, seed=3, **TOKEN_SETTINGS)))
+    assert {k: getattr(params, k) for k in TOKEN_SETTINGS} == TOKEN_SETTINGS
+
+
+def test_an_http_replay_body_carries_the_token_level_settings_it_has_fields_for():
+    from server.protocol import make_sampling_params, parse_completion
+
+    rec = CaptureRecord("r", [1, 2, 3], [[4, 5]], ["stop"], {"temperature": 0.0, **TOKEN_SETTINGS})
+    body, left = completion_body(rec)
+    assert left == ["bad_words_ids"]         # the endpoint takes bad words as text only
+    req = parse_completion(json.loads(json.dumps(body)), 5)     # as posted
+    params = make_sampling_params(req.sampling, req.max_tokens, None, None, vocab_size=100)
+    want = {k: v for k, v in TOKEN_SETTINGS.items() if k != "bad_words_ids"}
+    assert {k: getattr(params, k) for k in want} == want

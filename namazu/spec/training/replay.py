@@ -10,8 +10,9 @@ the same draws). `replay_params(rec, seed_unseeded=True)`
 gives every request a seed derived from its id instead (the exact-match rule throughout); `max_tokens` is
 the captured output's length, so both answer as long as the capture did. A request is replayed under its
 captured output constraint (`CaptureRecord.structured`: JSON schema, regex, grammar, tool calls), the grammar
-it was served with; over HTTP, /v1/completions has no field for a tool-call constraint
-(`completion_constraint`).
+it was served with, and its token-level settings (stop token ids, allowed token ids, logit bias, bad words);
+over HTTP, /v1/completions has no field for a tool-call constraint or bad-word token ids (`completion_body`
+names what it leaves off).
 """
 from __future__ import annotations
 
@@ -27,7 +28,11 @@ from namazu.spec.capture import CaptureRecord
 logger = logging.getLogger(__name__)
 
 REPLAY_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "stop", "ignore_eos", "min_tokens")
+               "repetition_penalty", "stop", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens",
+               "allowed_token_ids", "logit_bias", "bad_words_ids")
+# Replay settings /v1/completions has no field for: it takes bad words as text that the server tokenizes,
+# which need not give back the captured ids.
+NOT_IN_COMPLETIONS = ("bad_words_ids",)
 
 
 def replay_settings(rec: CaptureRecord, temperature: float | None = None) -> dict:
@@ -53,6 +58,19 @@ def completion_constraint(rec: CaptureRecord) -> dict | None:
     if s.get("json_object"):
         return {"response_format": {"type": "json_object"}}
     return {k: s[k] for k in ("regex", "grammar") if k in s}
+
+
+def completion_body(rec: CaptureRecord, temperature: float | None = None) -> tuple[dict, list[str]]:
+    """The record as a /v1/completions body (prompt ids, replay settings, output constraint), and the names of
+    what that endpoint cannot carry and the body therefore leaves off (`bad_words_ids`, `tool_calls`)."""
+    body = {"prompt": rec.prompt_token_ids, **replay_settings(rec, temperature)}
+    left = [k for k in NOT_IN_COMPLETIONS if body.pop(k, None)]
+    if "logit_bias" in body:        # OpenAI's form: token ids as decimal strings
+        body["logit_bias"] = {str(t): b for t, b in body["logit_bias"].items()}
+    constraint = completion_constraint(rec)
+    if constraint is None:
+        left.append("tool_calls")
+    return {**body, **(constraint or {})}, left
 
 
 def replay_params(rec: CaptureRecord, seed_unseeded: bool = False):
