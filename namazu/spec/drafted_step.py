@@ -1,5 +1,7 @@
 """The drafted step after the target's forward, as one static-shape function: sampling at every verify row,
-the acceptance rule, the drafter's context update and its proposal of the next block.
+the acceptance rule, the drafter's context update and its proposal of the next block. A plain entry's step
+that drafts (drafting resumes after a step that did not draft) runs it too, greedy rows only: its one row
+per sequence is the sample, nothing is verified.
 
 Graph mode runs it per ladder entry of a verify step (Bp sequences x Tq = 1 + K rows, sequence b owning
 rows [b * Tq, (b + 1) * Tq)) as a compiled graph (`worker/drafted_graph.py`) right after the entry's
@@ -44,17 +46,20 @@ class TailInputs:
 
 def drafted_tail(proposer, logits: torch.Tensor, greedy: torch.Tensor, captured: dict[int, torch.Tensor],
                  input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, t: TailInputs, sampled: bool
+                 block_tables: torch.Tensor, t: TailInputs, sampled: bool, k_next: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(tokens [Bp, Tq], accepted [Bp], next draft ids [Bp, K], next draft counts [Bp], next q [Bp, K, V] or
-    None) of a verify entry. `logits` [N, V] fp32 and `greedy` [N] (their argmax) are the forward's, over
-    every padded row; `input_ids` holds the verified drafts at rows b * Tq + 1 + j."""
+    """(tokens [Bp, Tq], accepted [Bp], next draft ids [Bp, k_next], next draft counts [Bp], next q
+    [Bp, k_next, V] or None) of a verify entry (Tq = 1 + K) or of a plain entry (Tq = 1: nothing to verify,
+    the step's sample and the next block). `logits` [N, V] fp32 and `greedy` [N] (their argmax) are the
+    forward's, over every padded row; `input_ids` holds the verified drafts at rows b * Tq + 1 + j."""
     bp, tq = t.counters.shape
     k = tq - 1
     v = logits.shape[-1]
     rows = torch.arange(bp * tq, device=logits.device).view(bp, tq)
     draft_ids = input_ids.view(bp, tq)[:, 1:]
-    if not sampled:
+    if k == 0 and not sampled:
+        tokens, accepted = greedy.view(bp, 1), torch.zeros(bp, dtype=torch.long, device=logits.device)
+    elif not sampled:
         target = greedy.view(bp, tq)
         tokens, accepted = verify_deterministic(target, draft_ids, t.num_drafts)
     else:
@@ -81,7 +86,7 @@ def drafted_tail(proposer, logits: torch.Tensor, greedy: torch.Tensor, captured:
                         block_tables=block_tables, batch_index=torch.arange(bp, device=logits.device),
                         temperature=t.temperature if sampled else None, seeds=t.seeds if sampled else None,
                         counters=t.counters if sampled else None, all_greedy=not sampled)
-    proposal: Proposal = proposer.draft(inp, k)
+    proposal: Proposal = proposer.draft(inp, k_next)
     ids = proposal.ids
     counts = proposal.counts if proposal.counts is not None else torch.full_like(accepted, ids.shape[1])
     return tokens, accepted, ids, counts, proposal.probs

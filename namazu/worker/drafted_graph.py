@@ -44,14 +44,18 @@ class DraftedTails:
         self.entries = [e for (bp, tq), e in graphs.entries.items() if tq == 1 + self.k and bp <= max_batch]
         self.max_batch = max((e.bp for e in self.entries), default=0)
         self.draws_q = bool(getattr(proposer, "sample_drafts", False))
-        self.fns: dict[tuple[int, bool], Callable] = {}
-        # Per compiled function (key (bp, sampled), or (bp, None) for a context write): its recorder, and
-        # once a call through torch.compile was recorded, the direct call of it (`worker/direct_call.py`).
-        self._recorders: dict[tuple[int, bool | None], GraphRecorder] = {}
-        self.direct: dict[tuple[int, bool | None], DirectCall] = {}
+        # Compiled functions by key: (bp, False) / (bp, True) the greedy / sampled tail of a verify entry,
+        # (bp, PLAIN) the greedy tail of a plain entry whose step drafts (drafting resumes after a step
+        # that did not draft: a probe of the draft policy, or a sequence it had paused), (bp, None) a plain
+        # entry's context write.
+        self.fns: dict[tuple[int, bool | str], Callable] = {}
+        # Per compiled function: its recorder, and once a call through torch.compile was recorded, the
+        # direct call of it (`worker/direct_call.py`).
+        self._recorders: dict[tuple[int, bool | str | None], GraphRecorder] = {}
+        self.direct: dict[tuple[int, bool | str | None], DirectCall] = {}
         self._zero_q: dict[int, torch.Tensor] = {}
-        self._called: set[tuple[int, bool | None]] = set()
-        self._not_direct: set[tuple[int, bool | None]] = set()
+        self._called: set[tuple[int, bool | str | None]] = set()
+        self._not_direct: set[tuple[int, bool | str | None]] = set()
         # Inductor (torch 2.13, CPU) compiles the sampled variant into kernels that read out of bounds. Two
         # of its miscompiles are avoided (an argmax fused with the seeded noise's hash, the cumprod of the
         # accepted prefix: `first_argmax`, `accepted_prefix`), and with them the shipped drafter's sampled
@@ -60,6 +64,7 @@ class DraftedTails:
         # trace) compile both.
         self.variants = (False,) if graphs.backend == "inductor" else (False, True)
         self.plain_entries = [e for (bp, tq), e in graphs.entries.items() if tq == 1]
+        self.resume_entries = [e for e in self.plain_entries if e.bp <= self.max_batch]
         self.context_fns: dict[int, Callable] = {}
 
     def use_proposer(self, proposer) -> None:
@@ -94,8 +99,8 @@ class DraftedTails:
         elif key not in self._not_direct:
             self._not_direct.add(key)
             logger.warning("graph mode: the compiled %s of %d sequences is called through torch.compile's frame "
-                           "(a direct call did not reproduce it)", "context write" if key[1] is None else "tail",
-                           key[0])
+                           "(a direct call did not reproduce it)", "context write" if key[1] is None else
+                           f"tail ({key[1]})", key[0])
         return out
 
     @torch.inference_mode()   # as the runner's steps: the compiled code is guarded on the grad mode
@@ -103,14 +108,17 @@ class DraftedTails:
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
-        todo = [(e, sampled) for e in self.entries for sampled in self.variants]
-        for e, sampled in tqdm(todo, desc="graph mode: compiling drafted steps", disable=not progress):
-            fn = own_code(drafted_tail, f"_drafted_tail_b{e.bp}_{'sampled' if sampled else 'greedy'}")
-            self.fns[(e.bp, sampled)] = self._compile(fn, (e.bp, sampled))
+        todo = [(e, sampled) for e in self.entries for sampled in self.variants] + \
+            [(e, PLAIN) for e in self.resume_entries]
+        for e, variant in tqdm(todo, desc="graph mode: compiling drafted steps", disable=not progress):
+            sampled = variant is True
+            name = {False: "greedy", True: "sampled", PLAIN: "resume"}[variant]
+            fn = own_code(drafted_tail, f"_drafted_tail_b{e.bp}_q{e.tq}_{name}")
+            self.fns[(e.bp, variant)] = self._compile(fn, (e.bp, variant))
             # The entry's own forward outputs (padding rows only): a step passes these very tensors, so the
             # compiled tail's guards (shapes, strides) hold from its first real call on.
             logits, _, captured = self.graphs.launch(e, 2)
-            self.run(e, 2, logits, e.greedy, captured, self.padding_inputs(e.bp, sampled), sampled)
+            self.run(e, 2, logits, e.greedy, captured, self.padding_inputs(e.bp, e.tq, sampled), sampled)
         for e in tqdm(self.plain_entries, desc="graph mode: compiling drafter context writes", disable=not progress):
             fn = own_code(_write_context, f"_write_context_b{e.bp}")
             self.context_fns[e.bp] = self._compile(fn, (e.bp, None))
@@ -131,8 +139,10 @@ class DraftedTails:
     def eligible(self, b: StepBatch, entry: GraphEntry, world_size: int) -> str | None:
         """None when the tail covers this graph step, else why not (for a once-per-reason log line)."""
         sp = b.sampling
-        if entry.tq != 1 + self.k or not b.spec.max_drafts_next:
-            return "a step that does not both verify and draft (a plain decode entry)"
+        if not b.spec.max_drafts_next:
+            return "a step that does not draft"
+        if entry.tq == 1 and not sp.all_greedy:
+            return "a sampled plain decode step that drafts"
         if entry.bp > self.max_batch:
             return f"batches above {self.max_batch} sequences (the engine stops drafting there)"
         if world_size > 1:
@@ -145,14 +155,14 @@ class DraftedTails:
             return "a grammar bitmask"
         return None
 
-    def padding_inputs(self, bp: int, sampled: bool) -> TailInputs:
+    def padding_inputs(self, bp: int, tq: int, sampled: bool) -> TailInputs:
         i64 = {"dtype": torch.long, "device": self.device}
         q = self._q(bp) if sampled and self.draws_q else None
         return TailInputs(
             num_drafts=torch.zeros(bp, **i64), temperature=torch.zeros(bp, device=self.device),
             top_k=torch.full((bp,), self.vocab_size, **i64), top_p=torch.ones(bp, device=self.device),
             min_p=torch.zeros(bp, device=self.device), seeds=torch.zeros(bp, **i64),
-            counters=torch.zeros(bp, 1 + self.k, **i64),
+            counters=torch.zeros(bp, tq, **i64),
             has_q=torch.zeros(bp, dtype=torch.bool, device=self.device) if q is not None else None, q=q)
 
     def inputs(self, b: StepBatch, entry: GraphEntry, num_drafts: np.ndarray, slots: np.ndarray, drafts,
@@ -189,19 +199,20 @@ class DraftedTails:
     def run(self, e: GraphEntry, width: int, logits: torch.Tensor, greedy: torch.Tensor,
             captured: dict[int, torch.Tensor], t: TailInputs, sampled: bool):
         table = e.block_tables[:, :width]
-        fn = self.fns.get((e.bp, sampled))
+        key = (e.bp, PLAIN if e.tq == 1 else sampled)
+        fn = self.fns.get(key)
         if fn is None:         # the eager variant: under the host-sync guard like every eager op
             return drafted_tail(self.proposer, logits, greedy, captured, e.input_ids, e.positions, e.slot_mapping,
-                                table, t, sampled)
+                                table, t, sampled, self.k)
         # As the forward's calls: the tail was traced with fullgraph=True (no host read can hide in it). Its
         # per-call inputs: the forward's outputs, the step's values and the table's view.
         per_call = {"logits": logits, "greedy": greedy, "table": table}
         per_call.update((f"captured{i}", h) for i, h in captured.items())
         per_call.update((f"t.{name}", getattr(t, name)) for name in _TAIL_FIELDS)
-        if (e.bp, sampled) not in self.direct:
+        if key not in self.direct:
             torch._dynamo.mark_dynamic(table, 1, min=2, max=max(3, self.graphs.max_width))
-        return self._call((e.bp, sampled), fn, (self.proposer, logits, greedy, captured, e.input_ids, e.positions,
-                                                e.slot_mapping, table, t, sampled), per_call, width)
+        return self._call(key, fn, (self.proposer, logits, greedy, captured, e.input_ids, e.positions, e.slot_mapping,
+                                    table, t, sampled, self.k), per_call, width)
 
     def _q(self, bp: int) -> torch.Tensor:
         if bp not in self._zero_q:
@@ -210,6 +221,7 @@ class DraftedTails:
 
 
 _TAIL_FIELDS = tuple(f.name for f in dataclasses.fields(TailInputs))
+PLAIN = "plain"     # the key of a plain entry's tail (`DraftedTails.fns`)
 
 
 def _write_context(proposer, captured: dict[int, torch.Tensor], positions: torch.Tensor,

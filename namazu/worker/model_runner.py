@@ -414,7 +414,7 @@ class ModelRunner:
                 entry.input_ids.index_put_((pad[inp.draft_flat],), drafts_in)
             all_logits, hidden, captured = self.graphs.launch(entry, inp.width)
             written = self.tails is not None and self.world_size == 1 and self.tails.writes_context(entry)
-            if written and inp.write_context:
+            if written and inp.write_context and not inp.tail:     # (a plain entry's tail writes it itself)
                 t0 = time.perf_counter()
                 self.tails.write_context(entry, captured)
                 self.spec.proposer.draft_seconds += time.perf_counter() - t0

@@ -34,7 +34,9 @@ def generate(prompts_, params, **kw):
     with LLM(None, executor="inline", kv_cache_memory="128MiB", **kw) as llm:
         outs = llm.generate(prompts_, params, use_tqdm=False)
         runner = llm.engine.executor.worker.runner
+        # Which compiled tails ran, and which of them were called directly after their first call.
         called = set(runner.tails._called) if runner.tails is not None else set()
+        called |= {("direct", *key) for key in (runner.tails.direct if runner.tails is not None else ())}
         ids = [list(o.prompt_token_ids) for o in outs]
         return [o.outputs[0].token_ids for o in outs], llm.engine.get_stats(), called, ids
 
@@ -47,6 +49,9 @@ def test_graph_mode_with_the_drafter_gives_eager_undrafted_greedy_outputs_on_100
     got, stats, called, _ = generate(PROMPTS, params, enforce_eager=False, max_num_seqs=2,
                                      speculative_disable_batch_size=2)
     assert (2, False) in called and (1, False) in called, called     # the compiled greedy tails ran
+    assert ("direct", 2, False) in called and ("direct", 1, False) in called, called     # past torch.compile's frame
+    # Steps that resume drafting (after the draft policy's plain probes) run a plain entry's compiled tail.
+    assert ("direct", 1, "plain") in called or ("direct", 2, "plain") in called, called
     assert stats.mean_acceptance_length > 1.5, stats.acceptance_length_histogram
     assert_same_outputs(str(default_model_path()), ids, params, got, want)
 
