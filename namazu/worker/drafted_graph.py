@@ -54,6 +54,7 @@ class DraftedTails:
         self._recorders: dict[tuple[int, bool | str | None], GraphRecorder] = {}
         self.direct: dict[tuple[int, bool | str | None], DirectCall] = {}
         self._zero_q: dict[int, torch.Tensor] = {}
+        self._tail_buffers: dict[tuple[int, int], tuple[TailInputs, dict[str, np.ndarray]]] = {}
         self._called: set[tuple[int, bool | str | None]] = set()
         self._not_direct: set[tuple[int, bool | str | None]] = set()
         # Inductor (torch 2.13, CPU) compiles the sampled variant into kernels that read out of bounds. Two
@@ -167,27 +168,27 @@ class DraftedTails:
 
     def inputs(self, b: StepBatch, entry: GraphEntry, num_drafts: np.ndarray, slots: np.ndarray, drafts,
                slot_index: torch.Tensor, sampled: bool) -> TailInputs:
-        """The step's per-sequence values padded to the entry (host arrays, one copy each)."""
+        """The step's per-sequence values padded to the entry, written into the entry's own buffers (CPU
+        tensors written through numpy views: no tensor is made per step). The greedy variant reads the
+        draft counts only; the sampled one every setting."""
         bp, s, tq = entry.bp, len(num_drafts), entry.tq
-        sp, first = b.sampling, b.spec.row_layout[:, 0]
-
-        def padded(values: np.ndarray, fill, dtype) -> torch.Tensor:
-            out = np.full(bp, fill, dtype=dtype)
-            out[:s] = values
-            return torch.from_numpy(out).to(self.device, non_blocking=True)
-
-        counters = np.zeros((bp, tq), dtype=np.int64)
-        # A sequence's rows take consecutive output indices from its first sampled row's.
-        counters[:s] = sp.counters[first][:, None] + np.arange(tq)
-        t = TailInputs(num_drafts=padded(num_drafts, 0, np.int64),
-                       temperature=padded(sp.temperature[first], 0.0, np.float32),
-                       top_k=padded(sp.top_k[first], self.vocab_size, np.int64),
-                       top_p=padded(sp.top_p[first], 1.0, np.float32), min_p=padded(sp.min_p[first], 0.0, np.float32),
-                       seeds=padded(sp.seeds[first], 0, np.int64),
-                       counters=torch.from_numpy(counters).to(self.device, non_blocking=True), has_q=None, q=None)
+        t, host = self._buffers(bp, tq)
+        host["num_drafts"][:s] = num_drafts
+        host["num_drafts"][s:] = 0
+        if sampled:
+            sp, first = b.sampling, b.spec.row_layout[:, 0]
+            for name, values in (("temperature", sp.temperature), ("top_k", sp.top_k), ("top_p", sp.top_p),
+                                 ("min_p", sp.min_p), ("seeds", sp.seeds)):
+                host[name][:s] = values[first]
+                host[name][s:] = _PADDING[name] if name != "top_k" else self.vocab_size
+            # A sequence's rows take consecutive output indices from its first sampled row's.
+            host["counters"][:s] = sp.counters[first][:, None] + np.arange(tq)
+            host["counters"][s:] = 0
+        t = dataclasses.replace(t, has_q=None, q=None)
         if sampled and self.draws_q:
-            flags = np.asarray([drafts.has_probs.get(int(slot), False) for slot in slots], dtype=bool)
-            t.has_q = padded(flags, False, bool)
+            flags = np.zeros(bp, dtype=bool)
+            flags[:s] = [drafts.has_probs.get(int(slot), False) for slot in slots]
+            t.has_q = torch.from_numpy(flags).to(self.device, non_blocking=True)
             if drafts.probs is None or not flags.any():
                 t.q = self._q(bp)
             else:
@@ -195,6 +196,18 @@ class DraftedTails:
                 index[:s] = slot_index
                 t.q = drafts.probs[index, :self.k]
         return t
+
+    def _buffers(self, bp: int, tq: int) -> tuple[TailInputs, dict[str, np.ndarray]]:
+        if (bp, tq) not in self._tail_buffers:
+            # numpy arrays the tensors share memory with (made from the arrays: no host read of a tensor)
+            host = {name: np.zeros(tq * bp if name == "counters" else bp, dtype=dtype)
+                    for name, dtype in (("num_drafts", np.int64), ("temperature", np.float32), ("top_k", np.int64),
+                                        ("top_p", np.float32), ("min_p", np.float32), ("seeds", np.int64),
+                                        ("counters", np.int64))}
+            host["counters"] = host["counters"].reshape(bp, tq)
+            tensors = {name: torch.from_numpy(a) for name, a in host.items()}
+            self._tail_buffers[(bp, tq)] = (TailInputs(**tensors, has_q=None, q=None), host)
+        return self._tail_buffers[(bp, tq)]
 
     def run(self, e: GraphEntry, width: int, logits: torch.Tensor, greedy: torch.Tensor,
             captured: dict[int, torch.Tensor], t: TailInputs, sampled: bool):
@@ -222,6 +235,8 @@ class DraftedTails:
 
 _TAIL_FIELDS = tuple(f.name for f in dataclasses.fields(TailInputs))
 PLAIN = "plain"     # the key of a plain entry's tail (`DraftedTails.fns`)
+# A padded sequence's sampling settings (top_k: the vocabulary size): identity values.
+_PADDING = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "seeds": 0}
 
 
 def _write_context(proposer, captured: dict[int, torch.Tensor], positions: torch.Tensor,
