@@ -55,6 +55,10 @@ from namazu.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
 
+# A gap between two step() calls longer than this is the caller pausing (no request, or between generate
+# calls), not the loop's own work: a step in flight across it is not timed.
+PAUSE_S = 0.05
+
 
 @dataclass
 class _Launched:
@@ -208,6 +212,10 @@ class LLMEngine:
         self._drafter_seconds = 0.0
         self.step_rates = StepRates(config.block_size)     # reported to the KV-aware router
         self._collected_at = 0.0
+        # When the last step() call returned and this one began: a step launched before a pause of the caller
+        # (LLM.generate returned with the next step in flight; a server with no requests) and collected after
+        # it would be timed across the pause.
+        self._returned_at = self._entered_at = 0.0
         info = self.worker_info
         logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s%s",
                     self.model_path, self.num_kv_blocks, config.block_size, self.max_model_len, info.device,
@@ -316,11 +324,15 @@ class LLMEngine:
 
         With async scheduling the step launched here is collected by the next call: this call plans
         and launches step N+1, then collects step N, so planning overlaps the forward."""
-        launched = self._launch()
-        if self.async_scheduling:
-            previous, self._in_flight = self._in_flight, launched
-            return self._collect(previous) if previous is not None else []
-        return self._collect(launched) if launched is not None else []
+        self._entered_at = time.perf_counter()
+        try:
+            launched = self._launch()
+            if self.async_scheduling:
+                previous, self._in_flight = self._in_flight, launched
+                return self._collect(previous) if previous is not None else []
+            return self._collect(launched) if launched is not None else []
+        finally:
+            self._returned_at = time.perf_counter()
 
     def _num_drafts(self, seq: Sequence) -> int:
         """How many of the worker's drafts a sequence in decode may verify next."""
@@ -401,9 +413,14 @@ class LLMEngine:
         done = time.perf_counter()
         # The step ran from its launch, or from the previous step's results if it was queued behind it.
         ms = 1000.0 * (done - max(launched.launched_at, self._collected_at))
-        self.step_rates.observe(launched.prompt_tokens, ms)
-        if self.draft_policy is not None:
-            self._observe_step(launched, result, ms)
+        # Not timed across a pause of the caller: a drafted step timed over the gap between two generate calls
+        # read 50-120 plain steps, and the draft policy's cost fit, pulled up by a few of those, stopped
+        # drafting where it paid 1.8x (eager bf16, engines side by side in one process).
+        paused = launched.launched_at < self._returned_at and self._entered_at - self._returned_at > PAUSE_S
+        if not paused:
+            self.step_rates.observe(launched.prompt_tokens, ms)
+            if self.draft_policy is not None:
+                self._observe_step(launched, result, ms)
         self._collected_at = done
         self._drafter_seconds += result.drafter_seconds
         if self.shadow is not None:

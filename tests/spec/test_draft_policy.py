@@ -217,6 +217,29 @@ def test_a_dormant_buckets_steps_skip_the_drafters_context_and_outputs_do_not_ch
         assert llm.engine.get_stats().num_draft_tokens == drafts
 
 
+def test_a_step_in_flight_across_a_pause_of_the_caller_is_not_timed():
+    """LLM.generate returns with the next step launched (async scheduling); the next call collects it. Timed
+    from its launch, it read the whole pause (other engines' generate calls: 50-120 plain steps) and the
+    policy's cost fit stopped drafting where it paid 1.8x. tests/MUTATIONS.md P27."""
+    import time
+
+    # Answers that end at a stop token: the engine launches the next step before it sees the stop.
+    params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=list(range(200, 264)))
+    with LLM(tiny_checkpoint(), executor="inline", drafter=make_proposer(), num_speculative_tokens=3,
+             speculative_adaptive=True) as llm:
+        policy, rates = llm.engine.draft_policy, llm.engine.step_rates
+        timed = []
+        for attr, obj in (("observe_step", policy), ("observe", rates)):
+            inner = getattr(obj, attr)
+            setattr(obj, attr, lambda *a, _inner=inner: (timed.append(a[-1]), _inner(*a))[1])
+        paused = 0
+        for p in prompts(4, lo=4, hi=10, seed=5):
+            llm.generate(prompt_token_ids=[p], sampling_params=params, use_tqdm=False)
+            paused += llm.engine._in_flight is not None       # a step launched, collected by the next call
+            time.sleep(0.3)
+        assert paused and timed and max(timed) < 300.0, (paused, sorted(timed)[-3:])
+
+
 def test_sequences_due_a_probe_in_plain_steps_are_probed_together_once_every_probe_every_steps():
     # At batch 4 with probes due at staggered steps, one probe per sequence every 4 of its steps would draft
     # in most steps (the drafter runs for the whole batch); together they draft once in 4 plain steps.
