@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -302,3 +303,26 @@ def graph_mode(config: EngineConfig) -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def graph_backend() -> str:
+    """The torch.compile backend of CPU graph mode: NAMAZU_GRAPH_BACKEND, "inductor" by default (the tests use
+    "eager": the same fullgraph trace over the same buffers, without inductor's code generation)."""
+    return os.environ.get("NAMAZU_GRAPH_BACKEND", "inductor")
+
+
+def sampled_tail_eager(config: EngineConfig) -> bool:
+    """Whether graph mode runs a sampled sequence's drafted step eagerly after the compiled forward: on CPU
+    under inductor (worker/drafted_graph.py: inductor compiles the sampled tail into kernels that read out of
+    bounds). There a drafted step at T > 0 cost about 5 plain ones (graph bf16, batch 1, T = 0.7: the shipped
+    drafter decoded at 0.31x of graph mode without it), so the default draft policy does not draft for
+    sampled sequences."""
+    if not graph_mode(config):
+        return False
+    if config.device != "auto":
+        on_gpu = config.device == "cuda"
+    else:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    return not on_gpu and graph_backend() == "inductor"

@@ -260,7 +260,8 @@ class DraftPolicy:
     def __init__(self, max_tokens_per_step: int, prior_fixed: float = 3.0, prior_row: float = 0.0,
                  margin: float = 1.05, probe_every: int = 32, shrink: float = 8.0, min_samples: int = 3,
                  padded_rows: bool = False, min_evidence: float = 16.0, history: int = 16,
-                 dormant_window: int = 8, dormant_below: float = 0.05, explore_every: int = 8):
+                 dormant_window: int = 8, dormant_below: float = 0.05, explore_every: int = 8,
+                 draft_sampled: bool = True):
         self.k_max = max_tokens_per_step - 1
         self.padded_rows, self.min_evidence = padded_rows, min_evidence
         self.prior_fixed, self.prior_row = prior_fixed, prior_row
@@ -286,6 +287,10 @@ class DraftPolicy:
         # except every `explore_every`-th, which runs as before and wakes the bucket if it chose to draft.
         self.dormant_window, self.dormant_below, self.explore_every = dormant_window, dormant_below, explore_every
         self.dormant = [False] * 4
+        # False: a sampled sequence (T > 0) never drafts, probes or needs the drafter's context, as a dormant
+        # bucket's without an explorer (graph mode on CPU, whose sampled drafted step runs eagerly:
+        # engine_config.sampled_tail_eager).
+        self.draft_sampled = draft_sampled
         self._choices = [deque(maxlen=dormant_window) for _ in range(4)]
         self._arrivals = [0] * 4
 
@@ -315,9 +320,12 @@ class DraftPolicy:
         self._last_win = drafted * plain_ms / b
         # Start only on a clear win, stop only where it no longer wins: noise does not flap the choice.
         was_on = any(st.k > 0 and not st.forced for st in states)
-        settled = all(self.buckets[st.bucket].reached[0] >= self.min_evidence for st in states)
+        settled = all(self.buckets[st.bucket].reached[0] >= self.min_evidence for st in states if not st.dormant)
         if settled and (not any(ks) or self._last_win < (1.0 if was_on else self.margin)):
             ks = [0] * b
+        # A dormant sequence gains nothing from a draft, but the ascent's first draft of a batch has nothing
+        # to compare with (no drafted step: 0 tokens per ms) and would take it.
+        ks = [0 if st.dormant else k for st, k in zip(states, ks)]
         # A probe in a step that drafts anyway costs its verify rows; in one that would run plain it costs a
         # drafted step (the drafter runs for the whole batch), so there the sequences due wait until
         # `probe_every` plain steps have passed and are probed together: one drafted step in 32, where one
@@ -461,7 +469,9 @@ class DraftPolicy:
         if st is None:
             b = temperature_bucket(temperature)
             st = self.seqs[seq_id] = _SeqState(b, Acceptance(self.k_max))
-            if self.dormant[b]:
+            if b > 0 and not self.draft_sampled:
+                st.dormant, st.probe = True, False
+            elif self.dormant[b]:
                 self._arrivals[b] += 1
                 st.dormant = self._arrivals[b] % self.explore_every != 0
                 st.probe = not st.dormant

@@ -26,7 +26,7 @@ from namazu.engine.draft_policy import DraftPolicy
 from namazu.engine.output_processor import OutputProcessor, RequestState
 from namazu.engine.request_validation import RequestValidator
 from namazu.engine.step_rate_fit import StepRates
-from namazu.engine_config import EngineConfig, graph_mode
+from namazu.engine_config import EngineConfig, graph_mode, sampled_tail_eager
 from namazu.outputs import RequestOutput
 from namazu.sampling_params import SamplingParams
 from namazu.scheduler.block_manager import BlockManager
@@ -165,8 +165,11 @@ class LLMEngine:
             raise ValueError(f"--speculative-tree-budget needs a DFlash2 drafter; {type(self.drafter).__name__} "
                              "proposes one chain")
         # Graph mode verifies 1 + K rows per sequence whatever the plan (static entries): rows cost nothing there.
-        self.draft_policy = DraftPolicy(self.num_speculative_tokens + 1, padded_rows=graph_mode(config)) \
-            if choice.adaptive else None
+        self.draft_policy = DraftPolicy(self.num_speculative_tokens + 1, padded_rows=graph_mode(config),
+                                        draft_sampled=not sampled_tail_eager(config)) if choice.adaptive else None
+        if self.draft_policy is not None and not self.draft_policy.draft_sampled:
+            logger.info("graph mode on CPU: requests with temperature > 0 do not draft by default (their drafted "
+                        "step's sampling tail runs eagerly under inductor, about 5 plain steps)")
         self._draft_plan: dict[int, int] = {}
         # A shadow drafter (`spec/shadow.py`) is checked here, before any worker starts.
         self.shadow: ShadowStats | None = None

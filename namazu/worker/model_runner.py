@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from namazu.engine_config import EngineConfig, graph_mode
+from namazu.engine_config import EngineConfig, graph_backend, graph_mode
 from namazu.kernels.backends import resolve_moe_runtime
 from namazu.layers.cpu_layout import use_k_major_linears
 from namazu.layers.forward_context import forward_context
@@ -195,11 +194,9 @@ class ModelRunner:
         cfg = self.model_config
         longest = cfg.max_position_embeddings + self.spec.k
         want_hidden = self._capture_layers
-        # NAMAZU_GRAPH_BACKEND: torch.compile backend on CPU (tests use "eager": the same fullgraph trace over
-        # the same buffers, without inductor's minutes of code generation).
         self.graphs = StepGraphs(self.model, self.cache, self.device, self.config.max_num_seqs,
                                  self.spec.k, min(self.num_blocks, -(-longest // self.block_size)),
-                                 want_hidden, backend=os.environ.get("NAMAZU_GRAPH_BACKEND", "inductor"))
+                                 want_hidden, backend=graph_backend())
         seconds = self.graphs.warm_up(progress=self.rank == 0)
         if self.spec.kind is not None and self.spec.kind.has_context and not self.graphs.use_cuda_graphs:
             limit = self.config.speculative_disable_batch_size or self.config.max_num_seqs

@@ -217,6 +217,30 @@ def test_a_dormant_buckets_steps_skip_the_drafters_context_and_outputs_do_not_ch
         assert llm.engine.get_stats().num_draft_tokens == drafts
 
 
+def test_without_sampled_drafting_a_sampled_sequence_never_drafts_probes_or_wants_context():
+    """Graph mode on CPU runs a sampled drafted step eagerly (about 5 plain steps): the policy there drafts for
+    greedy sequences only (tests/MUTATIONS.md P28)."""
+    p = DraftPolicy(7, draft_sampled=False)
+    for _ in range(3):
+        plan = p.plan([(1, 0.0), (2, 0.8)])
+        assert plan[1] == 6 and plan[2] == 0, plan
+    assert p.wants_context(1, 0.0) and not p.wants_context(2, 0.8)
+    for _ in range(64):
+        p.observe_plain(2)
+        assert p.plan([(2, 0.8)])[2] == 0          # never probed
+    assert DraftPolicy(7).plan([(3, 0.8)])[3] == 6  # by default a new sampled sequence is probed
+
+
+def test_graph_mode_on_cpu_under_inductor_does_not_draft_for_sampled_requests(monkeypatch):
+    from namazu.engine_config import EngineConfig, sampled_tail_eager
+
+    monkeypatch.delenv("NAMAZU_GRAPH_BACKEND", raising=False)
+    assert sampled_tail_eager(EngineConfig(enforce_eager=False, device="cpu"))
+    assert not sampled_tail_eager(EngineConfig(enforce_eager=True, device="cpu"))
+    monkeypatch.setenv("NAMAZU_GRAPH_BACKEND", "eager")
+    assert not sampled_tail_eager(EngineConfig(enforce_eager=False, device="cpu"))
+
+
 def test_a_step_in_flight_across_a_pause_of_the_caller_is_not_timed():
     """LLM.generate returns with the next step launched (async scheduling); the next call collects it. Timed
     from its launch, it read the whole pause (other engines' generate calls: 50-120 plain steps) and the
