@@ -49,7 +49,11 @@ AUTO_DISABLE_BATCH_SIZE = 8
 # experts and the drafter on the small-row kernel"): the shipped drafter's decode against graph mode without
 # it, bf16 1.15x / 0.86x / 1.06x and fp32 1.08x / 1.01x / 1.02x; the default with 2 read 0.85x (bf16) and
 # 0.94x (fp32) at batch 2. A batch of two sequences verifies 14 rows, and on this CPU that costs about twice
-# 7 rows, while its plain step costs 1.4x a single sequence's. So: one.
+# 7 rows, while its plain step costs 1.4x a single sequence's. So: one. Measured again after the direct calls
+# and compiled resume tails of 2026-12-07 (bench/RESULTS.md, "Direct calls"): with the limit at 4
+# (`--auto-threshold 4`, bf16) the default decoded at 1.07x / 0.80x / 0.82x of off at batch 1 / 2 / 4 and
+# drafting every step at 1.16x / 0.91x / 0.94x (an earlier run, beside another benchmark, read 1.06x / 1.09x
+# at 2 / 4 for drafting every step): still one.
 AUTO_DISABLE_BATCH_SIZE_GRAPH = 1
 
 # The running-confidence threshold at which the shipped drafter's blocks end (`dflash.draft_counts`). It
