@@ -75,11 +75,11 @@ class DraftedTails:
         # The direct calls hold the old drafter's parameters and cache: each learns again on its next call.
         self.direct.clear()
 
-    def _compile(self, fn: Callable, key: tuple[int, bool | None]) -> Callable:
+    def _compile(self, fn: Callable, key: tuple[int, bool | str | None]) -> Callable:
         self._recorders[key] = GraphRecorder(compile_backend(self.graphs.backend, []))
         return torch.compile(fn, backend=self._recorders[key], dynamic=False, fullgraph=True)
 
-    def _call(self, key: tuple[int, bool | None], fn: Callable, args: tuple, per_call: dict, width: int):
+    def _call(self, key: tuple[int, bool | str | None], fn: Callable, args: tuple, per_call: dict, width: int):
         """`fn(*args)`: directly once a call of it was learnt, else through torch.compile (guards evaluated
         on the first call only: after it, inputs differ in values and the table's width alone), recording
         the call to learn from it."""
