@@ -298,6 +298,10 @@ def graph_mode(config: EngineConfig) -> bool:
     GPU (the engine's draft policy prices verify rows by it, the runner builds the graphs by it)."""
     if config.enforce_eager is not None:
         return not config.enforce_eager
+    return _on_gpu(config)
+
+
+def _on_gpu(config: EngineConfig) -> bool:
     if config.device != "auto":
         return config.device == "cuda"
     import torch
@@ -317,12 +321,4 @@ def sampled_tail_eager(config: EngineConfig) -> bool:
     bounds). There a drafted step at T > 0 cost about 5 plain ones (graph bf16, batch 1, T = 0.7: the shipped
     drafter decoded at 0.31x of graph mode without it), so the default draft policy does not draft for
     sampled sequences."""
-    if not graph_mode(config):
-        return False
-    if config.device != "auto":
-        on_gpu = config.device == "cuda"
-    else:
-        import torch
-
-        on_gpu = torch.cuda.is_available()
-    return not on_gpu and graph_backend() == "inductor"
+    return graph_mode(config) and not _on_gpu(config) and graph_backend() == "inductor"

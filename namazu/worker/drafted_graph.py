@@ -55,6 +55,7 @@ class DraftedTails:
         self.direct: dict[tuple[int, bool | str | None], DirectCall] = {}
         self._zero_q: dict[int, torch.Tensor] = {}
         self._tail_buffers: dict[tuple[int, int], tuple[TailInputs, dict[str, np.ndarray]]] = {}
+        self._padding = {name: vocab_size if pad is None else pad for name, (_, pad) in _HOST_FIELDS.items()}
         self._called: set[tuple[int, bool | str | None]] = set()
         self._not_direct: set[tuple[int, bool | str | None]] = set()
         # Inductor (torch 2.13, CPU) compiles the sampled variant into kernels that read out of bounds. Two
@@ -76,7 +77,7 @@ class DraftedTails:
         self.direct.clear()
 
     def _compile(self, fn: Callable, key: tuple[int, bool | str | None]) -> Callable:
-        self._recorders[key] = GraphRecorder(compile_backend(self.graphs.backend, []))
+        self._recorders[key] = GraphRecorder(compile_backend(self.graphs.backend))
         return torch.compile(fn, backend=self._recorders[key], dynamic=False, fullgraph=True)
 
     def _call(self, key: tuple[int, bool | str | None], fn: Callable, args: tuple, per_call: dict, width: int):
@@ -157,14 +158,13 @@ class DraftedTails:
         return None
 
     def padding_inputs(self, bp: int, tq: int, sampled: bool) -> TailInputs:
-        i64 = {"dtype": torch.long, "device": self.device}
+        """The entry's buffers holding padding only (identity settings, no drafts): the warm-up's inputs."""
+        t, host = self._buffers(bp, tq)
+        for name, a in host.items():
+            a[...] = self._padding[name]
         q = self._q(bp) if sampled and self.draws_q else None
-        return TailInputs(
-            num_drafts=torch.zeros(bp, **i64), temperature=torch.zeros(bp, device=self.device),
-            top_k=torch.full((bp,), self.vocab_size, **i64), top_p=torch.ones(bp, device=self.device),
-            min_p=torch.zeros(bp, device=self.device), seeds=torch.zeros(bp, **i64),
-            counters=torch.zeros(bp, tq, **i64),
-            has_q=torch.zeros(bp, dtype=torch.bool, device=self.device) if q is not None else None, q=q)
+        return dataclasses.replace(t, has_q=torch.zeros(bp, dtype=torch.bool, device=self.device)
+                                   if q is not None else None, q=q)
 
     def inputs(self, b: StepBatch, entry: GraphEntry, num_drafts: np.ndarray, slots: np.ndarray, drafts,
                slot_index: torch.Tensor, sampled: bool) -> TailInputs:
@@ -173,17 +173,16 @@ class DraftedTails:
         draft counts only; the sampled one every setting."""
         bp, s, tq = entry.bp, len(num_drafts), entry.tq
         t, host = self._buffers(bp, tq)
-        host["num_drafts"][:s] = num_drafts
-        host["num_drafts"][s:] = 0
+        values = {"num_drafts": num_drafts}
         if sampled:
             sp, first = b.sampling, b.spec.row_layout[:, 0]
-            for name, values in (("temperature", sp.temperature), ("top_k", sp.top_k), ("top_p", sp.top_p),
-                                 ("min_p", sp.min_p), ("seeds", sp.seeds)):
-                host[name][:s] = values[first]
-                host[name][s:] = _PADDING[name] if name != "top_k" else self.vocab_size
-            # A sequence's rows take consecutive output indices from its first sampled row's.
-            host["counters"][:s] = sp.counters[first][:, None] + np.arange(tq)
-            host["counters"][s:] = 0
+            values.update(temperature=sp.temperature[first], top_k=sp.top_k[first], top_p=sp.top_p[first],
+                          min_p=sp.min_p[first], seeds=sp.seeds[first],
+                          # a sequence's rows take consecutive output indices from its first sampled row's
+                          counters=sp.counters[first][:, None] + np.arange(tq))
+        for name, v in values.items():
+            host[name][:s] = v
+            host[name][s:] = self._padding[name]
         t = dataclasses.replace(t, has_q=None, q=None)
         if sampled and self.draws_q:
             flags = np.zeros(bp, dtype=bool)
@@ -200,11 +199,8 @@ class DraftedTails:
     def _buffers(self, bp: int, tq: int) -> tuple[TailInputs, dict[str, np.ndarray]]:
         if (bp, tq) not in self._tail_buffers:
             # numpy arrays the tensors share memory with (made from the arrays: no host read of a tensor)
-            host = {name: np.zeros(tq * bp if name == "counters" else bp, dtype=dtype)
-                    for name, dtype in (("num_drafts", np.int64), ("temperature", np.float32), ("top_k", np.int64),
-                                        ("top_p", np.float32), ("min_p", np.float32), ("seeds", np.int64),
-                                        ("counters", np.int64))}
-            host["counters"] = host["counters"].reshape(bp, tq)
+            host = {name: np.zeros((bp, tq) if name == "counters" else bp, dtype=dtype)
+                    for name, (dtype, _) in _HOST_FIELDS.items()}
             tensors = {name: torch.from_numpy(a) for name, a in host.items()}
             self._tail_buffers[(bp, tq)] = (TailInputs(**tensors, has_q=None, q=None), host)
         return self._tail_buffers[(bp, tq)]
@@ -235,8 +231,11 @@ class DraftedTails:
 
 _TAIL_FIELDS = tuple(f.name for f in dataclasses.fields(TailInputs))
 PLAIN = "plain"     # the key of a plain entry's tail (`DraftedTails.fns`)
-# A padded sequence's sampling settings (top_k: the vocabulary size): identity values.
-_PADDING = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "seeds": 0}
+# The tail's host-written inputs: dtype and a padded sequence's value (identity settings, no drafts; top_k
+# None: the vocabulary size).
+_HOST_FIELDS = {"num_drafts": (np.int64, 0), "temperature": (np.float32, 0.0), "top_k": (np.int64, None),
+                "top_p": (np.float32, 1.0), "min_p": (np.float32, 0.0), "seeds": (np.int64, 0),
+                "counters": (np.int64, 0)}
 
 
 def _write_context(proposer, captured: dict[int, torch.Tensor], positions: torch.Tensor,

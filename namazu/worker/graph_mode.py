@@ -208,7 +208,7 @@ class StepGraphs:
         return out + [self.max_width]
 
     def _compile(self, e: GraphEntry) -> None:
-        recorder = GraphRecorder(compile_backend(self.backend, []))
+        recorder = GraphRecorder(compile_backend(self.backend))
         e.compiled = torch.compile(self._entry_forward(e), backend=recorder, dynamic=False, fullgraph=True)
         table = e.block_tables[:, :2]
         with recorder.record():
@@ -310,11 +310,10 @@ class StepGraphs:
         return outputs[0], outputs[1], dict(zip(self.capture_layers, outputs[3:]))
 
 
-def compile_backend(name: str, sink: list[tuple[Callable, list]], cpp_wrapper: bool = True) -> Callable:
+def compile_backend(name: str, cpp_wrapper: bool = True) -> Callable:
     """A torch.compile backend that compiles with `name` ("inductor", or any dynamo backend such as the tests'
-    "eager") and appends (compiled graph, its example inputs) to `sink`."""
+    "eager"); `direct_call.GraphRecorder` wraps it to call the graph directly later."""
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        inputs = list(example_inputs)   # (before compiling: the compiler may consume the list)
         if name == "inductor":
             from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx
@@ -326,7 +325,6 @@ def compile_backend(name: str, sink: list[tuple[Callable, list]], cpp_wrapper: b
                 fn = compile_fx(gm, example_inputs)
         else:
             fn = torch._dynamo.lookup_backend(name)(gm, example_inputs)
-        sink.append((fn, inputs))
         return fn
 
     return backend

@@ -16,7 +16,7 @@ def _step(weights, x: torch.Tensor, table: torch.Tensor, cache: torch.Tensor):
 
 
 def _compiled():
-    recorder = GraphRecorder(compile_backend("eager", []))
+    recorder = GraphRecorder(compile_backend("eager"))
     return recorder, torch.compile(_step, backend=recorder, dynamic=False, fullgraph=True)
 
 
