@@ -3,7 +3,7 @@
     python bench/drafter_step.py [--drafters shipped=namazu/assets/namazu-tiny/drafter NAME=DIR ...]
                                  [--requests CAPTURE_DIR] [--batch 1 2 4 8] [--rounds 3] [--output-len 48]
                                  [--groups 8] [--ignore-eos] [--k N] [--min-confidence 0 0.3 ...]
-                                 [--modes eager graph] [--auto-threshold N] [--dtype float32]
+                                 [--modes eager graph] [--auto-threshold N] [--dtype float32] [--tp N]
 
 Every setup (per mode: speculation off; one per drafter and --min-confidence threshold at --k draft
 tokens, drafting at every batch size, named DRAFTER@THRESHOLD when several thresholds are swept; and
@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="--speculative-min-confidence of the named drafters' setups, one setup per value "
                          "(0: full blocks)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks per engine (worker processes over gloo, --threads each)")
     ap.add_argument("--dtype", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
                     help="engine dtype(s), each a set of setups per mode (auto: the engine's default; float32 "
                          "keeps greedy answers identical across setups: in bfloat16 a 7-row verify and a 1-row "
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                       speculative_min_confidence=path[1])
         t0 = time.perf_counter()
         # An explicit KV budget: the setups share one process (and, on a GPU, its memory).
-        llms[name] = LLM(None, executor="inline", threads=args.threads, dtype=dtype,
+        tp = dict(executor="inline") if args.tp == 1 else dict(executor="mp", tensor_parallel_size=args.tp)
+        llms[name] = LLM(None, threads=args.threads, dtype=dtype, **tp,
                          kv_cache_memory="256MiB", enforce_eager=mode == "eager", max_num_seqs=max(args.batch),
                          **kw)
         eng = llms[name].engine

@@ -114,8 +114,8 @@ class EngineConfig:
         0, "verify a draft tree of at most N rows per drafting sequence per step instead of one chain: up to 4 "
            "of the DFlash drafter's candidates per position, accepted by recursive rejection sampling over "
            "siblings (lossless at any temperature; docs/speculative.md, \"Tree verification\"). Steps that "
-           "verify or draft a tree run eagerly; sequences with penalties, a grammar or returned drafts, and "
-           "tensor parallelism, keep the chain. 0: the chain", metavar="N")
+           "verify or draft a tree run eagerly; under tensor parallelism rank 0's trees and accepted paths "
+           "are every rank's. 0: the chain", metavar="N")
     shadow_drafter: str | None = _f(None, "a second DFlash2 drafter checkpoint directory that drafts beside the "
                                           "serving one on a sampled share of requests (--shadow-fraction) and is "
                                           "scored against what the target committed, without changing any "
@@ -214,9 +214,6 @@ class EngineConfig:
         if self.speculative_tree_budget and self.speculative_method is not None:
             bad("speculative_tree_budget", f"needs a DFlash drafter (its selector's candidates); the "
                                            f"{self.speculative_method} drafter proposes one chain")
-        if self.speculative_tree_budget and self.tensor_parallel_size > 1:
-            bad("speculative_tree_budget", "is not supported with --tensor-parallel-size > 1 yet (rank 0's "
-                                           "tree and path would have to be broadcast); use 0 (the chain)")
         if self.speculative_method is not None and self.speculative_model is not None:
             bad("speculative_model", f"and --speculative-method {self.speculative_method} both name a drafter")
         sf = self.shadow_fraction

@@ -1,5 +1,5 @@
 """One decision per step under tensor parallelism: rank 0's sampled tokens, acceptance counts and
-drafts, broadcast to every rank.
+drafts (a chain's, or a draft tree's nodes and what its acceptance rule reads), broadcast to every rank.
 
 Every rank computes the same logits up to the order of floating-point sums, and so would almost always
 sample the same tokens by itself; "almost" is the problem. If one rank accepted a different number of
@@ -15,13 +15,31 @@ import torch
 
 from namazu.distributed.group import broadcast
 from namazu.spec.proposer import Proposal
+from namazu.spec.tree import DraftTree
 
 
-def share_decision(tokens: torch.Tensor, accepted: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [S, K+1], accepted [S] -> rank 0's, on every rank (one broadcast)."""
-    packed = torch.cat([tokens, accepted.to(tokens.dtype).unsqueeze(1)], dim=1).contiguous()
+def share_decision(tokens: torch.Tensor, accepted: torch.Tensor, size: int, path: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """tokens [S, K+1], accepted [S] and, for a step that verified draft trees, each sequence's accepted
+    path [S, D] (`tree_step.TreePlan.path`: which node's latents move where) -> rank 0's, on every rank, in
+    one broadcast. A rank that moved its own path's latents would hold another cache than rank 0's."""
+    k = tokens.shape[1]
+    parts = [tokens, accepted.to(tokens.dtype).unsqueeze(1)] + ([path.to(tokens.dtype)] if path is not None else [])
+    packed = torch.cat(parts, dim=1).contiguous()
     broadcast(packed, size)
-    return packed[:, :-1], packed[:, -1].to(accepted.dtype)
+    shared_path = packed[:, k + 1:].to(path.dtype) if path is not None else None
+    return packed[:, :k], packed[:, k].to(accepted.dtype), shared_path
+
+
+def share_device_tree(tree: DraftTree, size: int) -> DraftTree:
+    """A drafter's trees -> rank 0's on every rank (two broadcasts: the integer tables, q). Every rank
+    feeds the node tokens to its shard of the verify forward, and the acceptance rule reads the rest."""
+    s, r, kc = tree.child_ids.shape
+    ints = torch.cat([tree.tokens.long(), tree.cand_index.long(), tree.child_ids.long().flatten(1)], 1).contiguous()
+    broadcast(ints, size)
+    q = broadcast(tree.child_q.contiguous(), size)
+    return DraftTree(ints[:, :r].to(tree.tokens.dtype), ints[:, r:2 * r].to(tree.cand_index.dtype),
+                     ints[:, 2 * r:].view(s, r, kc).to(tree.child_ids.dtype), q)
 
 
 def share_device_proposal(proposal: Proposal, size: int) -> Proposal:

@@ -30,6 +30,14 @@ class _VocabRange:
         self.weight.weight_loader = self._load_rows
 
     @torch.no_grad()
+    def whole(self) -> torch.Tensor:
+        """The whole vocabulary's rows [V, H] on this rank: the weight itself at one rank, else every rank's
+        range gathered (a collective: every rank calls it, at the same point)."""
+        if self.tp.size == 1:
+            return self.weight
+        return all_gather(self.weight.detach(), self.tp.size, dim=0)[:self.vocab_size].clone()
+
+    @torch.no_grad()
     def _load_rows(self, param: torch.Tensor, loaded: Loaded) -> None:
         full = (self.vocab_size, param.shape[1])
         if tuple(loaded.shape) != full:

@@ -62,6 +62,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, dtype=dtype, device=device, tp=tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._whole_vocab: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -90,6 +91,24 @@ class DeepseekV3ForCausalLM(nn.Module):
             if i in capture_layers:
                 captured[i] = x
         return self.model.norm(x), captured
+
+    def gather_whole_vocab(self) -> None:
+        """Keeps a copy of the whole embedding and lm_head on this rank, for a drafter that borrows them
+        (`whole_vocab`). Under tensor parallelism a collective: every rank calls it at start-up, together
+        (not when a drafter is attached: a shadow drafter attaches on rank 0 alone). Costs 2 x V x H
+        elements per rank beyond the model's shard."""
+        if self.tp.size > 1 and self._whole_vocab is None:
+            self._whole_vocab = (self.model.embed_tokens.whole(), self.lm_head.whole())
+
+    def whole_vocab(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embedding [V, H], lm_head [V, H]) of the whole vocabulary: the layers' own weights at one rank,
+        the copies `gather_whole_vocab` made under tensor parallelism."""
+        if self.tp.size == 1:
+            return self.model.embed_tokens.weight, self.lm_head.weight
+        if self._whole_vocab is None:
+            raise RuntimeError("the whole vocabulary's embedding and lm_head were not gathered on this rank "
+                               "(gather_whole_vocab, on every rank at start-up)")
+        return self._whole_vocab
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head

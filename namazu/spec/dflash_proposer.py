@@ -30,6 +30,9 @@ STREAM_DRAFT = 3
 
 class DFlashProposer:
     on_device = True
+    # It reads the target's whole embedding and lm_head: under tensor parallelism the worker gathers them at
+    # start-up (`DeepseekV3ForCausalLM.gather_whole_vocab`).
+    whole_vocab = True
 
     def __init__(self, path: str, target_vocab_size: int, target_hidden_size: int, target_num_layers: int,
                  sample_drafts: bool = True, min_confidence: float = 0.0):
@@ -60,14 +63,16 @@ class DFlashProposer:
     def attach(self, target: torch.nn.Module, num_blocks: int, block_size: int,
                reuse_cache: torch.Tensor | None = None) -> None:
         """Loads the drafter next to the target (same device and dtype), borrows its frozen embedding and
-        lm_head, and allocates the context cache with the target's block layout. `reuse_cache`: the cache
-        of the drafter this one replaces (`spec/drafter_swap.py`), taken over when its shape fits, so a swap
-        needs no second cache; its entries are stale and never read (every sequence is recomputed)."""
-        w = target.model.embed_tokens.weight
+        lm_head (the whole vocabulary's: under tensor parallelism the copies every rank gathered at start-up,
+        `whole_vocab`, so that every rank drafts alone, with no collective), and allocates the context cache
+        with the target's block layout. `reuse_cache`: the cache of the drafter this one replaces
+        (`spec/drafter_swap.py`), taken over when its shape fits, so a swap needs no second cache; its
+        entries are stale and never read (every sequence is recomputed)."""
+        w, lm_head = target.whole_vocab()
         self.model = DFlashDrafter.load(self.path, *self.target_shape, device=w.device, dtype=w.dtype)
         self.embed = w
         # The rows of the target's lm_head the drafter scores (its draft vocabulary), gathered once.
-        self.head = self.model.draft_head(target.lm_head.weight)
+        self.head = self.model.draft_head(lm_head)
         if wants_k_major(self.head):
             use_k_major_linears(self.model)
             self.head = k_major(self.head)

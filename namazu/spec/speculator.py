@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from namazu.distributed.decisions import share_decision, share_device_proposal
+from namazu.distributed.decisions import share_decision, share_device_proposal, share_device_tree
 from namazu.layers.sampler import SamplingTensors, seeded_rows
 from namazu.spec.proposer import DraftBuffer, Proposal, Proposer, ProposerInput, check_proposer
 from namazu.spec.tree_step import TreePlan, TreeStep, step_topology
@@ -210,17 +210,21 @@ class Speculator:
             tokens, accepted = verify_stochastic(processed[row_layout], target, draft_ids, q, num_drafts,
                                                  (st.temperature[first] == 0) | ~has_q, st.seeds[first],
                                                  st.counters[row_layout], seeded=seeded_rows(st.seeds[first]))
-        if self._plan is not None:
-            tokens, accepted = self.tree.accept(self._plan, processed, target, tokens, accepted, st, row_layout,
-                                                slot_index)
-            ctx = self._context
-            self.tree.commit_path(self._plan, self._target_kv, getattr(ctx, "cache", None))
-        return self.shared(tokens, accepted)
+        plan = self._plan
+        if plan is None:
+            return self.shared(tokens, accepted)
+        tokens, accepted = self.tree.accept(plan, processed, target, tokens, accepted, st, row_layout, slot_index)
+        if self.share_decisions:
+            # Rank 0's path too: which latents move where is part of the decision.
+            tokens, accepted, plan.path = share_decision(tokens, accepted, self.world_size, plan.path)
+            plan.num_accepted = torch.where(plan.is_tree, accepted, 0)
+        self.tree.commit_path(plan, self._target_kv, getattr(self._context, "cache", None))
+        return tokens, accepted
 
     def shared(self, tokens: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank 0's tokens and acceptance counts on every rank (one decision under tensor parallelism)."""
         if self.share_decisions:
-            return share_decision(tokens, accepted, self.world_size)
+            return share_decision(tokens, accepted, self.world_size)[:2]
         return tokens, accepted
 
     def propose_on_device(self, b: StepBatch, prep: PreparedStep, hidden: torch.Tensor,
@@ -251,6 +255,8 @@ class Speculator:
         """Each sampling sequence's next draft tree: its node tokens into the draft buffer (what the engine
         sees: N drafts), the rest kept by slot for the acceptance rule."""
         tree = self.proposer.propose_tree(inp, self.tree.tt)
+        if self.share_decisions:
+            tree = share_device_tree(tree, self.world_size)
         ids = self.tree.store(tree, prep.slots, slot_index, self.drafts.ids.shape[0])
         return self.store_proposal(Proposal(ids), slot_index, width)
 

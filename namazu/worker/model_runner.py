@@ -131,6 +131,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             use_k_major_linears(self.model)
         self.model_config = self.model.config
+        if world_size > 1 and getattr(proposer, "whole_vocab", False):
+            # Every rank, together: a DFlash drafter (and a shadow beside it) borrows the whole vocabulary.
+            self.model.gather_whole_vocab()
         self.dtype = self.model.dtype
         self.block_size = config.block_size
         self.num_blocks = 0

@@ -57,3 +57,23 @@ class RankDependentProposer:
         guess = (inp.final_hidden[last].abs().argmax(-1) + inp.tokens[:, 0] + rank) % vocab
         ids = torch.stack([(guess + j * (1 + rank)) % vocab for j in range(k)], dim=1)
         return Proposal(ids, counts=torch.full_like(guess, k))
+
+
+def perturb_trees(worker, on: bool) -> None:
+    """Ranks > 0 shift every draft node of the trees their drafter proposes (rank 0's stay): only the
+    broadcast of rank 0's trees keeps the ranks' verify forwards over the same tokens."""
+    spec = worker.runner.spec
+    proposer = spec.proposer
+    real = getattr(proposer, "_real_propose_tree", None) or proposer.propose_tree
+    proposer._real_propose_tree = real
+    if not on or worker.runner.rank == 0:
+        proposer.propose_tree = real
+        return
+
+    def propose_tree(inp, tt):
+        tree = real(inp, tt)
+        tokens = tree.tokens.clone()
+        tokens[:, 1:] = (tokens[:, 1:] + 11 * worker.runner.rank) % worker.runner.model_config.vocab_size
+        return tree._replace(tokens=tokens)
+
+    proposer.propose_tree = propose_tree
