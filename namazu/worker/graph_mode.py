@@ -320,14 +320,22 @@ def compile_backend(name: str, cpp_wrapper: bool = True) -> Callable:
 
             # The C++ wrapper: the compiled step calls its ~50 kernels and GEMMs from generated C++
             # instead of a Python function (batch 1: 1.68 vs 1.89 ms a step, CPU time, 1 thread); it
-            # costs a longer cold compile, which inductor's cache keeps for the next start.
-            with inductor_config.patch(cpp_wrapper=cpp_wrapper):
+            # costs a longer cold compile, which inductor's cache keeps for the next start. It cannot call
+            # a tensor-parallel rank's collectives (their process-group argument has no C++ type there),
+            # so such a graph keeps the Python wrapper.
+            with inductor_config.patch(cpp_wrapper=cpp_wrapper and not has_collectives(gm)):
                 fn = compile_fx(gm, example_inputs)
         else:
             fn = torch._dynamo.lookup_backend(name)(gm, example_inputs)
         return fn
 
     return backend
+
+
+def has_collectives(gm: torch.fx.GraphModule) -> bool:
+    """Whether a traced graph calls collectives (dynamo traces torch.distributed's as functional ops)."""
+    return any(n.op == "call_function" and str(n.target).startswith(("_c10d_functional.", "c10d_functional."))
+               for n in gm.graph.nodes)
 
 
 def own_code(fn: Callable, name: str) -> types.FunctionType:

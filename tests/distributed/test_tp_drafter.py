@@ -121,3 +121,22 @@ def test_a_drafter_swap_under_tp_keeps_outputs(reference, tmp_path):
     assert_same_outputs(MODEL, prompts, GREEDY, first + rest, want)
     assert after - before >= 10
     assert logs[0] == logs[1]
+
+
+def test_graph_mode_under_tp_with_the_drafter_equals_tp1(reference):
+    """The deployment's shape: tensor parallelism, graph mode and the drafter together. Each rank's
+    compiled forward holds its collectives (the Python wrapper calls them, `graph_mode.compile_backend`);
+    the acceptance and its broadcast run after the graph (gloo cannot run inside it)."""
+    prompts, want = reference
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_module, "make_executor",
+                   functools.partial(worker_module.make_executor, setup=tp_helpers.install_probe))
+        llm = LLM(MODEL, tensor_parallel_size=2, dtype="float32", speculative_model=DRAFTER,
+                  num_speculative_tokens=6, speculative_disable_batch_size=0, enforce_eager=False, max_num_seqs=1)
+    with llm:
+        got = _generate(llm, prompts[:3])
+        stats = llm.engine.get_stats()
+        logs = llm.engine.executor.collective_rpc(tp_helpers.probe_log)
+    assert_same_outputs(MODEL, prompts[:3], GREEDY, got, want[:3])
+    assert stats.num_accepted_draft_tokens >= 10
+    assert logs[0] == logs[1]

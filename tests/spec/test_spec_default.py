@@ -315,9 +315,10 @@ def test_each_block_is_drafted_from_the_last_accepted_token():
     assert stats.num_accepted_draft_tokens >= 10 and sum(stats.acceptance_length_histogram[1:]) >= 5
 
 
-def test_tensor_parallelism_keeps_the_shipped_drafter_off_and_refuses_a_named_one():
-    # The drafter borrows the target's whole embedding and lm_head, which tensor-parallel ranks split.
+def test_tensor_parallelism_keeps_the_shipped_drafter_off_by_default_and_serves_a_named_one():
+    # Measured not to pay at T=0.8 under TP (bench/RESULTS.md); named, it runs (tests/distributed/test_tp_drafter.py).
     c = choose(tensor_parallel_size=2)
     assert c.drafter is None and c.num_speculative_tokens == 0 and "tensor parallelism" in c.why
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        choose(tensor_parallel_size=2, speculative_model=shipped())
+    assert "--speculative-model" in c.why
+    named = choose(tensor_parallel_size=2, speculative_model=shipped())
+    assert isinstance(named.drafter, DFlashProposer) and named.num_speculative_tokens > 0

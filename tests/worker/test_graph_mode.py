@@ -269,3 +269,35 @@ def test_direct_call_returns_logits_argmax_and_captured_layers():
     torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(e.greedy, logits.argmax(-1))
+
+
+def test_a_compiled_graph_with_collectives_keeps_the_python_wrapper(tmp_path):
+    """A tensor-parallel rank's step graph holds its collectives (the lm_head's all-gather, the all-reduces):
+    inductor's C++ wrapper cannot call them (their group argument has no C++ type: "arg type Any is not yet
+    supported"), so `compile_backend` compiles such a graph with the Python wrapper. A one-rank gloo group
+    traces the same functional collectives."""
+    import torch.distributed as dist
+
+    from namazu.worker.graph_mode import compile_backend, has_collectives
+
+    def step(x):
+        y = x * 2
+        dist.all_reduce(y)
+        parts = [torch.empty_like(y)]
+        dist.all_gather(parts, y)
+        return torch.cat(parts) + 1
+
+    seen = []
+    backend = compile_backend("inductor")
+
+    def spy(gm, example_inputs):
+        seen.append(has_collectives(gm))
+        return backend(gm, example_inputs)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0, world_size=1)
+    try:
+        out = torch.compile(step, backend=spy, fullgraph=True)(torch.ones(4))
+    finally:
+        dist.destroy_process_group()
+    assert seen == [True]
+    assert torch.equal(out, torch.full((4,), 3.0))
