@@ -612,8 +612,17 @@ class LLMEngine:
 
     def close(self) -> None:
         executor = getattr(self, "executor", None)
-        if executor is not None:
-            executor.close()
+        if executor is None:
+            return
+        # With async scheduling a step may still be in flight (launched for sequences that its predecessor
+        # finished): its ranks would answer into closed pipes.
+        if getattr(self, "_in_flight", None) is not None and executor.failure() is None:
+            self._in_flight = None
+            try:
+                executor.collect()
+            except Exception:       # noqa: BLE001 -- closing either way
+                logger.warning("discarding the in-flight step at close", exc_info=True)
+        executor.close()
 
     # -- failure handling (used by the async front's supervision) -------------------------------------
     def fail_running_requests(self) -> list[str]:

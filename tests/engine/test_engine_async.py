@@ -156,3 +156,18 @@ def test_scripted_drafts_with_async_scheduling_are_exact(mode):
     assert stats.num_draft_tokens > 0
     if mode == "right":
         assert stats.num_accepted_draft_tokens > 0
+
+
+def test_close_with_a_step_in_flight_collects_it_first(capfd):
+    """With async scheduling a step can still be in flight when the engine closes (launched for sequences its
+    predecessor finished, or, here, the first step of a request). close() collects it before the worker's
+    pipe closes: the worker's answer would otherwise hit a closed pipe (a BrokenPipeError traceback per rank)."""
+    engine = LLMEngine(EngineConfig(model=tiny_checkpoint(), async_scheduling=True))
+    for i, p in enumerate(prompts(4, 60, 60, seed=8)):
+        engine.add_request(f"r{i}", None, SamplingParams(max_tokens=50, ignore_eos=True), prompt_token_ids=p)
+    assert engine.step() == [] and engine._in_flight is not None
+    engine.close()
+    proc = engine.executor.procs[0]
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+    assert "BrokenPipeError" not in capfd.readouterr().err
