@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="--speculative-min-confidence of the named drafters' setups, one setup per value "
                          "(0: full blocks)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--executor", choices=["inline", "mp"], default="inline",
+                    help="inline: the worker in this process (its CPU time is this process's); mp: the worker in "
+                         "its own process, as the server runs it (the engine's host work overlaps the step)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks per engine (worker processes over gloo, --threads each)")
     ap.add_argument("--dtype", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
@@ -79,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                          "kind (plain decode, verify) and by part (target forward, logits, drafter context and "
                          "proposal, the rest of the worker's step, the engine outside it)")
     args = ap.parse_args(argv)
+    if args.breakdown and (args.executor != "inline" or args.tp > 1):
+        ap.error("--breakdown times the worker's parts in this process: it needs --executor inline and --tp 1")
 
     from namazu import LLM, SamplingParams
     from namazu.assets import default_model_path
@@ -139,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                       speculative_min_confidence=path[1])
         t0 = time.perf_counter()
         # An explicit KV budget: the setups share one process (and, on a GPU, its memory).
-        tp = dict(executor="inline") if args.tp == 1 else dict(executor="mp", tensor_parallel_size=args.tp)
+        tp = dict(executor=args.executor) if args.tp == 1 else dict(executor="mp", tensor_parallel_size=args.tp)
         llms[name] = LLM(None, threads=args.threads, dtype=dtype, **tp,
                          kv_cache_memory="256MiB", enforce_eager=mode == "eager", max_num_seqs=max(args.batch),
                          **kw)

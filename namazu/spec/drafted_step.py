@@ -12,9 +12,12 @@ a device value, no shape that depends on the step. What varies per step is data,
 - sequences Bp - S .. Bp - 1 are padding: their rows write the scratch slot of both caches, their
   results are dropped;
 - per-row sampling settings are tensors (temperature, top-k, top-p, min-p, seeds, counters), applied to
-  every row whether or not a request set them (identity values where it did not).
+  every row whether or not a request set them (identity values where it did not);
+- a grammar's allowed tokens are a bitmask row per verify row (filled by the engine along the drafts, as
+  for an eager step), all bits set on the rows of sequences without a grammar and on padding.
 Two variants are compiled: every sequence greedy (the forward's argmax is each row's sample, drafts walk
-greedily) and sampled. The rule is `spec/verify.py`'s, per row: exact match against the target's own
+greedily) and sampled; each again with a bitmask input for batches that hold a grammar sequence (greedy:
+the argmax of the allowed tokens). The rule is `spec/verify.py`'s, per row: exact match against the target's own
 seeded sample where the row is greedy, its request gave a seed, or its drafts came without q; the
 lossless rejection rule with the drafter's q elsewhere; so eager and graph mode make the same decision.
 """
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from namazu.layers.sampler import SamplingTensors, process_logits, sample_from_processed, seeded_rows
+from namazu.layers.sampler import SamplingTensors, apply_bitmask, process_logits, sample_from_processed, seeded_rows
 from namazu.spec.proposer import Proposal, ProposerInput
 from namazu.spec.verify import verify_deterministic, verify_stochastic
 
@@ -42,6 +45,9 @@ class TailInputs:
     counters: torch.Tensor          # [Bp, Tq] int64: output index of each row's token
     has_q: torch.Tensor | None      # [Bp] bool: the held drafts came with their distribution
     q: torch.Tensor | None          # [Bp, K, V] fp32 (sampled variant with a drawing drafter)
+    # [Bp * Tq, ceil(V / 32)] int32 allowed-token bits per row (a grammar's, all set elsewhere), or None: the
+    # variants compiled with a mask (a batch with a grammar sequence) and those without.
+    bitmask: torch.Tensor | None = None
 
 
 def drafted_tail(proposer, logits: torch.Tensor, greedy: torch.Tensor, captured: dict[int, torch.Tensor],
@@ -57,6 +63,9 @@ def drafted_tail(proposer, logits: torch.Tensor, greedy: torch.Tensor, captured:
     v = logits.shape[-1]
     rows = torch.arange(bp * tq, device=logits.device).view(bp, tq)
     draft_ids = input_ids.view(bp, tq)[:, 1:]
+    if t.bitmask is not None and not sampled:
+        # A grammar's rows: the greedy sample is the argmax of the allowed tokens, not the forward's.
+        greedy = apply_bitmask(logits, t.bitmask).argmax(-1)
     if k == 0 and not sampled:
         tokens, accepted = greedy.view(bp, 1), torch.zeros(bp, dtype=torch.long, device=logits.device)
     elif not sampled:
@@ -68,7 +77,7 @@ def drafted_tail(proposer, logits: torch.Tensor, greedy: torch.Tensor, captured:
             top_p=t.top_p.repeat_interleave(tq), min_p=t.min_p.repeat_interleave(tq),
             presence_penalty=t.temperature.new_zeros(bp * tq), frequency_penalty=t.temperature.new_zeros(bp * tq),
             repetition_penalty=t.temperature.new_ones(bp * tq), seeds=t.seeds.repeat_interleave(tq),
-            counters=t.counters.reshape(-1), any_top_k_top_p=True, any_min_p=True)
+            counters=t.counters.reshape(-1), any_top_k_top_p=True, any_min_p=True, bitmask=t.bitmask)
         processed = process_logits(logits, st)
         target = sample_from_processed(processed, st).view(bp, tq)
         deterministic = t.temperature == 0

@@ -7,11 +7,13 @@ a compiled plain step at batch 1.
 
 Per verify entry (Bp sequences x 1 + K rows) up to the batch size at which the engine still drafts, two
 compiled variants: every sequence greedy, and sampled (temperature, top-k, top-p, min-p and seeds as
-per-row tensors: masks, not recompiles). The block table's width is a dynamic dimension, as in the
-forward, so each variant compiles once. A step the tail does not cover runs the forward's graph and then
-the eager rest (`ModelRunner._sample_and_verify`): logprobs, penalties, logit bias, a grammar bitmask, a
-host proposer, tensor parallelism, or a batch above the drafting limit; `eligible` says which, and the
-runner logs each reason once. After its first call each compiled function is called directly
+per-row tensors: masks, not recompiles); and each of them again with a grammar bitmask input, for steps
+whose batch holds a grammar sequence (the engine fills the rows along the drafts, as for an eager step; the
+entry's bitmask buffer holds all bits set on every other row). The block table's width is a dynamic
+dimension, as in the forward, so each variant compiles once. A step the tail does not cover runs the
+forward's graph and then the eager rest (`ModelRunner._sample_and_verify`): logprobs, penalties, logit
+bias, a host proposer, tensor parallelism, or a batch above the drafting limit; `eligible` says which, and
+the runner logs each reason once. After its first call each compiled function is called directly
 (`worker/direct_call.py`): torch.compile's frame cost about 0.35 ms of a 1.3 ms tail.
 """
 from __future__ import annotations
@@ -46,8 +48,8 @@ class DraftedTails:
         self.draws_q = bool(getattr(proposer, "sample_drafts", False))
         # Compiled functions by key: (bp, False) / (bp, True) the greedy / sampled tail of a verify entry,
         # (bp, PLAIN) the greedy tail of a plain entry whose step drafts (drafting resumes after a step
-        # that did not draft: a probe of the draft policy, or a sequence it had paused), (bp, None) a plain
-        # entry's context write.
+        # that did not draft: a probe of the draft policy, or a sequence it had paused), each with a grammar
+        # bitmask under `masked(variant)`; (bp, None) a plain entry's context write.
         self.fns: dict[tuple[int, bool | str], Callable] = {}
         # Per compiled function: its recorder, and once a call through torch.compile was recorded, the
         # direct call of it (`worker/direct_call.py`).
@@ -55,6 +57,7 @@ class DraftedTails:
         self.direct: dict[tuple[int, bool | str | None], DirectCall] = {}
         self._zero_q: dict[int, torch.Tensor] = {}
         self._tail_buffers: dict[tuple[int, int], tuple[TailInputs, dict[str, np.ndarray]]] = {}
+        self._bitmasks: dict[tuple[int, int], tuple[torch.Tensor, np.ndarray]] = {}
         self._padding = {name: vocab_size if pad is None else pad for name, (_, pad) in _HOST_FIELDS.items()}
         self._called: set[tuple[int, bool | str | None]] = set()
         self._not_direct: set[tuple[int, bool | str | None]] = set()
@@ -112,15 +115,18 @@ class DraftedTails:
         t0 = time.perf_counter()
         todo = [(e, sampled) for e in self.entries for sampled in self.variants] + \
             [(e, PLAIN) for e in self.resume_entries]
+        todo += [(e, masked(v)) for e, v in todo]
         for e, variant in tqdm(todo, desc="graph mode: compiling drafted steps", disable=not progress):
-            sampled = variant is True
-            name = {False: "greedy", True: "sampled", PLAIN: "resume"}[variant]
+            sampled = unmasked(variant) is True
+            name = {False: "greedy", True: "sampled", PLAIN: "resume"}[unmasked(variant)] + \
+                ("_masked" if variant in MASKED.values() else "")
             fn = own_code(drafted_tail, f"_drafted_tail_b{e.bp}_q{e.tq}_{name}")
             self.fns[(e.bp, variant)] = self._compile(fn, (e.bp, variant))
             # The entry's own forward outputs (padding rows only): a step passes these very tensors, so the
             # compiled tail's guards (shapes, strides) hold from its first real call on.
             logits, _, captured = self.graphs.launch(e, 2)
-            self.run(e, 2, logits, e.greedy, captured, self.padding_inputs(e.bp, e.tq, sampled), sampled)
+            t = self.padding_inputs(e.bp, e.tq, sampled, with_bitmask=variant in MASKED.values())
+            self.run(e, 2, logits, e.greedy, captured, t, sampled)
         for e in tqdm(self.plain_entries, desc="graph mode: compiling drafter context writes", disable=not progress):
             fn = own_code(_write_context, f"_write_context_b{e.bp}")
             self.context_fns[e.bp] = self._compile(fn, (e.bp, None))
@@ -153,18 +159,21 @@ class DraftedTails:
             return "logprobs"
         if sp.any_penalty or sp.bias is not None:
             return "penalties or logit bias"
-        if sp.bitmask is not None:
-            return "a grammar bitmask"
         return None
 
-    def padding_inputs(self, bp: int, tq: int, sampled: bool) -> TailInputs:
-        """The entry's buffers holding padding only (identity settings, no drafts): the warm-up's inputs."""
+    def padding_inputs(self, bp: int, tq: int, sampled: bool, with_bitmask: bool = False) -> TailInputs:
+        """The entry's buffers holding padding only (identity settings, no drafts, every token allowed): the
+        warm-up's inputs."""
         t, host = self._buffers(bp, tq)
         for name, a in host.items():
             a[...] = self._padding[name]
         q = self._q(bp) if sampled and self.draws_q else None
+        bitmask = self._bitmask(bp, tq) if with_bitmask else None
+        if bitmask is not None:
+            bitmask[1].fill(-1)
         return dataclasses.replace(t, has_q=torch.zeros(bp, dtype=torch.bool, device=self.device)
-                                   if q is not None else None, q=q)
+                                   if q is not None else None, q=q,
+                                   bitmask=bitmask[0] if bitmask is not None else None)
 
     def inputs(self, b: StepBatch, entry: GraphEntry, num_drafts: np.ndarray, slots: np.ndarray, drafts,
                slot_index: torch.Tensor, sampled: bool) -> TailInputs:
@@ -183,7 +192,9 @@ class DraftedTails:
         for name, v in values.items():
             host[name][:s] = v
             host[name][s:] = self._padding[name]
-        t = dataclasses.replace(t, has_q=None, q=None)
+        t = dataclasses.replace(t, has_q=None, q=None, bitmask=None)
+        if b.sampling.bitmask is not None:
+            t.bitmask = self._fill_bitmask(b, bp, tq, num_drafts)
         if sampled and self.draws_q:
             flags = np.zeros(bp, dtype=bool)
             flags[:s] = [drafts.has_probs.get(int(slot), False) for slot in slots]
@@ -195,6 +206,25 @@ class DraftedTails:
                 index[:s] = slot_index
                 t.q = drafts.probs[index, :self.k]
         return t
+
+    def _fill_bitmask(self, b: StepBatch, bp: int, tq: int, num_drafts: np.ndarray) -> torch.Tensor:
+        """The step's bitmask rows (one per sampled row, `b.spec.row_layout` order) at the entry's rows
+        (sequence s's row j at s * tq + j); every other row allows every token."""
+        t, host = self._bitmask(bp, tq)
+        host.fill(-1)
+        layout = b.spec.row_layout
+        s = len(num_drafts)
+        j = np.arange(layout.shape[1])
+        real = j[None, :] <= num_drafts[:, None]                         # [S, K+1] a verify row, not padding
+        seq, col = np.nonzero(real)
+        host[seq * tq + col] = b.sampling.bitmask[layout[:s][real]]
+        return t
+
+    def _bitmask(self, bp: int, tq: int) -> tuple[torch.Tensor, np.ndarray]:
+        if (bp, tq) not in self._bitmasks:
+            host = np.full((bp * tq, -(-self.vocab_size // 32)), -1, dtype=np.int32)
+            self._bitmasks[(bp, tq)] = (torch.from_numpy(host), host)
+        return self._bitmasks[(bp, tq)]
 
     def _buffers(self, bp: int, tq: int) -> tuple[TailInputs, dict[str, np.ndarray]]:
         if (bp, tq) not in self._tail_buffers:
@@ -208,7 +238,8 @@ class DraftedTails:
     def run(self, e: GraphEntry, width: int, logits: torch.Tensor, greedy: torch.Tensor,
             captured: dict[int, torch.Tensor], t: TailInputs, sampled: bool):
         table = e.block_tables[:, :width]
-        key = (e.bp, PLAIN if e.tq == 1 else sampled)
+        variant = PLAIN if e.tq == 1 else sampled
+        key = (e.bp, masked(variant) if t.bitmask is not None else variant)
         fn = self.fns.get(key)
         if fn is None:         # the eager variant: under the host-sync guard like every eager op
             return drafted_tail(self.proposer, logits, greedy, captured, e.input_ids, e.positions, e.slot_mapping,
@@ -231,6 +262,16 @@ class DraftedTails:
 
 _TAIL_FIELDS = tuple(f.name for f in dataclasses.fields(TailInputs))
 PLAIN = "plain"     # the key of a plain entry's tail (`DraftedTails.fns`)
+# The keys of the variants that take a grammar bitmask, by the variant without it.
+MASKED = {False: "greedy-masked", True: "sampled-masked", PLAIN: "plain-masked"}
+
+
+def masked(variant: bool | str) -> str:
+    return MASKED[variant]
+
+
+def unmasked(variant: bool | str) -> bool | str:
+    return next((v for v, m in MASKED.items() if m == variant), variant)
 # The tail's host-written inputs: dtype and a padded sequence's value (identity settings, no drafts; top_k
 # None: the vocabulary size).
 _HOST_FIELDS = {"num_drafts": (np.int64, 0), "temperature": (np.float32, 0.0), "top_k": (np.int64, None),
