@@ -55,6 +55,8 @@ class TreePlan:
     rope_positions: torch.Tensor   # [N_tokens] the forward's rotary positions (node rows: root + depth)
     tree_mask: torch.Tensor        # [B, Tq, Tq] bool, `PagedAttentionMetadata.tree_mask`
     chain_counters: torch.Tensor   # [R_rows] sampler counters as planned
+    host_rope: np.ndarray | None = None       # rope_positions and tree_mask on the host: what graph mode
+    host_mask: np.ndarray | None = None       # writes into a tree entry's buffers (`StepGraphs.load`)
     path: torch.Tensor | None = None          # [S, depth] accepted node per depth (-1 past n)
     num_accepted: torch.Tensor | None = None  # [S] 0 where the sequence verified a chain
 
@@ -134,7 +136,7 @@ class TreeStep:
         return TreePlan(is_tree=to_device(is_tree), num_nodes=to_device(nd), root_pos=to_device(root),
                         root_slot=to_device(root_slot), block_tables=to_device(tables),
                         chain_positions=to_device(a.positions), chain_counters=to_device(chain_counters),
-                        rope_positions=to_device(rope), tree_mask=to_device(mask))
+                        rope_positions=to_device(rope), tree_mask=to_device(mask), host_rope=rope, host_mask=mask)
 
     # -- inside the step ------------------------------------------------------------------------------
     def accept(self, plan: TreePlan, processed: torch.Tensor, target: torch.Tensor, tokens: torch.Tensor,

@@ -5,6 +5,11 @@ drafter's context write compiled the same way: it runs on every step, drafting o
 the context of every position once drafting resumes), and eagerly it was about 20 small ops, an eighth of
 a compiled plain step at batch 1.
 
+A tree entry (`--speculative-tree-budget`: Bp x 1 + N rows, a tree mask among its buffers) has no tail:
+`drafted_tail` is the chain's rule, so a tree step's acceptance (`TreeStep.accept`), path move
+(`commit_path`) and next tree (`Speculator._propose_tree`) run eagerly after the compiled forward, as do a
+plain step's that drafts a tree; only the plain entries' context writes are compiled then.
+
 Per verify entry (Bp sequences x 1 + K rows) up to the batch size at which the engine still drafts, two
 compiled variants: every sequence greedy, and sampled (temperature, top-k, top-p, min-p and seeds as
 per-row tensors: masks, not recompiles). The block table's width is a dynamic dimension, as in the
@@ -41,7 +46,11 @@ class DraftedTails:
         self.graphs, self.proposer, self.vocab_size = graphs, proposer, vocab_size
         self.k = graphs.k
         self.device = graphs.device
-        self.entries = [e for (bp, tq), e in graphs.entries.items() if tq == 1 + self.k and bp <= max_batch]
+        # The tail implements the chain's acceptance and drafting: a tree entry's step (and with a tree budget
+        # a plain step that drafts: it drafts a tree) runs the eager rest after the compiled forward.
+        self.trees = graphs.tree_nodes > 0
+        self.entries = [e for (bp, tq), e in graphs.entries.items()
+                        if tq == 1 + self.k and e.tree_mask is None and bp <= max_batch]
         self.max_batch = max((e.bp for e in self.entries), default=0)
         self.draws_q = bool(getattr(proposer, "sample_drafts", False))
         # Compiled functions by key: (bp, False) / (bp, True) the greedy / sampled tail of a verify entry,
@@ -66,7 +75,7 @@ class DraftedTails:
         # trace) compile both.
         self.variants = (False,) if graphs.backend == "inductor" else (False, True)
         self.plain_entries = [e for (bp, tq), e in graphs.entries.items() if tq == 1]
-        self.resume_entries = [e for e in self.plain_entries if e.bp <= self.max_batch]
+        self.resume_entries = [] if self.trees else [e for e in self.plain_entries if e.bp <= self.max_batch]
         self.context_fns: dict[int, Callable] = {}
 
     def use_proposer(self, proposer) -> None:
@@ -143,6 +152,8 @@ class DraftedTails:
         sp = b.sampling
         if not b.spec.max_drafts_next:
             return "a step that does not draft"
+        if self.trees:
+            return "draft trees (the compiled tail is the chain's rule; a tree's acceptance, path move and drafting)"
         if entry.tq == 1 and not sp.all_greedy:
             return "a sampled plain decode step that drafts"
         if entry.bp > self.max_batch:
