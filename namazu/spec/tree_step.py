@@ -18,6 +18,10 @@ plan back by D - n. Everything that makes it a tree is here, on the worker:
 - `store`: the drafter's next trees, their node tokens into the draft buffer (the verify inputs) and the
   rest (candidates and q per node) into per-slot buffers here;
 - `path_tokens`: the drafts a node row's token follows (the node's own path), for the penalty rows' counts.
+In graph mode the plan's host copies (`host_rope`, `host_mask`) go into a tree entry's buffers and the
+compiled forward runs the step (worker/graph_mode.py); `accept`, `commit_path` and the next tree
+(`Speculator._propose_tree`) stay eager after it, as a chain step's rest does when the compiled tail does
+not cover it.
 With a tree budget every drafted block is a tree, whatever the batch's sampling asks: what depends on the
 path is filled per node row along that node's own path. Penalties count the output tokens plus the path's
 drafts (`path_tokens`, in the runner's penalty rows); a grammar's mask row for node i is the grammar's

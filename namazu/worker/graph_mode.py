@@ -9,6 +9,16 @@ positions, cache slots, query positions and the block table change per step. The
 the entry's buffers (never reallocated); the block table is a prefix of the entry's table of the
 largest width, cut at a ladder of widths (powers of two blocks).
 
+Draft trees (`--speculative-tree-budget N`, spec/tree_step.py): every drafted block is a tree of one static
+topology, so the verify entries are tree entries of Tq = 1 + N rows whose buffers also hold the step's
+in-block mask [Bp, Tq, Tq] (`GraphEntry.tree_mask`, bool: a tree sequence's rows see their ancestors; other
+rows, sequences that verify nothing and padding keep all True, the causal rule alone). A tree row's rotary
+position (the root's plus its depth) goes to `positions`, while its query position (the causal limit) and
+cache slot stay the chain's (node i at the root's slot + i). Both are written per step like the other
+buffers, so the compiled graph (or CUDA graph) serves every step. The acceptance over the tree, the
+accepted path's move and the next tree's drafting run eagerly after the compiled forward (the drafted
+step's compiled tail, worker/drafted_graph.py, is the chain's rule and serves no tree entry).
+
 Padding: a padded token has query position -1 (it sees no key, so its attention is finite and
 unused), position 0, and writes its latent to a scratch slot outside the blocks the engine hands out
 (`PagedLatentCache.scratch_slot`), so it never touches a sequence's cache. Padded rows are computed and
