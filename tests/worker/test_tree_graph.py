@@ -10,6 +10,7 @@ accepted paths leave the rank-0 chain (so the mask and the positions mattered).
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from engine_helpers import assert_same_outputs
@@ -71,17 +72,20 @@ def off_chain(step: TreeStep, seen) -> int:
     return sum(any(ranks[node] > 0 for node in path[:n]) for path, n in seen)
 
 
-def _watch(llm) -> list[tuple[bool, bool, int]]:
-    """Per forward of the step: (ran a graph entry, verified a tree, the entry's Tq or 0)."""
+def _watch(llm) -> list[tuple[bool, bool, bool, int]]:
+    """Per step: (only decode / verify rows: no prompt chunk, verified a tree, drafts the next block, the graph
+    entry's Tq or 0: eager)."""
     runner = llm.engine.executor.worker.runner
     seen = []
-    real = runner._forward
+    real = runner._inputs
 
-    def forward(inp):
-        seen.append((inp.entry is not None, runner.spec._plan is not None, inp.entry.tq if inp.entry else 0))
-        return real(inp)
+    def inputs(b, prep):
+        inp = real(b, prep)
+        seen.append((bool(np.all(b.seqs.num_new == 1)), runner.spec._plan is not None, bool(b.spec.max_drafts_next),
+                     inp.entry.tq if inp.entry is not None else 0))
+        return inp
 
-    runner._forward = forward
+    runner._inputs = inputs
     return seen
 
 
@@ -103,12 +107,16 @@ def test_tree_steps_run_the_graph_entries_and_equal_decoding_without_speculation
             seen = _watch(llm)
             got, _ = generate(llm, PARAMS)
     assert_same_outputs(MODEL, prompt_ids, PARAMS, got, base)
-    graph_trees = sum(g and t for g, t, _ in seen)
-    eager_trees = sum(t and not g for g, t, _ in seen)
-    assert all(tq == 1 + budget for g, t, tq in seen if g and t)
-    # A tree verify runs eagerly only beside a prefill chunk (a prompt joining the batch).
-    print(f"{graph_trees} tree verifies in graph entries, {eager_trees} eager, of {len(seen)} steps")
+    graph_trees = sum(tree and tq > 0 for _, tree, _, tq in seen)
+    eager_trees = sum(tree and tq == 0 for _, tree, _, tq in seen)
+    plain_drafting = sum(tq == 1 and drafts for _, _, drafts, tq in seen)
+    print(f"{graph_trees} tree verifies in graph entries, {eager_trees} eager (beside a prompt chunk), "
+          f"{plain_drafting} plain graph steps that draft a tree, of {len(seen)} steps")
+    assert all(tq == 1 + budget for _, tree, _, tq in seen if tree and tq)
+    # Every step without a prompt chunk ran a graph entry, whether it verifies a tree, drafts one, or both.
+    assert all(tq > 0 for decode_only, _, _, tq in seen if decode_only)
     assert graph_trees > 10 and graph_trees >= 3 * eager_trees, (graph_trees, eager_trees)
+    assert plain_drafting > 0, "no plain step drafted a tree (the first step after a prompt's last chunk)"
     paths.read()
     assert len(paths) > 10 and off_chain(step, paths) > 0, "no accepted path left the rank-0 chain"
     logs = [r.getMessage() for r in caplog.records]
