@@ -157,7 +157,8 @@ class TreeStep:
         slot = torch.where(plan.is_tree, slot_index, 0)
         trees = DraftTree(*(x[slot] for x in self._trees))
         verdict = verify_tree(self.tt, trees, processed[row_layout[:, cols]], target[:, cols], exact,
-                              st.seeds[first], st.counters[first], num_nodes=plan.num_nodes)
+                              st.seeds[first], st.counters[first], num_nodes=plan.num_nodes,
+                              all_exact=bool(st.all_greedy))
         w = min(verdict.tokens.shape[1], k + 1)
         tree_tokens = tokens.clone()
         tree_tokens[:, :w] = verdict.tokens[:, :w]
