@@ -93,6 +93,9 @@ def _watch(llm) -> list[tuple[bool, bool, bool, int]]:
 def test_tree_steps_run_the_graph_entries_and_equal_decoding_without_speculation(paths, budget, caplog):
     with engine(-1) as llm:
         base, prompt_ids = generate(llm, PARAMS)
+    with engine(budget, max_num_seqs=2, kv_cache_memory="128MiB") as llm:
+        generate(llm, PARAMS)
+        eager_accepted = llm.engine.get_stats().num_accepted_draft_tokens
     with caplog.at_level("INFO", logger="namazu.worker.model_runner"):
         with engine(budget, enforce_eager=False, max_num_seqs=2, kv_cache_memory="128MiB",
                     debug_no_host_sync=True) as llm:
@@ -103,9 +106,12 @@ def test_tree_steps_run_the_graph_entries_and_equal_decoding_without_speculation
             assert graphs.tqs == [1, 1 + budget]
             assert all((e.tree_mask is not None) == (e.tq > 1) for e in graphs.entries.values())
             assert tails is not None and tails.entries == [] and tails.resume_entries == []
+            # The drafter's context write is compiled for the tree entries too (their rows' rotary positions).
+            assert all(tails.writes_context(e) for e in graphs.entries.values())
             assert all(e.direct is not None for e in graphs.entries.values())
             seen = _watch(llm)
             got, _ = generate(llm, PARAMS)
+            accepted = llm.engine.get_stats().num_accepted_draft_tokens
     assert_same_outputs(MODEL, prompt_ids, PARAMS, got, base)
     graph_trees = sum(tree and tq > 0 for _, tree, _, tq in seen)
     eager_trees = sum(tree and tq == 0 for _, tree, _, tq in seen)
@@ -117,6 +123,10 @@ def test_tree_steps_run_the_graph_entries_and_equal_decoding_without_speculation
     assert all(tq > 0 for decode_only, _, _, tq in seen if decode_only)
     assert graph_trees > 10 and graph_trees >= 3 * eager_trees, (graph_trees, eager_trees)
     assert plain_drafting > 0, "no plain graph step drafted a tree"
+    # The drafter drafts as well as in eager mode (its context written at the tree rows' positions and slots;
+    # outputs alone would not show a worse drafter).
+    print(f"accepted drafts: graph {accepted}, eager {eager_accepted}")
+    assert accepted >= 0.9 * eager_accepted, (accepted, eager_accepted)
     paths.read()
     assert len(paths) > 10 and off_chain(step, paths) > 0, "no accepted path left the rank-0 chain"
     logs = [r.getMessage() for r in caplog.records]
