@@ -5,8 +5,10 @@ eagerly after the compiled forward (worker/drafted_graph.py has no tail for tree
 
 With namazu-tiny and its shipped drafter, traced by torch.compile's "eager" backend (as tests/worker/
 test_graph_mode.py: the same fullgraph trace over the same buffers, without inductor's code generation),
-greedy outputs equal decoding without speculation, tree verifies run through the tree entries, and some
-accepted paths leave the rank-0 chain (so the mask and the positions mattered).
+greedy outputs equal decoding without speculation, every step without a prompt chunk runs a graph entry (tree
+verifies the tree entries, plain steps that draft a tree the plain ones), some accepted paths leave the rank-0
+chain (so the mask and the positions mattered), and the drafter accepts as many drafts as in eager tree mode
+(its context write is compiled per tree entry). tests/MUTATIONS.md GT1-GT3 break each of these.
 """
 from __future__ import annotations
 
