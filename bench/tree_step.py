@@ -1,7 +1,7 @@
 """Decode speed with draft trees (`--speculative-tree-budget N`) against the chain and speculation off, in one run.
 
     python bench/tree_step.py [--budgets 8 16] [--batch 1 8] [--temperatures 0 0.7] [--rounds 3]
-                              [--groups 4] [--output-len 48] [--threads 1] [--modes eager] [--sync]
+                              [--groups 4] [--output-len 48] [--threads 1] [--modes eager graph] [--sync]
                               [--ignore-eos]
     python bench/tree_step.py --acceptance 48 [--budgets 24] [--temperatures 0 0.7 1.0] [--seeds 1 2]
 
@@ -21,6 +21,9 @@ rows take the lossless rule with the drafter's q (a request's own seed takes exa
 --acceptance N: no timing; tokens per verify step of the chain and each tree on the first N prompts at
 once (16 sequences per step, synchronous scheduling, answers ending at EOS or --output-len), once per
 engine --seeds value (the engine-drawn per-sequence seeds at T > 0).
+--modes eager graph: every setup once per mode (graph: `enforce_eager=False`, CPU torch.compile under inductor,
+tree verifies in tree entries: docs/speculative.md, "In the step"), in the same rounds; the table adds each
+graph setup's decode speed against the same setup eager ("vs eager"); "vs off" and "vs chain" stay within a mode.
 --sync turns async scheduling off in every setup. The first tables of bench/RESULTS.md needed it: async
 planning then assumed all N rows of the step in flight accepted, so near `max_tokens` it planned a tree's
 sequence fewer rows; it now assumes the tree's depth (docs/speculative.md, "In the step").
@@ -160,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                     if r >= 0:
                         rows.setdefault((name, temp, bsz), []).append(got)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
-    print("| T | batch | setup | decode tok/s | vs off | vs chain | output tok/s | engine ms/step "
-          "| tokens per verify step | verify rows per verify step |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    both = len(args.modes) > 1
+    print("| T | batch | setup | decode tok/s | vs off | vs chain |" + (" vs eager |" if both else "") +
+          " output tok/s | engine ms/step | tokens per verify step | verify rows per verify step |")
+    print("|---:|---:|---|---:|---:|---:|" + ("---:|" if both else "") + "---:|---:|---:|---:|")
     for temp in args.temperatures:
         for bsz in args.batch:
             def med(name: str, key: str, temp=temp, bsz=bsz) -> float:
@@ -172,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                 off, chain = med(f"{mode}off", "dec_tok_s"), med(f"{mode}chain", "dec_tok_s")
                 spec = "- | -" if name.endswith("off") else f"{med(name, 'tau'):.2f} | {med(name, 'rows'):.1f}"
                 dec = med(name, 'dec_tok_s')
-                print(f"| {temp:g} | {bsz} | {name} | {dec:.1f} | {dec / off:.2f}x | {dec / chain:.2f}x | "
+                # graph mode against the same setup eager (run in the same rounds)
+                vs_eager = "" if not both else " - |" if not name.startswith("graph/") else \
+                    f" {dec / med('eager/' + name.split('/', 1)[1], 'dec_tok_s'):.2f}x |"
+                print(f"| {temp:g} | {bsz} | {name} | {dec:.1f} | {dec / off:.2f}x | {dec / chain:.2f}x |{vs_eager} "
                       f"{med(name, 'tok_s'):.1f} | {med(name, 'step_ms'):.2f} | {spec} |")
     for llm in llms.values():
         llm.close()

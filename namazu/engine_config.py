@@ -113,9 +113,9 @@ class EngineConfig:
     speculative_tree_budget: int = _f(
         0, "verify a draft tree of at most N rows per drafting sequence per step instead of one chain: up to 4 "
            "of the DFlash drafter's candidates per position, accepted by recursive rejection sampling over "
-           "siblings (lossless at any temperature; docs/speculative.md, \"Tree verification\"). Steps that "
-           "verify or draft a tree run eagerly; under tensor parallelism rank 0's trees and accepted paths "
-           "are every rank's. 0: the chain", metavar="N")
+           "siblings (lossless at any temperature; docs/speculative.md, \"Tree verification\"). In graph mode a "
+           "tree verify runs a compiled entry of 1 + N rows, its acceptance and next tree eagerly after it; "
+           "under tensor parallelism rank 0's trees and accepted paths are every rank's. 0: the chain", metavar="N")
     shadow_drafter: str | None = _f(None, "a second DFlash2 drafter checkpoint directory that drafts beside the "
                                           "serving one on a sampled share of requests (--shadow-fraction) and is "
                                           "scored against what the target committed, without changing any "

@@ -157,14 +157,10 @@ class Speculator:
 
     def plan_tree(self, b: StepBatch, prep: PreparedStep, to_device) -> TreePlan | None:
         """This step's tree sequences (`TreeStep.plan`; None: none, or no tree budget). The runner puts the
-        plan's rotary positions and mask into the forward's inputs."""
+        plan's rotary positions and mask into the forward's inputs (eager) or a tree entry's buffers (graph
+        mode: `StepGraphs.load`); the acceptance, path move and next tree run eagerly after either forward."""
         self._plan = self.tree.plan(b, prep, to_device) if self.tree is not None else None
         return self._plan
-
-    def tree_step_eager(self, b: StepBatch) -> bool:
-        """Whether this step verifies a tree or drafts one: such a step runs eagerly (graph mode captures
-        the chain's shapes only)."""
-        return self._plan is not None or (self.tree is not None and bool(b.spec.max_drafts_next))
 
     def emitted_rows(self, row_layout: torch.Tensor) -> torch.Tensor:
         """[S, K+1] the logit row of each emitted token (a tree's accepted path; a chain's rows in order)."""

@@ -18,6 +18,10 @@ plan back by D - n. Everything that makes it a tree is here, on the worker:
 - `store`: the drafter's next trees, their node tokens into the draft buffer (the verify inputs) and the
   rest (candidates and q per node) into per-slot buffers here;
 - `path_tokens`: the drafts a node row's token follows (the node's own path), for the penalty rows' counts.
+In graph mode the plan's host copies (`host_rope`, `host_mask`) go into a tree entry's buffers and the
+compiled forward runs the step (worker/graph_mode.py); `accept`, `commit_path` and the next tree
+(`Speculator._propose_tree`) stay eager after it, as a chain step's rest does when the compiled tail does
+not cover it.
 With a tree budget every drafted block is a tree, whatever the batch's sampling asks: what depends on the
 path is filled per node row along that node's own path. Penalties count the output tokens plus the path's
 drafts (`path_tokens`, in the runner's penalty rows); a grammar's mask row for node i is the grammar's
@@ -55,6 +59,8 @@ class TreePlan:
     rope_positions: torch.Tensor   # [N_tokens] the forward's rotary positions (node rows: root + depth)
     tree_mask: torch.Tensor        # [B, Tq, Tq] bool, `PagedAttentionMetadata.tree_mask`
     chain_counters: torch.Tensor   # [R_rows] sampler counters as planned
+    host_rope: np.ndarray | None = None       # rope_positions and tree_mask on the host: what graph mode
+    host_mask: np.ndarray | None = None       # writes into a tree entry's buffers (`StepGraphs.load`)
     path: torch.Tensor | None = None          # [S, depth] accepted node per depth (-1 past n)
     num_accepted: torch.Tensor | None = None  # [S] 0 where the sequence verified a chain
 
@@ -134,7 +140,7 @@ class TreeStep:
         return TreePlan(is_tree=to_device(is_tree), num_nodes=to_device(nd), root_pos=to_device(root),
                         root_slot=to_device(root_slot), block_tables=to_device(tables),
                         chain_positions=to_device(a.positions), chain_counters=to_device(chain_counters),
-                        rope_positions=to_device(rope), tree_mask=to_device(mask))
+                        rope_positions=to_device(rope), tree_mask=to_device(mask), host_rope=rope, host_mask=mask)
 
     # -- inside the step ------------------------------------------------------------------------------
     def accept(self, plan: TreePlan, processed: torch.Tensor, target: torch.Tensor, tokens: torch.Tensor,
@@ -151,7 +157,8 @@ class TreeStep:
         slot = torch.where(plan.is_tree, slot_index, 0)
         trees = DraftTree(*(x[slot] for x in self._trees))
         verdict = verify_tree(self.tt, trees, processed[row_layout[:, cols]], target[:, cols], exact,
-                              st.seeds[first], st.counters[first], num_nodes=plan.num_nodes)
+                              st.seeds[first], st.counters[first], num_nodes=plan.num_nodes,
+                              all_exact=bool(st.all_greedy))
         w = min(verdict.tokens.shape[1], k + 1)
         tree_tokens = tokens.clone()
         tree_tokens[:, :w] = verdict.tokens[:, :w]

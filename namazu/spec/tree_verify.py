@@ -47,14 +47,19 @@ def _rows(x: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
 
 def verify_tree(tt: TreeTensors, tree: DraftTree, processed: torch.Tensor, target_tokens: torch.Tensor,
                 greedy: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
-                max_depth: torch.Tensor | None = None, num_nodes: torch.Tensor | None = None) -> TreeVerdict:
+                max_depth: torch.Tensor | None = None, num_nodes: torch.Tensor | None = None,
+                all_exact: bool = False) -> TreeVerdict:
     """processed [S, R, V]: the target's processed logits at every node row; target_tokens [S, R] its
     sample there (argmax on greedy rows); greedy [S]; seeds [S]; counters [S] the output index the root
     row's next token takes; max_depth [S] (None: the tree's): nodes deeper than it count as absent (a
     sequence that may emit fewer tokens); num_nodes [S] (None: all): only nodes 1 .. num_nodes exist (the
     engine planned fewer verify rows than the tree has; node order makes any prefix a tree). Greedy rows
     take the exact-match rule against target_tokens, which is also the rule for a request's own seed (its
-    text then equals plain seeded decoding's: `verify.verify_stochastic`, `seeded`)."""
+    text then equals plain seeded decoding's: `verify.verify_stochastic`, `seeded`). `all_exact` (a host
+    flag: every row greedy, as in a batch at T = 0) takes that rule without the walk's [S, V] work
+    (`_verify_exact`: the same verdict, a few ops per depth)."""
+    if all_exact:
+        return _verify_exact(tt, tree, target_tokens, max_depth, num_nodes)
     s, r, v = processed.shape
     depth, width = tt.topology.depth, tt.topology.width
     dev = processed.device
@@ -119,6 +124,40 @@ def verify_tree(tt: TreeTensors, tree: DraftTree, processed: torch.Tensor, targe
     resampled = (final_mass.log() + noise).argmax(-1)
     own = target_tokens.gather(1, cur.unsqueeze(-1)).squeeze(-1)
     bonus = torch.where(rejected & ~greedy, resampled, own)
+    path_tokens = tree.tokens.gather(1, path.clamp_min(0))
+    j = torch.arange(depth + 1, device=dev)
+    tokens = torch.cat([path_tokens, bonus.unsqueeze(-1)], 1)
+    tokens = torch.where(j < n.unsqueeze(-1), tokens, bonus.unsqueeze(-1))
+    return TreeVerdict(path, tokens, n)
+
+
+def _verify_exact(tt: TreeTensors, tree: DraftTree, target_tokens: torch.Tensor, max_depth: torch.Tensor | None,
+                  num_nodes: torch.Tensor | None) -> TreeVerdict:
+    """`verify_tree` where every row takes the exact-match rule: at each depth the first child (by rank) whose
+    token is the target's sample at the current node, and the bonus is the target's sample where the walk
+    stops. The general walk's decision on such rows, without its distributions."""
+    s = target_tokens.shape[0]
+    depth = tt.topology.depth
+    dev = target_tokens.device
+    cur = torch.zeros(s, dtype=torch.long, device=dev)
+    alive = torch.ones(s, dtype=torch.bool, device=dev)
+    path = torch.full((s, depth), -1, dtype=torch.long, device=dev)
+    for d in range(depth):
+        want = target_tokens.gather(1, cur.unsqueeze(-1))                  # [S, 1]
+        child = tt.children[cur]                                            # [S, W]
+        c = child.clamp_min(0)
+        ok = alive.unsqueeze(-1) & (child >= 0) & (tree.tokens.gather(1, c) == want)
+        if max_depth is not None:
+            ok = ok & (tt.depths[c] <= max_depth.unsqueeze(-1))
+        if num_nodes is not None:
+            ok = ok & (child <= num_nodes.unsqueeze(-1))
+        took = ok.any(-1)
+        nxt = c.gather(1, ok.int().argmax(-1, keepdim=True)).squeeze(-1)   # the first match by rank
+        path[:, d] = torch.where(took, nxt, -1)
+        cur = torch.where(took, nxt, cur)
+        alive = alive & took
+    n = (path >= 0).sum(-1)
+    bonus = target_tokens.gather(1, cur.unsqueeze(-1)).squeeze(-1)
     path_tokens = tree.tokens.gather(1, path.clamp_min(0))
     j = torch.arange(depth + 1, device=dev)
     tokens = torch.cat([path_tokens, bonus.unsqueeze(-1)], 1)

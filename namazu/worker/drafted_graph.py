@@ -5,6 +5,11 @@ drafter's context write compiled the same way: it runs on every step, drafting o
 the context of every position once drafting resumes), and eagerly it was about 20 small ops, an eighth of
 a compiled plain step at batch 1.
 
+A tree entry (`--speculative-tree-budget`: Bp x 1 + N rows, a tree mask among its buffers) has no tail:
+`drafted_tail` is the chain's rule, so a tree step's acceptance (`TreeStep.accept`), path move
+(`commit_path`) and next tree (`Speculator._propose_tree`) run eagerly after the compiled forward, as do a
+plain step's that drafts a tree; the drafter's context write is compiled for both (`context_entries`).
+
 Per verify entry (Bp sequences x 1 + K rows) up to the batch size at which the engine still drafts, two
 compiled variants: every sequence greedy, and sampled (temperature, top-k, top-p, min-p and seeds as
 per-row tensors: masks, not recompiles); and each of them again with a grammar bitmask input, for steps
@@ -43,7 +48,11 @@ class DraftedTails:
         self.graphs, self.proposer, self.vocab_size = graphs, proposer, vocab_size
         self.k = graphs.k
         self.device = graphs.device
-        self.entries = [e for (bp, tq), e in graphs.entries.items() if tq == 1 + self.k and bp <= max_batch]
+        # The tail implements the chain's acceptance and drafting: a tree entry's step (and with a tree budget
+        # a plain step that drafts: it drafts a tree) runs the eager rest after the compiled forward.
+        self.trees = graphs.tree_nodes > 0
+        self.entries = [e for (bp, tq), e in graphs.entries.items()
+                        if tq == 1 + self.k and e.tree_mask is None and bp <= max_batch]
         self.max_batch = max((e.bp for e in self.entries), default=0)
         self.draws_q = bool(getattr(proposer, "sample_drafts", False))
         # Compiled functions by key: (bp, False) / (bp, True) the greedy / sampled tail of a verify entry,
@@ -69,8 +78,11 @@ class DraftedTails:
         # trace) compile both.
         self.variants = (False,) if graphs.backend == "inductor" else (False, True)
         self.plain_entries = [e for (bp, tq), e in graphs.entries.items() if tq == 1]
-        self.resume_entries = [e for e in self.plain_entries if e.bp <= self.max_batch]
-        self.context_fns: dict[int, Callable] = {}
+        self.resume_entries = [] if self.trees else [e for e in self.plain_entries if e.bp <= self.max_batch]
+        # The drafter's context write compiled per plain entry, and per tree entry (the tail that would write
+        # it runs eagerly there; its rows' rotary positions are the entry's `positions`, as the eager write's).
+        self.context_entries = self.plain_entries + [e for e in graphs.entries.values() if e.tree_mask is not None]
+        self.context_fns: dict[tuple[int, int], Callable] = {}
 
     def use_proposer(self, proposer) -> None:
         self.proposer = proposer
@@ -104,8 +116,8 @@ class DraftedTails:
         elif key not in self._not_direct:
             self._not_direct.add(key)
             logger.warning("graph mode: the compiled %s of %d sequences is called through torch.compile's frame "
-                           "(a direct call did not reproduce it)", "context write" if key[1] is None else
-                           f"tail ({key[1]})", key[0])
+                           "(a direct call did not reproduce it)",
+                           "context write" if key[1] in (None, TREE_CONTEXT) else f"tail ({key[1]})", key[0])
         return out
 
     @torch.inference_mode()   # as the runner's steps: the compiled code is guarded on the grad mode
@@ -127,28 +139,30 @@ class DraftedTails:
             logits, _, captured = self.graphs.launch(e, 2)
             t = self.padding_inputs(e.bp, e.tq, sampled, with_bitmask=variant in MASKED.values())
             self.run(e, 2, logits, e.greedy, captured, t, sampled)
-        for e in tqdm(self.plain_entries, desc="graph mode: compiling drafter context writes", disable=not progress):
-            fn = own_code(_write_context, f"_write_context_b{e.bp}")
-            self.context_fns[e.bp] = self._compile(fn, (e.bp, None))
+        for e in tqdm(self.context_entries, desc="graph mode: compiling drafter context writes", disable=not progress):
+            fn = own_code(_write_context, f"_write_context_b{e.bp}_q{e.tq}")
+            self.context_fns[(e.bp, e.tq)] = self._compile(fn, _context_key(e))
             _, _, captured = self.graphs.launch(e, 2)
             self.write_context(e, captured)
         return time.perf_counter() - t0
 
     def writes_context(self, entry: GraphEntry) -> bool:
-        return entry.bp in self.context_fns and entry.tq == 1
+        return (entry.bp, entry.tq) in self.context_fns
 
     def write_context(self, e: GraphEntry, captured: dict[int, torch.Tensor]) -> None:
-        """The drafter's context entries of every row of a plain entry's forward (padding rows write the
+        """The drafter's context entries of every row of a plain or tree entry's forward (padding rows write the
         scratch slot, as in the target's cache)."""
         per_call = {f"captured{i}": h for i, h in captured.items()}
-        self._call((e.bp, None), self.context_fns[e.bp], (self.proposer, captured, e.positions, e.slot_mapping),
-                   per_call, 0)
+        self._call(_context_key(e), self.context_fns[(e.bp, e.tq)],
+                   (self.proposer, captured, e.positions, e.slot_mapping), per_call, 0)
 
     def eligible(self, b: StepBatch, entry: GraphEntry, world_size: int) -> str | None:
         """None when the tail covers this graph step, else why not (for a once-per-reason log line)."""
         sp = b.sampling
         if not b.spec.max_drafts_next:
             return "a step that does not draft"
+        if self.trees:
+            return "draft trees (the compiled tail is the chain's rule; a tree's acceptance, path move and drafting)"
         if entry.tq == 1 and not sp.all_greedy:
             return "a sampled plain decode step that drafts"
         if entry.bp > self.max_batch:
@@ -272,6 +286,15 @@ def masked(variant: bool | str) -> str:
 
 def unmasked(variant: bool | str) -> bool | str:
     return next((v for v, m in MASKED.items() if m == variant), variant)
+
+
+TREE_CONTEXT = "tree context"   # the key of a tree entry's context write ((bp, None): a plain entry's)
+
+
+def _context_key(e: GraphEntry) -> tuple[int, str | None]:
+    return (e.bp, None if e.tree_mask is None else TREE_CONTEXT)
+
+
 # The tail's host-written inputs: dtype and a padded sequence's value (identity settings, no drafts; top_k
 # None: the vocabulary size).
 _HOST_FIELDS = {"num_drafts": (np.int64, 0), "temperature": (np.float32, 0.0), "top_k": (np.int64, None),

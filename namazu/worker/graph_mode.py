@@ -9,6 +9,16 @@ positions, cache slots, query positions and the block table change per step. The
 the entry's buffers (never reallocated); the block table is a prefix of the entry's table of the
 largest width, cut at a ladder of widths (powers of two blocks).
 
+Draft trees (`--speculative-tree-budget N`, spec/tree_step.py): every drafted block is a tree of one static
+topology, so the verify entries are tree entries of Tq = 1 + N rows whose buffers also hold the step's
+in-block mask [Bp, Tq, Tq] (`GraphEntry.tree_mask`, bool: a tree sequence's rows see their ancestors; other
+rows, sequences that verify nothing and padding keep all True, the causal rule alone). A tree row's rotary
+position (the root's plus its depth) goes to `positions`, while its query position (the causal limit) and
+cache slot stay the chain's (node i at the root's slot + i). Both are written per step like the other
+buffers, so the compiled graph (or CUDA graph) serves every step. The acceptance over the tree, the
+accepted path's move and the next tree's drafting run eagerly after the compiled forward (the drafted
+step's compiled tail, worker/drafted_graph.py, is the chain's rule and serves no tree entry).
+
 Padding: a padded token has query position -1 (it sees no key, so its attention is finite and
 unused), position 0, and writes its latent to a scratch slot outside the blocks the engine hands out
 (`PagedLatentCache.scratch_slot`), so it never touches a sequence's cache. Padded rows are computed and
@@ -72,24 +82,30 @@ class GraphEntry:
     """Persistent buffers of one (Bp, Tq) ladder entry and its compiled or captured forward."""
 
     def __init__(self, bp: int, tq: int, max_width: int, cache: PagedLatentCache, device: torch.device,
-                 moe_workspace: MoEWorkspace | None = None):
+                 moe_workspace: MoEWorkspace | None = None, tree: bool = False):
         n = bp * tq
         self.bp, self.tq = bp, tq
         i64 = {"dtype": torch.long, "device": device}
         self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)      # rotary positions (a tree row's: root + depth)
         self.slot_mapping = torch.full((n,), cache.scratch_slot, **i64)
         self.block_tables = torch.zeros(bp, max_width, **i64)
-        self.q_pos = torch.full((bp, tq), -1, **i64)
+        self.q_pos = torch.full((bp, tq), -1, **i64)  # causal limits (a tree row's: the chain's position)
         self.q_index = torch.arange(n, **i64).view(bp, tq)
         self.out_index = torch.arange(n, **i64)
+        # A tree entry's in-block attention mask [Bp, Tq, Tq] (`PagedAttentionMetadata.tree_mask`): all True
+        # (the causal rule alone) but on the rows of sequences that verify a tree this step.
+        self.tree_mask = torch.ones(bp, tq, tq, dtype=torch.bool, device=device) if tree else None
         self.cache = cache
         self.moe_workspace = moe_workspace
         # What `load` writes a step into: on CPU the buffers themselves (numpy views of their memory: no
         # staging arrays, no copy dispatch per buffer), elsewhere host arrays copied over after each load.
         bufs = (self.input_ids, self.positions, self.slot_mapping, self.q_pos.view(-1), self.block_tables)
+        if tree:
+            bufs += (self.tree_mask,)
         self.host_is_buffers = device.type == "cpu"
-        self.host = tuple(t.numpy() if self.host_is_buffers else np.zeros(t.shape, dtype=np.int64) for t in bufs)
+        self.host = tuple(t.numpy() if self.host_is_buffers else
+                          np.zeros(t.shape, dtype=bool if t.dtype == torch.bool else np.int64) for t in bufs)
         self.compiled: Callable | None = None
         self.direct: DirectCall | None = None
         self.greedy: torch.Tensor | None = None   # [Bp * Tq] the last launch's argmax of every row
@@ -99,7 +115,8 @@ class GraphEntry:
                 ) -> PagedAttentionContext:
         table = self.block_tables[:, :width] if table is None else table
         meta = PagedAttentionMetadata(slot_mapping=self.slot_mapping, block_tables=table,
-                                      q_index=self.q_index, q_pos=self.q_pos, out_index=self.out_index)
+                                      q_index=self.q_index, q_pos=self.q_pos, out_index=self.out_index,
+                                      tree_mask=self.tree_mask)
         return (_TracedAttentionContext if traced_attention else PagedAttentionContext)(self.cache, meta)
 
 
@@ -124,7 +141,8 @@ class _TracedAttentionContext(PagedAttentionContext):
                          torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
         kv = cache[layer.layer_idx]
         o_lat = paged_latent_attention(layer.absorb_q(q_nope), q_pe, kv, m.block_tables, m.q_index, m.q_pos,
-                                       m.out_index, layer.kv_lora_rank, layer.softmax_scale, tile_tokens=None)
+                                       m.out_index, layer.kv_lora_rank, layer.softmax_scale, tile_tokens=None,
+                                       tree_mask=m.tree_mask)
         return layer.absorb_out(o_lat)
 
 
@@ -133,22 +151,26 @@ class StepGraphs:
 
     def __init__(self, model: torch.nn.Module, cache: PagedLatentCache, device: torch.device,
                  max_num_seqs: int, num_speculative_tokens: int, max_blocks_per_seq: int,
-                 capture_layers: Sequence[int] = (), backend: str = "inductor"):
+                 capture_layers: Sequence[int] = (), backend: str = "inductor", tree_nodes: int = 0):
         self.model, self.cache, self.device = model, cache, device
         self.capture_layers = tuple(capture_layers)
         self.k = num_speculative_tokens
+        # With a draft tree of N nodes (`--speculative-tree-budget`) every drafted block is a tree: the verify
+        # entries are tree entries of 1 + N rows (the chain's 1 + K are never verified).
+        self.tree_nodes = tree_nodes if num_speculative_tokens else 0
         # A power of two (tables wider than it run eagerly): inductor compiled the dynamic width over
         # [2, 2^k]; over [2, 257] (namazu-tiny's 4096 positions plus drafts) it added a guard width <= 256,
         # which the declared range forbids, and start-up failed.
         self.max_width = 1 << (max(2, max_blocks_per_seq).bit_length() - 1)
         self.batches = batch_ladder(max_num_seqs)
-        self.tqs = [1] + ([1 + self.k] if self.k else [])
+        self.tqs = [1] + ([1 + (self.tree_nodes or self.k)] if self.k else [])
         self.backend = backend
         self.use_cuda_graphs = device.type == "cuda"
         # The compiled (CPU) forward's MoE runs in a workspace per entry; a CUDA graph captures the
         # eager forward, whose allocations the graph's private memory pool makes static.
         self.entries = {(bp, tq): GraphEntry(bp, tq, self.max_width, cache, device,
-                                         None if self.use_cuda_graphs else _moe_workspace(model, bp * tq))
+                                             None if self.use_cuda_graphs else _moe_workspace(model, bp * tq),
+                                             tree=tq > 1 and self.tree_nodes > 0)
                         for tq in self.tqs for bp in self.batches}
         self.graph_bytes = 0
 
@@ -163,8 +185,15 @@ class StepGraphs:
         # penalty or grammar mask (sampler.leaves_logits_raw).
         return (logits, hidden, logits.argmax(dim=-1), *(captured[i] for i in self.capture_layers))
 
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts a sequence of a graph step verifies (a chain's K, a tree's N)."""
+        return self.tqs[-1] - 1
+
     def entry_for(self, num_seqs: int, tq: int) -> GraphEntry | None:
-        tq = 1 if tq == 1 else 1 + self.k
+        if tq > self.tqs[-1]:
+            return None
+        tq = 1 if tq == 1 else self.tqs[-1]
         for bp in self.batches:
             if bp >= num_seqs:
                 return self.entries.get((bp, tq))
@@ -269,19 +298,22 @@ class StepGraphs:
 
     # -- a step ---------------------------------------------------------------------------------------
     def load(self, e: GraphEntry, pad_index: np.ndarray, input_ids: np.ndarray, positions: np.ndarray,
-             slot_mapping: np.ndarray, block_tables: np.ndarray) -> int:
+             slot_mapping: np.ndarray, block_tables: np.ndarray, rope_positions: np.ndarray | None = None,
+             tree_mask: np.ndarray | None = None) -> int:
         """Writes a step into the entry's buffers; returns the block-table width to launch with.
         `pad_index[f]` is the padded row of flat token f; the other arrays are the batch's (flat
-        tokens, [B, M] block tables)."""
+        tokens, [B, M] block tables). A step that verifies draft trees (`TreeStep.plan`) gives its rows'
+        rotary positions (`positions` stay the causal limits) and its in-block mask [B, t, t] (t: the step's
+        rows per sequence, at most the entry's Tq); a tree entry's other rows and sequences keep all True."""
         if block_tables.shape[1] > self.max_width:
             raise AssertionError(f"block table of {block_tables.shape[1]} blocks; the graph ladder holds "
                                  f"{self.max_width}")
         b, m = block_tables.shape
-        ids, pos, slots, q_pos, table = e.host
+        ids, pos, slots, q_pos, table = e.host[:5]
         ids.fill(0)
         ids[pad_index] = input_ids
         pos.fill(0)
-        pos[pad_index] = positions
+        pos[pad_index] = positions if rope_positions is None else rope_positions
         slots.fill(self.cache.scratch_slot)
         slots[pad_index] = slot_mapping
         q_pos.fill(-1)
@@ -289,6 +321,15 @@ class StepGraphs:
         width = width_for(m, self.max_width)
         table[:, :width] = 0
         table[:b, :m] = block_tables
+        if e.tree_mask is not None:
+            mask = e.host[5]
+            mask.fill(True)
+            if tree_mask is not None:
+                t = tree_mask.shape[1]
+                mask[:tree_mask.shape[0], :t, :t] = tree_mask
+        elif tree_mask is not None:
+            raise AssertionError(f"a step that verifies draft trees, loaded into entry ({e.bp}, {e.tq}) that has "
+                                 "no tree mask")
         if e.host_is_buffers:
             return width
         _write(e.input_ids, ids)
@@ -296,6 +337,8 @@ class StepGraphs:
         _write(e.slot_mapping, slots)
         _write(e.q_pos.view(-1), q_pos)
         _write(e.block_tables[:, :width], table[:, :width])
+        if e.tree_mask is not None:
+            _write(e.tree_mask, e.host[5])
         return width
 
     def launch(self, e: GraphEntry, width: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:

@@ -195,11 +195,12 @@ class ModelRunner:
 
     def _build_graphs(self) -> None:
         cfg = self.model_config
-        longest = cfg.max_position_embeddings + self.spec.k
         want_hidden = self._capture_layers
+        longest = cfg.max_position_embeddings + max(self.spec.k, self.spec.tree_budget)
         self.graphs = StepGraphs(self.model, self.cache, self.device, self.config.max_num_seqs,
                                  self.spec.k, min(self.num_blocks, -(-longest // self.block_size)),
-                                 want_hidden, backend=graph_backend())
+                                 want_hidden, backend=graph_backend(),
+                                 tree_nodes=self.spec.tree.num_nodes if self.spec.tree is not None else 0)
         seconds = self.graphs.warm_up(progress=self.rank == 0)
         if self.spec.kind is not None and self.spec.kind.has_context and not self.graphs.use_cuda_graphs:
             limit = self.config.speculative_disable_batch_size or self.config.max_num_seqs
@@ -219,7 +220,7 @@ class ModelRunner:
         g, sq = self.graphs, b.seqs
         if g is None or len(sq.seq_ids) == 0 or (b.prompt_lp.num >= 0 and len(b.prompt_lp.rows)):
             return None
-        if not (np.all(sq.num_new == 1) and np.all(sq.samples)) or int(sq.num_drafts.max()) > g.k:
+        if not (np.all(sq.num_new == 1) and np.all(sq.samples)) or int(sq.num_drafts.max()) > g.max_drafts:
             return None
         plain = b.num_tokens == len(sq.seq_ids)     # a plain decode (no drafts)
         n_per = None if plain else sq.num_new + sq.num_drafts
@@ -372,9 +373,10 @@ class ModelRunner:
 
     def _inputs(self, b: StepBatch, prep: PreparedStep) -> StepInputs:
         T, a = self._tensor, b.attn
-        # A draft tree's step (`spec/tree_step.py`) runs eagerly: its rows' rotary positions and mask are its own.
+        # A draft tree's step (`spec/tree_step.py`): its rows' rotary positions and in-block mask are its own,
+        # in the eager forward's inputs or a tree entry's buffers (graph mode).
         tree = self.spec.plan_tree(b, prep, T)
-        layout = None if self.graphs is not None and self._tree_eager(b) else self._graph_layout(b, prep)
+        layout = self._graph_layout(b, prep)
         inp = StepInputs(logit_rows=T(a.logit_rows), row_layout=T(b.spec.row_layout),
                          slot_index=T(prep.slots) if self.spec.k else None)
         # A step with a shadowed sequence skips the compiled tail: the shadow reads what the tail keeps inside.
@@ -399,7 +401,8 @@ class ModelRunner:
         if layout is not None:
             inp.entry, pad_index = layout
             inp.width = self.graphs.load(inp.entry, pad_index, a.input_ids, a.positions, prep.slot_mapping,
-                                         a.block_tables)
+                                         a.block_tables, *((tree.host_rope, tree.host_mask) if tree is not None
+                                                           else ()))
             inp.pad = T(pad_index)
         return inp
 
@@ -436,14 +439,6 @@ class ModelRunner:
         if self.shadow is not None:
             layers = tuple(sorted(set(layers) | set(self.shadow.hidden_layers)))
         return layers
-
-    def _tree_eager(self, b: StepBatch) -> bool:
-        if not self.spec.tree_step_eager(b):
-            return False
-        if "tree" not in self._eager_reasons:
-            self._eager_reasons.add("tree")
-            logger.info("rank %d: graph mode: steps that verify or draft a draft tree run eagerly", self.rank)
-        return True
 
     def _tail_covers(self, b: StepBatch, entry: GraphEntry) -> bool:
         """Whether this graph step runs the drafted step's compiled tail; a reason it does not is logged once."""

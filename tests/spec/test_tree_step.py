@@ -10,7 +10,8 @@ model's shipped DFlash2 drafter (so that trees are accepted, later siblings too)
   rejected branch's latents are nowhere the sequence can read;
 - at T = 1 the token decided at a tree's root follows the target's distribution (chi-square), through the
   engine, with its engine-drawn seeds (the rejection rule over siblings with the drafter's q).
-Penalties and grammar masks in trees: tests/spec/test_tree_constraints.py.
+Penalties and grammar masks in trees: tests/spec/test_tree_constraints.py; trees in graph mode:
+tests/worker/test_tree_graph.py.
 """
 import numpy as np
 import pytest
@@ -271,21 +272,6 @@ def test_requests_joining_with_penalties_verify_trees(monkeypatch):
                 for r in ids]
     assert len(ids) == 6 and sum(penalized_trees) > 10, penalized_trees
     assert_same_outputs(MODEL, [done[r][0] for r in ids], [params[r] for r in ids], [done[r][1] for r in ids], want)
-
-
-def test_graph_mode_runs_tree_steps_eagerly(paths, monkeypatch, caplog):
-    """With compiled steps (traced by the eager backend here, as the graph-mode tests do) a step that
-    verifies or drafts a tree runs eagerly, logged once; outputs stay greedy decoding's."""
-    monkeypatch.setenv("NAMAZU_GRAPH_BACKEND", "eager")
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with engine(-1) as llm:
-        base, prompt_ids, _ = generate(llm, params, TEXTS[:3])
-    with caplog.at_level("INFO", logger="namazu.worker.model_runner"):
-        with engine(8, enforce_eager=False, max_num_seqs=4, kv_cache_memory="128MiB") as llm:
-            got, _, _ = generate(llm, params, TEXTS[:3])
-    assert_same_outputs(MODEL, prompt_ids, params, got, base)
-    assert len(paths) > 10
-    assert sum("draft tree run eagerly" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_replaced_drafter_drafts_trees_of_its_own_shape(paths, tmp_path):

@@ -179,6 +179,31 @@ def test_greedy_rows_take_the_longest_path_matching_the_targets_argmax():
             assert all(int(target[i, c]) == int(processed[i, c].argmax()) for c in range(tt.parents.shape[0]))
 
 
+def test_the_exact_only_walk_gives_the_general_walks_verdict():
+    """`all_exact` (every row greedy: a batch at T = 0) skips the walk's distributions; its verdict is the
+    general walk's on such rows, with prefixes of the tree (num_nodes) and depth limits too."""
+    toy = Toy(depth=3, seed=4)
+    g = torch.Generator().manual_seed(9)
+    for topo in TREES.values():
+        tt = topo.tensors()
+        s = 400
+        seeds, base = torch.arange(s, dtype=torch.long), torch.zeros(s, dtype=torch.long)
+        tree, processed, target, _ = toy.step(tt, torch.randn(s, V, generator=g) * 2,
+                                              torch.randint(0, V, (s,), generator=g), seeds, base, 0.0)
+        # Targets that mostly match one of the node's children, a later sibling as often as the first draw.
+        kid = tt.children[torch.arange(len(topo.parents)), torch.randint(0, topo.width, (s, len(topo.parents)),
+                                                                          generator=g)]            # [S, R]
+        match = (kid >= 0) & (torch.rand(kid.shape, generator=g) < 0.8)
+        target = torch.where(match, tree.tokens.gather(1, kid.clamp_min(0)), target)
+        greedy = torch.ones(s, dtype=torch.bool)
+        for limits in ({}, {"num_nodes": torch.randint(0, topo.num_nodes + 1, (s,), generator=g),
+                            "max_depth": torch.randint(0, topo.depth + 1, (s,), generator=g)}):
+            want = verify_tree(tt, tree, processed, target, greedy, seeds, base, **limits)
+            got = verify_tree(tt, tree, processed, target, greedy, seeds, base, all_exact=True, **limits)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), topo
+            assert want.num_accepted.float().mean() > 0.3
+
+
 def test_the_chain_is_the_width_one_tree():
     """With the same drafts and q, the width-1 tree gives exactly the chain rule's tokens."""
     toy = Toy(depth=4, seed=6, top_p=0.9)
