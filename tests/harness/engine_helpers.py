@@ -170,3 +170,17 @@ def assert_same_fields(x, y, where: str, exact_types: bool = True) -> None:
             assert a.shape == b.shape and np.array_equal(a, b), f"{where}.{f.name}: {a} != {b}"
         else:
             assert a == b and (not exact_types or type(a) is type(b)), f"{where}.{f.name}: {a!r} != {b!r}"
+
+
+def tree_engine(budget: int, **kw):
+    """namazu-tiny with its shipped drafter drafting at every batch size, a draft tree of `budget` nodes per
+    drafted block (0: the chain); budget -1: no speculation. The tree tests' engine (inline worker)."""
+    from namazu import LLM
+    from namazu.assets import default_model_path
+    from namazu.spec.selection import SHIPPED_DRAFTER_DIR
+
+    model = default_model_path()
+    spec = dict(speculative_model=str(model / SHIPPED_DRAFTER_DIR), num_speculative_tokens=6,
+                speculative_disable_batch_size=0, speculative_tree_budget=budget) if budget >= 0 \
+        else dict(num_speculative_tokens=0)
+    return LLM(str(model), executor="inline", **spec, **kw)

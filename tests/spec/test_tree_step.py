@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import assert_same_outputs, dense_model
+from engine_helpers import tree_engine as engine
 from scipy.stats import chi2
 
 from namazu import LLM, SamplingParams
@@ -66,12 +67,6 @@ def off_chain(step: TreeStep, seen) -> int:
     """Accepted paths through a node that is not its parent's first draw."""
     ranks = step.topology.ranks
     return sum(any(ranks[node] > 0 for node in path[:n]) for path, n in seen)
-
-
-def engine(budget: int, **kw) -> LLM:
-    spec = dict(speculative_model=DRAFTER, num_speculative_tokens=6, speculative_disable_batch_size=0,
-                speculative_tree_budget=budget) if budget >= 0 else dict(num_speculative_tokens=0)
-    return LLM(MODEL, executor="inline", **spec, **kw)
 
 
 def generate(llm: LLM, params, texts=TEXTS):

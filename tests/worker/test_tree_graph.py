@@ -16,14 +16,13 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import assert_same_outputs
+from engine_helpers import tree_engine as engine
 
 from namazu import LLM, SamplingParams
 from namazu.assets import default_model_path
-from namazu.spec.selection import SHIPPED_DRAFTER_DIR
 from namazu.spec.tree_step import TreeStep
 
 MODEL = str(default_model_path())
-DRAFTER = str(default_model_path() / SHIPPED_DRAFTER_DIR)
 TEXTS = ["Tell me a story about a fox.", "Hello, who are you?", "List three colours."]
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -31,13 +30,6 @@ PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 @pytest.fixture(autouse=True)
 def _traced_backend(monkeypatch):
     monkeypatch.setenv("NAMAZU_GRAPH_BACKEND", "eager")
-
-
-def engine(budget: int, **kw) -> LLM:
-    """As tests/spec/test_tree_step.py's: the shipped drafter drafting at every batch size; -1: no speculation."""
-    spec = dict(speculative_model=DRAFTER, num_speculative_tokens=6, speculative_disable_batch_size=0,
-                speculative_tree_budget=budget) if budget >= 0 else dict(num_speculative_tokens=0)
-    return LLM(MODEL, executor="inline", **spec, **kw)
 
 
 def generate(llm: LLM, params, texts=TEXTS):
