@@ -4,6 +4,7 @@
                                  [--requests CAPTURE_DIR] [--batch 1 2 4 8] [--rounds 3] [--output-len 48]
                                  [--groups 8] [--ignore-eos] [--k N] [--min-confidence 0 0.3 ...]
                                  [--modes eager graph] [--auto-threshold N] [--dtype float32] [--tp N]
+                                 [--executor inline|mp] [--json-schema FILE]
 
 Every setup (per mode: speculation off; one per drafter and --min-confidence threshold at --k draft
 tokens, drafting at every batch size, named DRAFTER@THRESHOLD when several thresholds are swept; and
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="--speculative-min-confidence of the named drafters' setups, one setup per value "
                          "(0: full blocks)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json-schema", default=None, metavar="FILE",
+                    help="every request constrained to this JSON schema (the grammar's bitmask rows in every step)")
     ap.add_argument("--executor", choices=["inline", "mp"], default="inline",
                     help="inline: the worker in this process (its CPU time is this process's); mp: the worker in "
                          "its own process, as the server runs it (the engine's host work overlaps the step)")
@@ -155,7 +158,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{eng.executor.infos()[0].dtype}")
     # At T > 0 the requests carry no seed, as users send them (a seeded row is verified by exact match,
     # which accepts fewer drafts): answers then differ across setups, in distribution only.
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
+    schema = None
+    if args.json_schema:
+        import json
+
+        with open(args.json_schema, encoding="utf-8") as f:
+            schema = json.load(f)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=args.ignore_eos,
+                            json_schema=schema)
     rows: dict[tuple[str, int], list[dict]] = {}
     # answers per round, batch and dtype (dtypes round differently: greedy answers differ across them)
     same_work: dict[tuple[int, int, str], set[int]] = collections.defaultdict(set)

@@ -117,15 +117,19 @@ def verify_tree(tt: TreeTensors, tree: DraftTree, processed: torch.Tensor, targe
         path[:, d] = torch.where(took, nxt, -1)
         cur = torch.where(took, nxt, cur)
         alive = alive & took
-    n = (path >= 0).sum(-1)
     # The bonus: at a rejection, a draw from the last residual; otherwise the target's sample at the node
     # the walk ended on (its argmax on greedy rows).
     noise = gumbel_noise(seeds, counters + stop_depth, v, STREAM_RESIDUAL)
     resampled = (final_mass.log() + noise).argmax(-1)
     own = target_tokens.gather(1, cur.unsqueeze(-1)).squeeze(-1)
-    bonus = torch.where(rejected & ~greedy, resampled, own)
+    return _verdict(tree, path, torch.where(rejected & ~greedy, resampled, own))
+
+
+def _verdict(tree: DraftTree, path: torch.Tensor, bonus: torch.Tensor) -> TreeVerdict:
+    """The accepted path [S, D] (-1 past its end) and the bonus token [S] -> what each sequence emits."""
+    n = (path >= 0).sum(-1)
     path_tokens = tree.tokens.gather(1, path.clamp_min(0))
-    j = torch.arange(depth + 1, device=dev)
+    j = torch.arange(path.shape[1] + 1, device=path.device)
     tokens = torch.cat([path_tokens, bonus.unsqueeze(-1)], 1)
     tokens = torch.where(j < n.unsqueeze(-1), tokens, bonus.unsqueeze(-1))
     return TreeVerdict(path, tokens, n)
@@ -156,10 +160,4 @@ def _verify_exact(tt: TreeTensors, tree: DraftTree, target_tokens: torch.Tensor,
         path[:, d] = torch.where(took, nxt, -1)
         cur = torch.where(took, nxt, cur)
         alive = alive & took
-    n = (path >= 0).sum(-1)
-    bonus = target_tokens.gather(1, cur.unsqueeze(-1)).squeeze(-1)
-    path_tokens = tree.tokens.gather(1, path.clamp_min(0))
-    j = torch.arange(depth + 1, device=dev)
-    tokens = torch.cat([path_tokens, bonus.unsqueeze(-1)], 1)
-    tokens = torch.where(j < n.unsqueeze(-1), tokens, bonus.unsqueeze(-1))
-    return TreeVerdict(path, tokens, n)
+    return _verdict(tree, path, target_tokens.gather(1, cur.unsqueeze(-1)).squeeze(-1))
