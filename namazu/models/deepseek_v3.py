@@ -96,9 +96,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Keeps a copy of the whole embedding and lm_head on this rank, for a drafter that borrows them
         (`whole_vocab`). Under tensor parallelism a collective: every rank calls it at start-up, together
         (not when a drafter is attached: a shadow drafter attaches on rank 0 alone). Costs 2 x V x H
-        elements per rank beyond the model's shard."""
+        elements per rank beyond the model's shard (one V x H with tied embeddings)."""
         if self.tp.size > 1 and self._whole_vocab is None:
-            self._whole_vocab = (self.model.embed_tokens.whole(), self.lm_head.whole())
+            embed = self.model.embed_tokens.whole()
+            tied = self.lm_head.weight is self.model.embed_tokens.weight
+            self._whole_vocab = (embed, embed if tied else self.lm_head.whole())
 
     def whole_vocab(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(embedding [V, H], lm_head [V, H]) of the whole vocabulary: the layers' own weights at one rank,

@@ -200,6 +200,7 @@ def test_the_exact_only_walk_gives_the_general_walks_verdict():
                             "max_depth": torch.randint(0, topo.depth + 1, (s,), generator=g)}):
             want = verify_tree(tt, tree, processed, target, greedy, seeds, base, **limits)
             got = verify_tree(tt, tree, processed, target, greedy, seeds, base, all_exact=True, **limits)
+            # Exact: verdicts are integer tensors (paths, tokens, counts) picked from the same target tokens.
             assert all(torch.equal(a, b) for a, b in zip(got, want)), topo
             assert want.num_accepted.float().mean() > 0.3
 

@@ -300,4 +300,4 @@ def test_a_compiled_graph_with_collectives_keeps_the_python_wrapper(tmp_path):
     finally:
         dist.destroy_process_group()
     assert seen == [True]
-    assert torch.equal(out, torch.full((4,), 3.0))
+    assert torch.equal(out, torch.full((4,), 3.0))     # small integers in fp32: exact on any machine
