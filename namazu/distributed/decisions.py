@@ -43,15 +43,27 @@ def share_device_tree(tree: DraftTree, size: int) -> DraftTree:
 
 
 def share_device_proposal(proposal: Proposal, size: int) -> Proposal:
-    """A device proposer's drafts (ids [S, k], counts [S], probs [S, k, V]) -> rank 0's on every rank."""
+    """A device proposer's drafts (ids [S, k], counts [S], probs [S, k, V]) -> rank 0's on every rank.
+    When the proposal says where its probs can be non-zero (`support` [S, k, K]), only those K values per
+    position travel, and every other rank rebuilds the same [S, k, V] (zero elsewhere): at a 163,840-token
+    vocabulary that is 5,120 times fewer bytes for 32 candidates."""
     ids = proposal.ids
     if not isinstance(ids, torch.Tensor):
         raise TypeError("a device proposer returns draft ids as a tensor")
+    s, k = ids.shape
     counts = proposal.counts if proposal.counts is not None else torch.full(
-        (ids.shape[0],), ids.shape[1], dtype=torch.long, device=ids.device)
-    packed = torch.cat([ids.long(), counts.long().unsqueeze(1)], dim=1).contiguous()
+        (s,), k, dtype=torch.long, device=ids.device)
+    probs, support = proposal.probs, proposal.support
+    sparse = isinstance(probs, torch.Tensor) and support is not None
+    parts = [ids.long(), counts.long().unsqueeze(1)] + ([support.long().flatten(1)] if sparse else [])
+    packed = torch.cat(parts, dim=1).contiguous()
     broadcast(packed, size)
-    probs = proposal.probs
-    if isinstance(probs, torch.Tensor):
+    shared_support = None
+    if sparse:
+        shared_support = packed[:, k + 1:].view(s, k, -1).to(support.dtype)
+        values = broadcast(probs.gather(-1, support.long()).contiguous(), size)
+        probs = torch.zeros_like(probs).scatter_(-1, shared_support.long(), values)
+    elif isinstance(probs, torch.Tensor):
         probs = broadcast(probs.contiguous(), size)
-    return dataclasses.replace(proposal, ids=packed[:, :-1].to(ids.dtype), counts=packed[:, -1], probs=probs)
+    return dataclasses.replace(proposal, ids=packed[:, :k].to(ids.dtype), counts=packed[:, k], probs=probs,
+                               support=shared_support)

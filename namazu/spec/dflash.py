@@ -151,11 +151,13 @@ def _shared_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class Walk(NamedTuple):
-    """The selector walk's drafts: ids [M, k], q [M, k, V] when sampling (else None), confidence [M, k]."""
+    """The selector walk's drafts: ids [M, k], q [M, k, V] when sampling (else None), confidence [M, k],
+    and where q can be non-zero: the candidates [M, k, K] (None with q)."""
 
     ids: torch.Tensor
     q: torch.Tensor | None
     confidence: torch.Tensor
+    support: torch.Tensor | None = None
 
 
 def draft_counts(confidence: torch.Tensor, min_confidence: float) -> torch.Tensor:
@@ -329,7 +331,7 @@ class DFlashDrafter(nn.Module):
             conf = torch.where(sampled, q.max(-1).values, p1.max(-1).values)
             ids.append(cand[:, j].gather(1, pick.unsqueeze(-1)).squeeze(-1))
             confs.append(conf)
-        return Walk(torch.stack(ids, 1), torch.stack(qs, 1), torch.stack(confs, 1))
+        return Walk(torch.stack(ids, 1), torch.stack(qs, 1), torch.stack(confs, 1), cand)
 
     @staticmethod
     def _greedy_walk(cand: torch.Tensor, first: torch.Tensor, pairs: torch.Tensor) -> Walk:

@@ -49,6 +49,9 @@ class Proposal:
     ids: list[list[int]] | torch.Tensor              # host: per sequence; device: [S, k]
     counts: torch.Tensor | None = None               # device proposals: [S] drafts per sequence
     probs: list[np.ndarray | None] | torch.Tensor | None = None   # draft distributions [k, V] per sequence
+    # Device proposals whose probs are zero outside a few candidates: those candidates [S, k, K]. Under TP
+    # the broadcast then carries K values per position, not the vocabulary's V.
+    support: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
