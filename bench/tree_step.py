@@ -4,6 +4,7 @@
                               [--groups 4] [--output-len 48] [--threads 1] [--modes eager graph] [--sync]
                               [--ignore-eos]
     python bench/tree_step.py --acceptance 48 [--budgets 24] [--temperatures 0 0.7 1.0] [--seeds 1 2]
+                              [--requests CAPTURE [--keep-seeds]] [--tree-candidates 0 64]
 
 Setups, one inline engine each, kept for the whole run: off (no speculation); chain (the model's shipped DFlash2
 drafter named by flags, so it drafts at every batch size, --k drafts: its block size - 1); tree@N for each
@@ -20,7 +21,9 @@ through the default model's chat template, the same for every setup. T > 0 reque
 rows take the lossless rule with the drafter's q (a request's own seed takes exact matching, and accepts less).
 --acceptance N: no timing; tokens per verify step of the chain and each tree on the first N prompts at
 once (16 sequences per step, synchronous scheduling, answers ending at EOS or --output-len), once per
-engine --seeds value (the engine-drawn per-sequence seeds at T > 0).
+engine --seeds value (the engine-drawn per-sequence seeds at T > 0). With --requests CAPTURE: the first N
+requests captured at each temperature instead, each with its own sampling settings (top-p, max_tokens),
+unseeded unless --keep-seeds; --tree-candidates: a tree column per budget and candidate count.
 --modes eager graph: every setup once per mode (graph: `enforce_eager=False`, CPU torch.compile under inductor,
 tree verifies in tree entries: docs/speculative.md, "In the step"), in the same rounds; the table adds each
 graph setup's decode speed against the same setup eager ("vs eager"); "vs off" and "vs chain" stay within a mode.
@@ -96,30 +99,53 @@ def _measure(llm, batches, params) -> dict[str, float]:
             "rows": 1 + (s1.num_draft_tokens - s0.num_draft_tokens) / verifies if verifies else 0.0}
 
 
+def _captured(args, temp: float) -> tuple[list[list[int]], list]:
+    """The --requests records captured at `temp`: prompt ids and their own sampling settings (top-p, max_tokens,
+    output constraint), less the seed unless --keep-seeds (a seeded row verifies by exact match with the
+    target's seeded sample, not by the rejection rule with q)."""
+    import dataclasses
+
+    from namazu.spec.capture import read_records
+    from namazu.spec.training.replay import replay_params
+
+    recs = [r for r in read_records(args.requests) if np.isclose(float(r.sampling.get("temperature") or 0.0), temp)]
+    params = []
+    for r in recs[:args.acceptance]:
+        p = replay_params(r)
+        params.append(p if args.keep_seeds else dataclasses.replace(p, seed=None))
+    return [r.prompt_token_ids for r in recs[:args.acceptance]], params
+
+
 def _acceptance(args, prompts) -> None:
     from namazu import LLM, SamplingParams
     from namazu.assets import default_model_path
     from namazu.spec.selection import SHIPPED_DRAFTER_DIR
 
     drafter = str(default_model_path() / SHIPPED_DRAFTER_DIR)
-    budgets = [0] + args.budgets
-    print("| T | " + " | ".join("chain" if b == 0 else f"tree@{b}" for b in budgets) + " |")
-    print("|---:|" + "---:|" * len(budgets))
+    setups = [(0, 0)] + [(b, c) for b in args.budgets for c in args.tree_candidates]
+    name = lambda b, c: "chain" if b == 0 else f"tree@{b}" + (f" over {c}" if len(args.tree_candidates) > 1 else "")  # noqa: E731
+    print("| T | requests | " + " | ".join(name(b, c) for b, c in setups) + " |")
+    print("|---:|---:|" + "---:|" * len(setups))
     for temp in args.temperatures:
-        params = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
+        if args.requests:
+            batch, params = _captured(args, temp)
+        else:
+            batch = prompts[:args.acceptance]
+            params = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
         cells = []
-        for b in budgets:
+        for b, c in setups:
             taus = []
             for seed in args.seeds:
                 with LLM(None, executor="inline", threads=args.threads, speculative_model=drafter,
                          num_speculative_tokens=args.k, speculative_disable_batch_size=0, speculative_tree_budget=b,
-                         async_scheduling=False, seed=seed, max_num_seqs=16) as llm:
-                    llm.generate(prompt_token_ids=prompts[:args.acceptance], sampling_params=params, use_tqdm=False)
+                         speculative_tree_candidates=c, async_scheduling=False, seed=seed, max_num_seqs=16) as llm:
+                    llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
                     taus.append(llm.engine.get_stats().mean_acceptance_length)
             cells.append(taus)
         chain = statistics.mean(cells[0])
-        print(f"| {temp:g} | " + " | ".join(
-            " / ".join(f"{t:.2f}" for t in taus) + f" ({statistics.mean(taus) / chain:.2f}x)" for taus in cells) + " |")
+        print(f"| {temp:g} | {len(batch)} | " + " | ".join(
+            " / ".join(f"{t:.2f}" for t in taus) + f" ({statistics.mean(taus) / chain:.2f}x)" for taus in cells) + " |",
+            flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--acceptance", type=int, default=0, metavar="N",
                     help="only tokens per verify step, on N prompts (no timing)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="engine seeds of --acceptance")
+    ap.add_argument("--requests", nargs="+", default=None, metavar="CAPTURE",
+                    help="--acceptance over these captured requests, each temperature's own, with their sampling "
+                         "settings (not the traffic prompts)")
+    ap.add_argument("--keep-seeds", action="store_true", help="--requests with their own seeds (exact-match rule)")
+    ap.add_argument("--tree-candidates", type=int, nargs="+", default=[64],
+                    help="--speculative-tree-candidates of each tree (0: the drafter's selector_k)")
     args = ap.parse_args(argv)
 
     from namazu import SamplingParams

@@ -230,7 +230,8 @@ class LLMEngine:
         accepts the tree's depth, not its node count."""
         if not self.config.speculative_tree_budget or self.drafter is None or not self.num_speculative_tokens:
             return
-        topo = step_topology(self.config.speculative_tree_budget, self.num_speculative_tokens, self.drafter.cfg)
+        topo = step_topology(self.config.speculative_tree_budget, self.num_speculative_tokens, self.drafter.cfg,
+                             self.config.speculative_tree_candidates)
         self._tree_parents = topo.parents
         self.scheduler.max_accepted = functools.partial(max_accepted, topo.depths)
 

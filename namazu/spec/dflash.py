@@ -275,15 +275,16 @@ class DFlashDrafter(nn.Module):
         The caller keeps the result (a gather of N rows) rather than recomputing it per step."""
         return lm_head if self.draft_vocab is None else lm_head.index_select(0, self.draft_vocab)
 
-    def selector_tables(self, anchor: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, k: int
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def selector_tables(self, anchor: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, k: int,
+                        candidates: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The selector's scores of every (previous pick, candidate) pair of a block: (cand [M, k, K] the
         top-K candidates' token ids per position, first [M, K] position 0's scores after the anchor,
         pairs [M, k-1, K prev, K] position j's scores after each of position j-1's candidates). A walk
         (the chain) or a draft tree (`spec/tree.py`) only picks rows of these tables. `logits` [M, >=k, N]
-        are over the draft vocabulary (`draft_head`)."""
+        are over the draft vocabulary (`draft_head`). `candidates`: K (0: the selector's own `selector_k`; a
+        draft tree may score more than the selector was trained on, `spec/tree.py`)."""
         logits = logits[:, :k].float()
-        cand_logits, cand = logits.topk(self.cfg.selector_k, dim=-1)          # [M, k, K]
+        cand_logits, cand = logits.topk(candidates or self.cfg.selector_k, dim=-1)    # [M, k, K]
         if self.draft_vocab is not None:
             cand = self.draft_vocab[cand]                                     # shortlist index -> token id
         sel = self.selector

@@ -158,7 +158,7 @@ class DFlashProposer:
         if depth > self.cfg.num_draft_tokens:
             raise ValueError(f"a draft tree of depth {depth}: the drafter drafts {self.cfg.num_draft_tokens} positions")
         anchor, _, h, logits = self.draft_block(inp, depth)
-        tables = self.model.selector_tables(anchor, h, logits, depth)
+        tables = self.model.selector_tables(anchor, h, logits, depth, tt.topology.candidates)
         base = inp.counters.gather(1, inp.accepted.unsqueeze(-1)).squeeze(-1) + 1 if inp.counters is not None \
             else torch.zeros_like(anchor)
         sample = not inp.all_greedy and self.sample_drafts

@@ -58,13 +58,15 @@ class Speculator:
     """One rank's speculation state: the proposer (or none), its kind, and the draft buffer."""
 
     def __init__(self, proposer: Proposer | None, num_speculative_tokens: int, vocab_size: int,
-                 device: torch.device, share_decisions: bool, world_size: int, tree_budget: int = 0):
+                 device: torch.device, share_decisions: bool, world_size: int, tree_budget: int = 0,
+                 tree_candidates: int = 0):
         self.proposer = proposer
         self.kind = check_proposer(proposer) if proposer is not None else None
         self.k = num_speculative_tokens if proposer is not None else 0
         self.device = device
         self.share_decisions, self.world_size = share_decisions, world_size
         self.tree_budget = tree_budget if self.k else 0
+        self.tree_candidates = tree_candidates
         if self.tree_budget and not (self.on_device and callable(getattr(proposer, "propose_tree", None))):
             raise ValueError(f"--speculative-tree-budget {tree_budget} needs a drafter that drafts trees (DFlash2); "
                              f"{type(proposer).__name__} proposes one chain")
@@ -105,11 +107,12 @@ class Speculator:
         self._build_tree()
 
     def _build_tree(self) -> None:
-        """The tree step for the proposer's shape (depth: its block; width: up to 4 of its candidates)."""
+        """The tree step for the proposer's shape (depth: its block; width: up to 8 of its candidates)."""
         if self.tree_budget:
             if not callable(getattr(self.proposer, "propose_tree", None)):
                 raise ValueError(f"--speculative-tree-budget {self.tree_budget} needs a drafter that drafts trees")
-            self.tree = TreeStep(step_topology(self.tree_budget, self.k, self.proposer.cfg), self._block_size,
+            self.tree = TreeStep(step_topology(self.tree_budget, self.k, self.proposer.cfg, self.tree_candidates),
+                                 self._block_size,
                                  self.device)
 
     @property

@@ -38,17 +38,18 @@ from namazu.layers.sampler import gumbel_noise
 STREAM_TREE_DRAFT = 4
 
 # The chance that the r-th draw at depth d is accepted when its parent is on the accepted path (rows: depth
-# 1..6, columns: rank 0..3), of namazu-tiny's shipped drafter at T = 0.7 on the 110 held-out requests captured
-# at 0.7 (`python bench/tree_acceptance.py --requests CAPTURE`, its "chance that the rank-r child is
-# accepted" table; bench/RESULTS.md, issue 30). Only their order matters for the shape a budget gets; a
-# drafter of another shape, or another temperature, should pass its own.
+# 1..6, columns: rank 0..7), of namazu-tiny's shipped drafter at T = 0.7, children drawn from its top 64
+# candidates, on the 110 held-out requests captured at 0.7 (`python bench/tree_acceptance.py --requests
+# CAPTURE --candidates 64 --widths 8`, its "chance that the rank-r child is accepted" table; bench/RESULTS.md,
+# issue 30). Only their order matters for the shape a budget gets; a drafter of another shape, or another
+# temperature, should pass its own.
 DEFAULT_RATES = (
-    (0.654, 0.066, 0.028, 0.018),
-    (0.579, 0.057, 0.024, 0.015),
-    (0.553, 0.054, 0.021, 0.013),
-    (0.532, 0.055, 0.021, 0.013),
-    (0.519, 0.054, 0.022, 0.013),
-    (0.490, 0.056, 0.023, 0.012),
+    (0.632, 0.072, 0.034, 0.021, 0.015, 0.010, 0.007, 0.006),
+    (0.553, 0.067, 0.033, 0.020, 0.013, 0.010, 0.008, 0.006),
+    (0.522, 0.071, 0.032, 0.019, 0.012, 0.011, 0.008, 0.007),
+    (0.502, 0.072, 0.033, 0.019, 0.013, 0.009, 0.008, 0.007),
+    (0.486, 0.073, 0.032, 0.019, 0.013, 0.010, 0.008, 0.006),
+    (0.461, 0.073, 0.033, 0.022, 0.015, 0.011, 0.008, 0.006),
 )
 
 
@@ -57,10 +58,16 @@ class TreeTopology:
     """The static shape of a draft tree; node 0 is the root."""
 
     parents: tuple[int, ...]          # [1 + N], the root's is -1
+    # How many of the drafter's candidates per position the children are drawn from (0: its selector's
+    # own K). More candidates hold more of the target's distribution at T > 0 (64: 0.85 of p_T at depth
+    # 1 at T = 0.7, 32: 0.81), which only a tree's later siblings can use.
+    candidates: int = 0
 
     def __post_init__(self) -> None:
         if not self.parents or self.parents[0] != -1:
             raise ValueError("a tree topology starts with its root (parent -1)")
+        if self.candidates < 0:
+            raise ValueError(f"candidates must be >= 0 (0: the drafter's selector_k), got {self.candidates}")
         last = (0, -1)
         for i, p in enumerate(self.parents[1:], 1):
             if not 0 <= p < i:
@@ -106,9 +113,10 @@ class TreeTopology:
 
     @classmethod
     def build(cls, budget: int, depth: int, width: int,
-              rates: tuple[tuple[float, ...], ...] | None = None) -> TreeTopology:
+              rates: tuple[tuple[float, ...], ...] | None = None, candidates: int = 0) -> TreeTopology:
         """The `budget` nodes of largest expected acceptance (module docstring), at most `depth` deep and
-        `width` children per node. `rates[d][r]`: the chance the r-th draw at depth d + 1 is accepted."""
+        `width` children per node, drawn from `candidates` per position (0: the drafter's selector_k).
+        `rates[d][r]`: the chance the r-th draw at depth d + 1 is accepted."""
         if budget < 1 or depth < 1 or width < 1:
             raise ValueError(f"a draft tree needs budget, depth and width >= 1 (got {budget}, {depth}, {width})")
         rates = rates or DEFAULT_RATES
@@ -140,7 +148,7 @@ class TreeTopology:
             for i in sorted(by_depth[d], key=lambda i: (new_id[nodes[i][0]], nodes[i][2])):
                 new_id[i] = len(ordered)
                 ordered.append(i)
-        return cls(tuple(-1 if i == 0 else new_id[nodes[i][0]] for i in ordered))
+        return cls(tuple(-1 if i == 0 else new_id[nodes[i][0]] for i in ordered), candidates)
 
     def tensors(self, device: torch.device | str = "cpu") -> TreeTensors:
         """The device tensors a step reads: build once per bucket and keep (a captured graph must not

@@ -142,7 +142,8 @@ class ModelRunner:
         # rank 0's, broadcast (`Speculator.shared`): every rank commits the same tokens even if its logits
         # differ in the last bit (tests switch `share_decisions` off to show what it prevents).
         self.spec = Speculator(proposer, config.num_speculative_tokens, self.model_config.vocab_size, self.device,
-                               world_size > 1, world_size, config.speculative_tree_budget)
+                               world_size > 1, world_size, config.speculative_tree_budget,
+                               config.speculative_tree_candidates)
         self.seqs = WorkerSeqTable()
         # A shadow drafter (`--shadow-drafter`, rank 0 only): drafts beside the serving one, scored, never served.
         self.shadow = shadow_for_rank(config, rank, proposer, self.model_config)

@@ -146,3 +146,53 @@ def test_the_proposer_drafts_trees_from_the_steps_own_inputs(temperature):
     assert len(runs[0]) == len(runs[1])
     for a, b in zip(*runs):
         assert all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]))
+
+
+@torch.no_grad()
+def test_a_tree_over_more_candidates_shares_the_selectors_own_candidates():
+    """Scoring more candidates than the selector's K adds candidates after its own: the first K are the
+    same tokens with the same scores, so a tree over more only adds siblings' choices."""
+    m = 6
+    model, anchor, h, logits = _drafter_inputs(m, seed=3)
+    own = model.cfg.selector_k
+    small = model.selector_tables(anchor, h, logits, K)
+    big = model.selector_tables(anchor, h, logits, K, 3 * own)
+    assert small[0].shape[-1] == own and big[0].shape[-1] == 3 * own
+    assert torch.equal(big[0][..., :own], small[0])
+    torch.testing.assert_close(big[1][:, :own], small[1])
+    torch.testing.assert_close(big[2][:, :, :own, :own], small[2])
+
+
+class TreeCandidatesProposer(DFlashProposer):
+    """Keeps the trees the engine's tree step asks for."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.trees: list = []
+
+    def propose_tree(self, inp, tt):
+        tree = super().propose_tree(inp, tt)
+        self.trees.append(tree)
+        return tree
+
+
+@pytest.mark.parametrize("candidates", [0, 18])
+def test_the_engines_trees_draw_from_speculative_tree_candidates(candidates):
+    """`speculative_tree_candidates` reaches the drafter: the stored trees span that many candidates per
+    node (0: the selector's own K), and at T = 1 some children are candidates beyond the selector's K."""
+    from engine_helpers import prompts
+
+    from namazu import LLM, SamplingParams
+
+    t = ModelConfig.from_pretrained(tiny_checkpoint())
+    prop = TreeCandidatesProposer(random_drafter(tiny_checkpoint()), t.vocab_size, t.hidden_size, t.num_hidden_layers)
+    own = prop.cfg.selector_k
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=3)
+    with LLM(tiny_checkpoint(), executor="inline", drafter=prop, num_speculative_tokens=K, speculative_tree_budget=12,
+             speculative_tree_candidates=candidates, speculative_disable_batch_size=0) as llm:
+        llm.generate(prompt_token_ids=prompts(4, lo=5, hi=9, seed=3), sampling_params=params, use_tqdm=False)
+    assert prop.trees
+    want = candidates or own
+    assert all(tree.child_ids.shape[-1] == want for tree in prop.trees)
+    beyond = max(int(tree.cand_index[:, 1:].max()) for tree in prop.trees)
+    assert (beyond >= own) == (want > own)

@@ -271,7 +271,8 @@ def test_requests_joining_with_penalties_verify_trees(monkeypatch):
 
 def test_a_replaced_drafter_drafts_trees_of_its_own_shape(paths, tmp_path):
     """After `set_drafter` (here to a copy of the shipped checkpoint with 16 candidates per position: another
-    shape of the stored trees) the engine drafts and verifies trees again, and outputs stay greedy's."""
+    shape of the stored trees, as trees span the drafter's own candidates here) the engine drafts and verifies
+    trees again, and outputs stay greedy's."""
     import json
     import shutil
 
@@ -282,8 +283,9 @@ def test_a_replaced_drafter_drafts_trees_of_its_own_shape(paths, tmp_path):
     (copy / "config.json").write_text(json.dumps(cfg))
     with engine(-1) as llm:
         base, prompt_ids, _ = generate(llm, GREEDY, TEXTS[:3])
-    with engine(8) as llm:
+    with engine(8, speculative_tree_candidates=0) as llm:
         first, _, _ = generate(llm, GREEDY, TEXTS[:3])
+        assert llm.engine.executor.worker.runner.spec.tree._trees.child_ids.shape[-1] == 32
         before = len(paths)
         llm.set_drafter(str(copy))
         second, _, _ = generate(llm, GREEDY, TEXTS[:3])
