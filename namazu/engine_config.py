@@ -115,7 +115,8 @@ class EngineConfig:
            "children per node, drawn from the DFlash drafter's candidates (--speculative-tree-candidates), "
            "accepted by recursive rejection sampling over siblings (lossless at any temperature; "
            "docs/speculative.md, \"Tree verification\"). In graph mode a tree verify runs a compiled entry of "
-           "1 + N rows, its acceptance and next tree eagerly after it; under tensor parallelism rank 0's trees and accepted paths are every rank's. 0: the chain", metavar="N")
+           "1 + N rows, its acceptance and next tree eagerly after it; under tensor parallelism rank 0's trees "
+           "and accepted paths are every rank's. 0: the chain", metavar="N")
     speculative_tree_candidates: int = _f(
         64, "how many of the DFlash drafter's top candidates per position a draft tree's children are drawn from "
             "(the chain keeps the drafter's own selector_k; at most the draft vocabulary). More candidates hold "
