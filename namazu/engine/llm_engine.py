@@ -70,6 +70,9 @@ class _Launched:
     num_prompt_logprobs: int
     drafts_next: bool = False          # the worker was asked to draft after this step
     launched_at: float = 0.0           # perf_counter seconds at submission
+    # Where its cost starts when the engine went straight from the last results to it (0): the results'
+    # arrival. Otherwise (the engine sat idle, or its caller paused) the entry of the call that prepared it.
+    busy_since: float = 0.0
     prompt_tokens: int = 0             # prefill tokens it computes (chunks of prompts, recomputes)
 
 
@@ -218,7 +221,7 @@ class LLMEngine:
         # When the last step() call returned and this one began: a step launched before a pause of the caller
         # (LLM.generate returned with the next step in flight; a server with no requests) and collected after
         # it would be timed across the pause.
-        self._returned_at = self._entered_at = 0.0
+        self._returned_at = self._entered_at = self._busy_since = 0.0
         info = self.worker_info
         logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s%s",
                     self.model_path, self.num_kv_blocks, config.block_size, self.max_model_len, info.device,
@@ -329,6 +332,7 @@ class LLMEngine:
         With async scheduling the step launched here is collected by the next call: this call plans
         and launches step N+1, then collects step N, so planning overlaps the forward."""
         self._entered_at = time.perf_counter()
+        self._busy_since = self._entered_at if self._entered_at - self._returned_at > PAUSE_S else 0.0
         try:
             launched = self._launch()
             if self.async_scheduling:
@@ -392,7 +396,7 @@ class LLMEngine:
         # preemption); a decode computes one, and its drafts are verify rows, priced into the decode step.
         prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
         return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num,
-                         self.drafter is not None and speculate, time.perf_counter(), prefill)
+                         self.drafter is not None and speculate, time.perf_counter(), self._busy_since, prefill)
 
     def _drafting_pays(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the worker drafts after this step: some sampling sequence wants drafts, and this is not
@@ -415,8 +419,12 @@ class LLMEngine:
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
         result = self.executor.collect()
         done = time.perf_counter()
-        # The step ran from its launch, or from the previous step's results if it was queued behind it.
-        ms = 1000.0 * (done - max(launched.launched_at, self._collected_at))
+        # A busy engine's step costs the span from the previous step's results to its own: the engine's work
+        # between them (the last results' tokens through detokenizer and grammar, this step's plan and
+        # grammar rows) is the step's as much as the forward is. A grammar sequence is not planned until the
+        # step before returns, so that work runs between the forwards, not beside one: timed from its launch,
+        # a drafted step of a JSON-schema request, whose grammar walks every draft, looked cheaper than it was.
+        ms = 1000.0 * (done - max(launched.busy_since, self._collected_at))
         # Not timed across a pause of the caller: a drafted step timed over the gap between two generate calls
         # read 50-120 plain steps, and the draft policy's cost fit, pulled up by a few of those, stopped
         # drafting where it paid 1.8x (eager bf16, engines side by side in one process).

@@ -12,9 +12,11 @@ the prompt tokens it computed. It fits
 
 and every replica reports the two numbers (`EngineStats`, `GET /load`, Ray Serve's routing stats).
 
-A step's time is the span from its start to its results reaching the host: with async scheduling the
-next step is launched before this one is collected, so a busy engine's step starts when the previous
-one's results arrived; an engine that sat idle starts the step at its launch.
+A step's time is the span from its start to its results reaching the host: a busy engine's step starts
+when the previous one's results arrived (with async scheduling it was launched before then; without, or
+for a grammar sequence that waits for those results, the engine's work on them and on the next plan is
+part of the step); an engine that sat idle, or whose caller paused, starts the step when it began
+planning it.
 """
 from __future__ import annotations
 

@@ -264,6 +264,33 @@ def test_a_step_in_flight_across_a_pause_of_the_caller_is_not_timed():
         assert paused and timed and max(timed) < 300.0, (paused, sorted(timed)[-3:])
 
 
+@pytest.mark.parametrize("async_scheduling, schema", [(False, None), (True, {"type": "object", "properties": {
+    "id": {"type": "integer"}, "name": {"type": "string"}}, "required": ["id", "name"]})])
+def test_the_engines_work_between_two_forwards_is_part_of_the_step(monkeypatch, async_scheduling, schema):
+    """A grammar sequence is not planned until the step before it returns, so the engine's work on those
+    results and on the next step's plan (its grammar walking every draft) runs between the forwards. Timed
+    from the launch, a JSON-schema request's drafted step looked as cheap as a plain one plus its rows, and
+    the policy drafted where it lost (graph mode, bf16, batch 1: 0.87x of speculation off). Here the plan's
+    grammar rows are made slow (50 ms each step): every timed step includes them, with synchronous scheduling
+    and with a JSON-schema request under async scheduling. (Where a step's plan overlaps the forward before
+    it, that cycle already held it.) tests/MUTATIONS.md P29."""
+    import time
+
+    import namazu.engine.llm_engine as engine_mod
+
+    real = engine_mod.fill_step_bitmask
+    monkeypatch.setattr(engine_mod, "fill_step_bitmask", lambda *a: (time.sleep(0.05), real(*a))[1])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=schema is None, json_schema=schema)
+    with LLM(tiny_checkpoint(), executor="inline", drafter=make_proposer(), num_speculative_tokens=3,
+             speculative_adaptive=True, async_scheduling=async_scheduling) as llm:
+        policy = llm.engine.draft_policy
+        timed = []
+        inner = policy.observe_step
+        policy.observe_step = lambda *a: (timed.append(a[-1]), inner(*a))[1]
+        llm.generate(prompt_token_ids=prompts(2, lo=4, hi=10, seed=5), sampling_params=params, use_tqdm=False)
+    assert len(timed) >= 4 and min(timed) >= 50.0, sorted(timed)[:3]
+
+
 def test_sequences_due_a_probe_in_plain_steps_are_probed_together_once_every_probe_every_steps():
     # At batch 4 with probes due at staggered steps, one probe per sequence every 4 of its steps would draft
     # in most steps (the drafter runs for the whole batch); together they draft once in 4 plain steps.
