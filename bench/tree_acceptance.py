@@ -40,11 +40,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def rank_chances(q: np.ndarray, p: np.ndarray, c: np.ndarray, draws: int, seed: int = 0,
-                 chunk: int = 256) -> np.ndarray:
+                 chunk: int = 256, later_order: np.ndarray | None = None) -> np.ndarray:
     """[N, W]: P(accepted at rank r | output c) at N nodes whose r-th child is drawn from q[r] [W, N, K]
     without the earlier children (one q for all ranks: plain draws without replacement), p [N, K] the
     target's mass on the same candidates (the rest lies outside them) and c [N] the captured token's
-    candidate index (>= 0)."""
+    candidate index (>= 0). `later_order` [N, K] (candidates by score): the children after the first are
+    not drawn but taken, each the best-scored candidate not yet drafted, as one-hot drafts (the rule then
+    accepts one with its residual's p at it)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -61,12 +63,20 @@ def rank_chances(q: np.ndarray, p: np.ndarray, c: np.ndarray, draws: int, seed: 
         drawn = torch.zeros(n, draws, k + 1, dtype=torch.bool)
         drawn[..., k] = True                                                          # never drafted
         still = torch.ones(n, draws, dtype=torch.float64)                            # prod of (1 - a_i) so far
+        if later_order is not None:
+            place = torch.full((n, k + 1), k + 1, dtype=torch.long)        # each candidate's place by score
+            order = torch.as_tensor(later_order[a:a + chunk])
+            place[:, :k].scatter_(1, order, torch.arange(k).expand(n, k).contiguous())
         for r in range(width):
-            qk = torch.cat([qr[r], torch.zeros(n, 1, dtype=torch.float64)], -1).unsqueeze(1).expand(n, draws, k + 1)
-            qi = qk.masked_fill(drawn, 0.0)
-            qi = qi / qi.sum(-1, keepdim=True).clamp_min(1e-300)
-            u = torch.rand(n, draws, k + 1, generator=g, dtype=torch.float64).clamp_min(1e-300)
-            x = (qi.clamp_min(1e-300).log().masked_fill(drawn, -np.inf) - (-u.log()).log()).argmax(-1, keepdim=True)
+            if r and later_order is not None:
+                x = place.unsqueeze(1).expand(n, draws, k + 1).masked_fill(drawn, k + 2).argmin(-1, keepdim=True)
+                qi = torch.zeros(n, draws, k + 1, dtype=torch.float64).scatter_(2, x, 1.0)
+            else:
+                qk = torch.cat([qr[r], torch.zeros(n, 1, dtype=torch.float64)], -1).unsqueeze(1).expand(n, draws, k + 1)
+                qi = qk.masked_fill(drawn, 0.0)
+                qi = qi / qi.sum(-1, keepdim=True).clamp_min(1e-300)
+                u = torch.rand(n, draws, k + 1, generator=g, dtype=torch.float64).clamp_min(1e-300)
+                x = (qi.clamp_min(1e-300).log().masked_fill(drawn, -np.inf) - (-u.log()).log()).argmax(-1, keepdim=True)
             p_x, q_x = pi.gather(2, x).squeeze(-1), qi.gather(2, x).squeeze(-1)
             acc = torch.where(q_x > 0, (p_x / q_x.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q_x))
             hit = (x.squeeze(-1) == ct.unsqueeze(-1)).double()
@@ -79,15 +89,28 @@ def rank_chances(q: np.ndarray, p: np.ndarray, c: np.ndarray, draws: int, seed: 
     idx = np.arange(q.shape[1])
     out[:, 0] = np.minimum(1.0, q[0, idx, c] / np.maximum(p[idx, c], 1e-300))
     total = out.sum(1, keepdims=True)
-    return np.where(total > 1, out / total, out)
+    return np.where(total > 1, out / np.maximum(total, 1.0), out)
+
+
+def top_p_cut(q: np.ndarray, top_p: float) -> np.ndarray:
+    """q [..., K] restricted to its own nucleus (the fewest most likely candidates holding top_p), renormalised."""
+    order = np.argsort(-q, -1, kind="stable")
+    qs = np.take_along_axis(q, order, -1)
+    keep = np.zeros(q.shape, dtype=bool)
+    np.put_along_axis(keep, order, np.cumsum(qs, -1) - qs < top_p, -1)
+    out = np.where(keep, q, 0.0)
+    return out / out.sum(-1, keepdims=True)
 
 
 def chances(pos, t: float, scales: list[float], width: int, draws: int, top_drafts: bool = False,
-            sibling_scales: list[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+            sibling_scales: list[float] | None = None, later_one_hot: bool = False,
+            q_top_p: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(g [A, k, width] P(accepted at rank r | the captured token) per anchor and position, valid [A, k])
     over the anchors of requests captured at t; `top_drafts`: the children are the top-W candidates by
     score rather than draws from q; `sibling_scales[r]`: the r-th child drawn at temperature T * scale (the
-    last repeats; None: every child from the same q)."""
+    last repeats; None: every child from the same q); `later_one_hot`: the first child drawn from q, the
+    later ones the best-scored candidates left (`rank_chances`); `q_top_p`: q cut to its own nucleus (the
+    requests' top-p), for the chain and every child."""
     from namazu.spec.training.calibrate import softmax
 
     rows = np.isclose(pos.cap_temperature, t)
@@ -106,9 +129,12 @@ def chances(pos, t: float, scales: list[float], width: int, draws: int, top_draf
         return g, valid
     sib = list(sibling_scales or [1.0]) + [sibling_scales[-1] if sibling_scales else 1.0] * width
     q = np.stack([softmax(s / (t * sib[r] * np.asarray(scales)[None, :, None])).reshape(-1, kc) for r in range(width)])
+    if q_top_p is not None:
+        q = top_p_cut(q, q_top_p)
     p = pos.p[t][rows]
     flat = np.flatnonzero(inside.reshape(-1))
-    got = rank_chances(q[:, flat], p.reshape(-1, kc)[flat], idx.reshape(-1)[flat], draws)
+    order = np.argsort(-s.reshape(-1, kc)[flat], -1, kind="stable") if later_one_hot else None
+    got = rank_chances(q[:, flat], p.reshape(-1, kc)[flat], idx.reshape(-1)[flat], draws, later_order=order)
     g.reshape(-1, width)[flat] = got
     return g, valid
 
@@ -176,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=512, help="draws of the children per node (the estimate)")
     ap.add_argument("--sibling-scales", type=float, nargs="+", default=None,
                     help="also trees whose r-th child is drawn at T * scale[r] (the last repeats)")
+    ap.add_argument("--later-one-hot", action="store_true",
+                    help="also trees whose children after the first are the best-scored candidates left, one-hot")
+    ap.add_argument("--q-top-p", type=float, default=None, metavar="P",
+                    help="also the chain and trees with q cut to its own top-P nucleus (P: the requests' top-p)")
     ap.add_argument("--candidates", type=int, default=None,
                     help="candidates per position q spans, for every setup (default: the drafter's selector_k; "
                          "more is a lever the drafter was not trained for)")
@@ -228,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.sibling_scales:
         setups += [(f"tree W={w}, siblings at T x {args.sibling_scales}", w, b) for w in args.widths
                    for b in args.budgets]
+    if args.later_one_hot:
+        setups += [(f"tree W={w}, later siblings one-hot", w, b) for w in args.widths for b in args.budgets]
+    if args.q_top_p is not None:
+        setups += [(f"chain, q cut to top-p {args.q_top_p:g}", 1, k)]
+        setups += [(f"tree W={w}, q cut to top-p {args.q_top_p:g}", w, b) for w in args.widths for b in args.budgets]
     results: dict[tuple[str, int], dict[float, tuple[float, float]]] = {}
     rates_by_t = {}
     for t in args.temperatures:
@@ -237,8 +272,13 @@ def main(argv: list[str] | None = None) -> int:
         rates_by_t[t] = rates
         sib_g = (chances(pos, t, scales, wmax, args.draws, sibling_scales=args.sibling_scales)[0]
                  if args.sibling_scales and t > 0 else g)
+        hot_g = chances(pos, t, scales, wmax, args.draws, later_one_hot=True)[0] \
+            if args.later_one_hot and t > 0 else g
+        cut_g = chances(pos, t, scales, wmax, args.draws, q_top_p=args.q_top_p)[0] \
+            if args.q_top_p is not None and t > 0 else g
         for name, w, b in setups:
-            gg = top_g if "top-W" in name else sib_g if "siblings at" in name else g
+            gg = (top_g if "top-W" in name else sib_g if "siblings at" in name else hot_g if "one-hot" in name
+                  else cut_g if "top-p" in name else g)
             topo = TreeTopology.chain(k) if w == 1 else TreeTopology.build(b, k, w, _rates(gg, valid))
             results.setdefault((name, b), {})[t] = replay(topo, gg, valid)
     cols = " | ".join(f"T={t:g}" for t in args.temperatures)
