@@ -74,6 +74,7 @@ class _Launched:
     # arrival. Otherwise (the engine sat idle, or its caller paused) the entry of the call that prepared it.
     busy_since: float = 0.0
     prompt_tokens: int = 0             # prefill tokens it computes (chunks of prompts, recomputes)
+    plan: dict[int, int] = field(default_factory=dict)   # the draft policy's k per sequence for this step
 
 
 def mean_acceptance_length(histogram: list[int]) -> float:
@@ -396,7 +397,8 @@ class LLMEngine:
         # preemption); a decode computes one, and its drafts are verify rows, priced into the decode step.
         prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
         return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num,
-                         self.drafter is not None and speculate, time.perf_counter(), self._busy_since, prefill)
+                         self.drafter is not None and speculate, time.perf_counter(), self._busy_since, prefill,
+                         self._draft_plan)
 
     def _drafting_pays(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the worker drafts after this step: some sampling sequence wants drafts, and this is not
@@ -452,7 +454,7 @@ class LLMEngine:
                     self.scheduler.commit(seq, seq.num_computed_tokens)
                 continue
             s = row_of[id(item)]
-            reason = self._fold(seq, item, s, result, running, launched.drafts_next)
+            reason = self._fold(seq, item, s, result, running, launched.drafts_next, launched.plan.get(seq.seq_id, 0))
             if running:
                 # KV is valid for every token but the newest. Register it before a finished sequence
                 # releases its blocks, so the next request with this prefix hits the cache.
@@ -471,10 +473,11 @@ class LLMEngine:
         return outputs
 
     def _fold(self, seq: Sequence, item: ScheduledSeq, s: int, result: StepResult, running: bool,
-              drafted: bool = False) -> str | None:
+              drafted: bool = False, planned: int = 0) -> str | None:
         """One sampling sequence's results: the assumed outcome of `submitted` is corrected by the
         drafts that were rejected, the emitted tokens are appended (up to the first stop) and its
-        grammar accepts exactly those; returns the finish reason, if any."""
+        grammar accepts exactly those; returns the finish reason, if any. `planned`: the drafts the draft
+        policy wanted it to verify in this step."""
         accepted, k = int(result.accepted[s]), item.num_drafts
         assumed = self.scheduler.max_accepted(k)        # what `submitted` assumed accepted
         self._drafted += int(result.num_drafts[s])
@@ -484,9 +487,14 @@ class LLMEngine:
             if self.shadow is not None:      # the serving drafter on the shadowed sequences, for comparison
                 self.shadow.observe_serving(seq.seq_id, int(result.num_drafts[s]), accepted)
         if self.draft_policy is not None and item.samples:
-            if result.num_drafts[s]:
-                self.draft_policy.observe_verify(seq.seq_id, seq.params.temperature, int(result.num_drafts[s]),
-                                                 accepted)
+            verified = int(result.num_drafts[s])
+            if seq.grammar_cut == verified and accepted == verified and planned > verified:
+                # The policy wanted the draft the grammar cut: the target could never have sampled it (its
+                # row is masked), so it counts as reached and rejected. Left out, a JSON-schema sequence
+                # whose blocks the grammar cuts kept the later drafts' optimistic rates and drafted on.
+                verified += 1
+            if verified:
+                self.draft_policy.observe_verify(seq.seq_id, seq.params.temperature, verified, accepted)
             else:
                 self.draft_policy.observe_plain(seq.seq_id)
         seq.num_pending -= assumed + 1
@@ -508,7 +516,7 @@ class LLMEngine:
             if reason is None and seq.grammar.is_terminated():
                 reason = "stop"
         if result.next_num_drafts is not None:
-            seq.num_next_drafts = int(result.next_num_drafts[s])
+            seq.num_next_drafts, seq.grammar_cut = int(result.next_num_drafts[s]), -1
             if drafted:     # a step told not to draft reports zeros, not a block
                 self._draft_blocks += 1
                 self._drafts_proposed += seq.num_next_drafts
@@ -522,6 +530,8 @@ class LLMEngine:
                                                             self._stop_set) if reason is None else 0
                 else:
                     seq.num_next_drafts = seq.grammar.validate_tokens(ids[:stop]) if reason is None else 0
+                    if reason is None and seq.num_next_drafts < stop:
+                        seq.grammar_cut = seq.num_next_drafts
                 seq.next_draft_ids = ids[:seq.num_next_drafts]
         return reason
 

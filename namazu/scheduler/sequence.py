@@ -72,6 +72,7 @@ class Sequence:
     # Speculation: the worker holds drafts for this sequence; the engine plans how many to verify.
     num_next_drafts: int = 0         # drafts the worker proposed after this sequence's last step
     next_draft_ids: list[int] = field(default_factory=list)   # their ids (grammar sequences only)
+    grammar_cut: int = -1            # its grammar rejects that draft of them, and the block ends before it
     inflight_drafts: int = 0         # drafts the verify step in flight (async) is assumed to accept
     drafts_requested: bool = False   # the last step that sampled for it asked the worker to draft
 

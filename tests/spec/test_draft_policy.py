@@ -291,6 +291,46 @@ def test_the_engines_work_between_two_forwards_is_part_of_the_step(monkeypatch, 
     assert len(timed) >= 4 and min(timed) >= 50.0, sorted(timed)[:3]
 
 
+class ConstantProposer:
+    """Drafts one token, always: where a grammar never allows it, every block is cut before its first draft."""
+
+    on_device = True
+    hidden_layers = (0,)
+
+    def __init__(self, token: int):
+        self.token, self.calls = token, 0
+
+    def propose(self, inp, k):
+        import torch
+
+        from namazu.spec.proposer import Proposal
+
+        self.calls += 1
+        return Proposal(torch.full((inp.tokens.shape[0], k), self.token, dtype=torch.long, device=inp.tokens.device))
+
+
+def test_a_draft_the_grammar_cuts_counts_as_rejected_and_the_sequence_stops_drafting():
+    """A JSON-schema sequence whose every block the grammar cuts at its first draft verifies nothing, and
+    was timed as a plain step: the policy never learnt that its drafts fail, and the drafter ran at every
+    step of it. The cut draft counts as reached and rejected, so the policy stops drafting for it once its
+    bucket holds the evidence (probes aside). tests/MUTATIONS.md P30."""
+    from namazu.tokenizer import Tokenizer
+
+    token = Tokenizer.from_pretrained(tiny_checkpoint()).encode("Q")
+    assert len(token) == 1
+    schema = {"type": "array", "items": {"enum": [7]}, "minItems": 48, "maxItems": 48}
+    params = SamplingParams(temperature=0, max_tokens=200, json_schema=schema)
+    prop = ConstantProposer(token[0])
+    with LLM(tiny_checkpoint(), executor="inline", drafter=prop, num_speculative_tokens=3,
+             speculative_adaptive=True) as llm:
+        out = llm.generate(prompt_token_ids=prompts(1, lo=4, hi=10, seed=5), sampling_params=params, use_tqdm=False)
+        steps = len(out[0].outputs[0].token_ids)
+        reached = llm.engine.draft_policy.buckets[0].reached[0]
+    assert steps > 90
+    assert reached >= 16                      # the cut drafts were observed as verified and rejected
+    assert prop.calls < steps / 2, (prop.calls, steps)
+
+
 def test_sequences_due_a_probe_in_plain_steps_are_probed_together_once_every_probe_every_steps():
     # At batch 4 with probes due at staggered steps, one probe per sequence every 4 of its steps would draft
     # in most steps (the drafter runs for the whole batch); together they draft once in 4 plain steps.
