@@ -164,7 +164,7 @@ class DFlashProposer:
         sample = not inp.all_greedy and self.sample_drafts
         seeds = inp.seeds if inp.seeds is not None else torch.zeros_like(anchor)
         tree = draft_tree(tt, *tables, anchor, inp.temperature if sample else None, seeds, base,
-                          self.cfg.q_temperature_scale)
+                          self.cfg.q_temperature_scale, greedy_candidates=self.cfg.selector_k)
         self.draft_seconds += time.perf_counter() - t0
         return tree
 

@@ -211,11 +211,14 @@ class DraftTree(NamedTuple):
 
 def draft_tree(tt: TreeTensors, cand: torch.Tensor, first: torch.Tensor, pairs: torch.Tensor,
                anchor: torch.Tensor, temperature: torch.Tensor | None, seeds: torch.Tensor,
-               counters: torch.Tensor, scale: list[float] | None = None) -> DraftTree:
+               counters: torch.Tensor, scale: list[float] | None = None, greedy_candidates: int = 0) -> DraftTree:
     """Drafts each sequence's tree from the selector's tables (`DFlashDrafter.selector_tables`: cand
     [S, k, K], first [S, K], pairs [S, k-1, K, K], k >= the tree's depth). temperature [S] (None or 0 on a
     row: greedy, children the top-W by score); seeds [S] and counters [S] (the output index the first draft
-    takes) seed the draws; scale: the drafter's `q_temperature_scale` per position (None: 1)."""
+    takes) seed the draws; scale: the drafter's `q_temperature_scale` per position (None: 1);
+    `greedy_candidates`: greedy rows pick their top-W among the first this many candidates only (0: all). A
+    selector scores candidates beyond the K it was trained on noisily: at T = 0 the engine's trees over 64
+    accepted 3% less than over 32, where at T = 0.7 the extra candidates pay (bench/RESULTS.md, issue 30)."""
     topo = tt.topology
     s, k, kc = cand.shape
     depth, width, r = topo.depth, topo.width, len(topo.parents)
@@ -223,9 +226,14 @@ def draft_tree(tt: TreeTensors, cand: torch.Tensor, first: torch.Tensor, pairs: 
         raise ValueError(f"a tree of depth {depth} needs {depth} drafted positions, the block has {k}")
     if width > kc:
         raise ValueError(f"a tree of width {width} needs at least {width} candidates per position, there are {kc}")
+    if 0 < greedy_candidates < width:
+        raise ValueError(f"greedy rows of a tree of width {width} need at least {width} candidates, "
+                         f"not {greedy_candidates}")
     scale = scale or [1.0] * k
     dev = cand.device
     sampled = None if temperature is None else temperature > 0
+    # Greedy rows' keys: -inf past the first `greedy_candidates`, so their top-W stays among them.
+    beyond = torch.arange(kc, device=dev) >= greedy_candidates if 0 < greedy_candidates < kc else None
     noise = None
     if sampled is not None:
         # One Gumbel key per (node, candidate): the children of every node are drawn at once.
@@ -240,11 +248,11 @@ def draft_tree(tt: TreeTensors, cand: torch.Tensor, first: torch.Tensor, pairs: 
             rows = cand_index[:, lv.start:lv.end]                                # [S, P]
             scores = pairs[:, d - 1].gather(1, rows.unsqueeze(-1).expand(-1, -1, kc))
         child_ids[:, lv.start:lv.end] = cand[:, d].unsqueeze(1)
-        keys = scores
+        keys = scores if beyond is None else scores.masked_fill(beyond, float("-inf"))
         if sampled is not None:
             t = (temperature.float().clamp_min(1e-6) * scale[d]).view(s, 1, 1)
             child_q[:, lv.start:lv.end] = (scores / t).softmax(-1)
-            keys = torch.where(sampled.view(s, 1, 1), scores / t + noise[:, lv.nodes], scores)
+            keys = torch.where(sampled.view(s, 1, 1), scores / t + noise[:, lv.nodes], keys)
         else:
             child_q[:, lv.start:lv.end] = scores.softmax(-1)
         picks = keys.topk(width, dim=-1).indices                                 # [S, P, W]

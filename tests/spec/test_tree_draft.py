@@ -161,6 +161,17 @@ def test_a_tree_over_more_candidates_shares_the_selectors_own_candidates():
     assert torch.equal(big[0][..., :own], small[0])
     torch.testing.assert_close(big[1][:, :own], small[1])
     torch.testing.assert_close(big[2][:, :, :own, :own], small[2])
+    # Greedy rows keep to the selector's own K (beyond it its scores are untrained): the same tree as over
+    # K alone; sampled rows draw from all of them.
+    tt = TreeTopology.build(12, K, 3).tensors()
+    seeds, base = torch.arange(m), torch.zeros(m, dtype=torch.long)
+    temperature = torch.tensor([0.0, 1.0] * (m // 2))
+    want = draft_tree(tt, *small, anchor, temperature, seeds, base)
+    got = draft_tree(tt, *big, anchor, temperature, seeds, base, greedy_candidates=own)
+    greedy = temperature == 0
+    assert torch.equal(got.tokens[greedy], want.tokens[greedy])
+    loose = draft_tree(tt, *big, anchor, temperature, seeds, base)
+    assert int(got.cand_index[greedy].max()) < own <= int(loose.cand_index[greedy].max())
 
 
 class TreeCandidatesProposer(DFlashProposer):
@@ -179,7 +190,8 @@ class TreeCandidatesProposer(DFlashProposer):
 @pytest.mark.parametrize("candidates", [0, 18])
 def test_the_engines_trees_draw_from_speculative_tree_candidates(candidates):
     """`speculative_tree_candidates` reaches the drafter: the stored trees span that many candidates per
-    node (0: the selector's own K), and at T = 1 some children are candidates beyond the selector's K."""
+    node (0: the selector's own K), at T = 1 some children are candidates beyond the selector's K, and at
+    T = 0 none are."""
     from engine_helpers import prompts
 
     from namazu import LLM, SamplingParams
@@ -191,8 +203,13 @@ def test_the_engines_trees_draw_from_speculative_tree_candidates(candidates):
     with LLM(tiny_checkpoint(), executor="inline", drafter=prop, num_speculative_tokens=K, speculative_tree_budget=12,
              speculative_tree_candidates=candidates, speculative_disable_batch_size=0) as llm:
         llm.generate(prompt_token_ids=prompts(4, lo=5, hi=9, seed=3), sampling_params=params, use_tqdm=False)
-    assert prop.trees
+        sampled, prop.trees = prop.trees, []
+        greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        llm.generate(prompt_token_ids=prompts(4, lo=5, hi=9, seed=3), sampling_params=greedy, use_tqdm=False)
+    assert sampled and prop.trees
     want = candidates or own
-    assert all(tree.child_ids.shape[-1] == want for tree in prop.trees)
-    beyond = max(int(tree.cand_index[:, 1:].max()) for tree in prop.trees)
+    assert all(tree.child_ids.shape[-1] == want for tree in sampled + prop.trees)
+    beyond = max(int(tree.cand_index[:, 1:].max()) for tree in sampled)
     assert (beyond >= own) == (want > own)
+    # Greedy rows pick among the selector's own K only.
+    assert max(int(tree.cand_index[:, 1:].max()) for tree in prop.trees) < own
