@@ -75,7 +75,7 @@ def _one(llm, b: int, prompts: list[list[int]], output_len: int) -> tuple[dict, 
             forward.append(time.perf_counter() - t0)
             return out
         graphs.launch = timed
-    llm.engine.executor.start_profile()
+    llm.engine.start_profile()
     t = time.perf_counter()
     try:
         outs = llm.generate(prompt_token_ids=prompts[:b], sampling_params=params, use_tqdm=False)
@@ -85,7 +85,7 @@ def _one(llm, b: int, prompts: list[list[int]], output_len: int) -> tuple[dict, 
         if runner is not None:
             del runner.execute
     wall = time.perf_counter() - t
-    steps = llm.engine.executor.stop_profile()
+    steps = llm.engine.stop_profile()
     # Decode / verify steps only (every sequence computes its last token and drafts).
     dec = [i for i, s in enumerate(steps) if s.num_tokens % b == 0 and s.num_tokens <= b * 4 and i > 0]
     cyc = [steps[i + 1].arrive - steps[i].arrive for i in dec if i + 1 < len(steps)]

@@ -29,14 +29,14 @@ def main() -> None:
     mib = 2 ** 20
     with LLM(args.model, executor="inline", dtype=args.dtype, kv_cache_memory=args.kv_cache_memory) as llm:
         model = llm.engine.executor.worker.runner.model
-        full = llm.engine.executor.collective_rpc(Worker.resident_memory)[0]["weight_bytes"]
+        full = llm.engine.collective_rpc(Worker.resident_memory)[0]["weight_bytes"]
         replicated = _replicated_bytes(model)
     expected = replicated + (full - replicated) / args.tp
     print(f"weights at TP=1: {full / mib:.2f} MiB ({replicated / mib:.2f} MiB replicated under TP)")
     print(f"expected per rank at TP={args.tp}: {expected / mib:.2f} MiB")
     for tp in (1, args.tp):
         with LLM(args.model, tensor_parallel_size=tp, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory) as llm:
-            for r in llm.engine.executor.collective_rpc(Worker.resident_memory):
+            for r in llm.engine.collective_rpc(Worker.resident_memory):
                 print(f"TP={tp} rank {r['rank']}: weights {r['weight_bytes'] / mib:.2f} MiB, "
                       f"KV cache {r['kv_cache_bytes'] / mib:.2f} MiB, RSS {r['rss_bytes'] / mib:.1f} MiB")
 

@@ -14,7 +14,9 @@ import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -205,6 +207,7 @@ class LLMEngine:
         self._structured: StructuredOutputs | None = None
         self.async_scheduling = config.async_scheduling
         self._in_flight: _Launched | None = None
+        self._stashed: list[RequestOutput] = []    # a step's outputs collected between two steps (`_settle`)
         self._finished_seq_ids: list[int] = []     # the workers forget these with the next batch
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
@@ -324,7 +327,7 @@ class LLMEngine:
         return outs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or self._in_flight is not None
+        return bool(self.requests) or self._in_flight is not None or bool(self._stashed)
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -334,14 +337,39 @@ class LLMEngine:
         and launches step N+1, then collects step N, so planning overlaps the forward."""
         self._entered_at = time.perf_counter()
         self._busy_since = self._entered_at if self._entered_at - self._returned_at > PAUSE_S else 0.0
+        stashed, self._stashed = self._stashed, []
         try:
             launched = self._launch()
             if self.async_scheduling:
                 previous, self._in_flight = self._in_flight, launched
-                return self._collect(previous) if previous is not None else []
-            return self._collect(launched) if launched is not None else []
+                return stashed + (self._collect(previous) if previous is not None else [])
+            return stashed + (self._collect(launched) if launched is not None else [])
         finally:
             self._returned_at = time.perf_counter()
+
+    def _settle(self) -> list[RequestOutput]:
+        """Collects the step in flight (async scheduling leaves one launched when `LLM.generate` returns)
+        so that the workers answer the next message, not that step; returns its outputs."""
+        if self._in_flight is None:
+            return []
+        launched, self._in_flight = self._in_flight, None
+        return self._collect(launched)
+
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`fn(worker, *args)` on every rank between two steps (fn picklable: a module-level function); the
+        answers in rank order. A step in flight is collected first and its outputs come with the next
+        `step()`: sent behind it, the call would have read that step's results as its answers."""
+        self._stashed.extend(self._settle())
+        return self.executor.collective_rpc(fn, *args)
+
+    def start_profile(self) -> None:
+        """Rank 0 records every step's timestamps until `stop_profile` (model_runner.StepTiming)."""
+        self._stashed.extend(self._settle())
+        self.executor.start_profile()
+
+    def stop_profile(self) -> list:
+        self._stashed.extend(self._settle())
+        return self.executor.stop_profile()
 
     def _num_drafts(self, seq: Sequence) -> int:
         """How many of the worker's drafts a sequence in decode may verify next."""
@@ -594,10 +622,7 @@ class LLMEngine:
         steps. Returns the outputs of the step that was in flight (collected first). Every running sequence
         is recomputed, so both caches are rebuilt from its tokens; a rank that cannot load the drafter leaves
         the old one serving (DrafterCheckpointError)."""
-        outputs: list[RequestOutput] = []
-        if self._in_flight is not None:
-            launched, self._in_flight = self._in_flight, None
-            outputs = self._collect(launched)
+        outputs = self._settle()
         t0 = time.perf_counter()
         errors = [e for e in self.executor.collective_rpc(stage_on_rank, new.path) if e]
         if errors:

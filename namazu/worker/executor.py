@@ -133,6 +133,11 @@ class InlineExecutor(Executor):
         return self.worker.execute_step(self._queued.pop(0))
 
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        # Between steps, as for worker processes: run before a queued step, fn would see the worker as it
+        # was before that step.
+        if self._queued:
+            raise RuntimeError(f"collective_rpc with {len(self._queued)} step(s) submitted and not collected: "
+                               "collect them first (LLMEngine.collective_rpc does)")
         return [fn(self.worker, *args)]
 
     def start_profile(self) -> None:
@@ -342,17 +347,26 @@ class MultiprocExecutor(Executor):
             self.ring.release_oldest()
         return self._wait_all()[0]
 
+    def _between_steps(self, what: str) -> None:
+        """The ranks answer in order: a message sent behind an uncollected step would read its results."""
+        if self._in_ring:
+            raise RuntimeError(f"{what} with {len(self._in_ring)} step(s) submitted and not collected: collect them "
+                               "first (LLMEngine.collective_rpc does)")
+
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """`fn(worker, *args)` on every rank (fn picklable: a module-level function); the local ranks'
-        answers in rank order."""
+        answers in rank order. Between steps only."""
+        self._between_steps("collective_rpc")
         self._send("rpc", fn, *args)
         return self._wait_all()
 
     def start_profile(self) -> None:
+        self._between_steps("start_profile")
         self._send("start_profile")
         self._wait_all()
 
     def stop_profile(self) -> list:
+        self._between_steps("stop_profile")
         self._send("stop_profile")
         return self._wait_all()[0]
 

@@ -69,7 +69,7 @@ class Worker:
 
     def resident_memory(self) -> dict[str, int]:
         """This rank's weight bytes (parameters and buffers, each tensor once), KV-cache bytes and resident
-        set size (Linux; 0 elsewhere): `executor.collective_rpc(Worker.resident_memory)`."""
+        set size (Linux; 0 elsewhere): `LLMEngine.collective_rpc(Worker.resident_memory)`."""
         model, cache = self.runner.model, self.runner.cache
         tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
         rss = 0

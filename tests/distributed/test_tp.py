@@ -99,11 +99,11 @@ def test_grammar_masks_apply_identically_on_every_rank(tp4, tp1):
     params = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=allowed, ignore_eos=True)
     prompts = _prompts(vocab, seed=1)[:12]
     want = _generate(tp1, prompts, params)
-    tp4.engine.executor.collective_rpc(tp_helpers.set_probe, False, True)
+    tp4.engine.collective_rpc(tp_helpers.set_probe, False, True)
     got = _generate(tp4, prompts, params)
     _assert_same(tp1, prompts, params, got, want)
     assert all(t in allowed for out in got for t in out)
-    logs = tp4.engine.executor.collective_rpc(tp_helpers.probe_log)
+    logs = tp4.engine.collective_rpc(tp_helpers.probe_log)
     assert logs[0] and all(log == logs[0] for log in logs)
 
 
@@ -135,7 +135,7 @@ def test_a_batch_is_encoded_once_for_all_ranks(tp4, monkeypatch):
 def test_ranks_commit_rank0s_decision_even_when_their_logits_differ(tp4, tp1):
     """Ranks > 0 add a large bonus to a rank-specific token. Without the broadcast each rank commits its
     own samples (and drafts verify differently); with it every rank commits rank 0's, which are TP=1's."""
-    ex = tp4.engine.executor
+    ex = tp4.engine
     prompts = _prompts(tp1.engine.model_config.vocab_size, seed=2)[:8]
     want = _generate(tp1, prompts, _greedy(8, spec=True))
 
@@ -159,8 +159,8 @@ def test_ranks_commit_rank0s_decision_even_when_their_logits_differ(tp4, tp1):
 
 
 def test_each_rank_holds_a_quarter_of_the_sharded_weights(tp4, tp1):
-    full = tp1.engine.executor.collective_rpc(worker_module.Worker.resident_memory)[0]["weight_bytes"]
-    ranks = tp4.engine.executor.collective_rpc(worker_module.Worker.resident_memory)
+    full = tp1.engine.collective_rpc(worker_module.Worker.resident_memory)[0]["weight_bytes"]
+    ranks = tp4.engine.collective_rpc(worker_module.Worker.resident_memory)
     model = tp1.engine.executor.worker.runner.model
     # Replicated by design: norms, the latent down-projections (q_a, kv_a), the router and its bias.
     replicated = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
@@ -215,7 +215,7 @@ def test_nvfp4_greedy_tp4_equals_tp1_with_and_without_speculation(nvfp4_ckpt):
         for spec in (False, True):
             got = _generate(tp4, prompts, _greedy(8, spec))
             assert_same_outputs(str(nvfp4_ckpt), prompts, _greedy(8, spec), got, want[spec])
-        logs = tp4.engine.executor.collective_rpc(tp_helpers.probe_log)
+        logs = tp4.engine.collective_rpc(tp_helpers.probe_log)
         assert all(log == logs[0] for log in logs)
 
 
@@ -227,7 +227,7 @@ def test_device_drafts_are_rank0s_under_async_scheduling(bf16_ckpt, tp1):
     with _tp_llm(bf16_ckpt, speculative_method=None, drafter=tp_helpers.RankDependentProposer(),
                  async_scheduling=True) as llm:
         got = _generate(llm, prompts, _greedy(8, spec=True))
-        logs = llm.engine.executor.collective_rpc(tp_helpers.probe_log)
+        logs = llm.engine.collective_rpc(tp_helpers.probe_log)
         stats = llm.engine.get_stats()
         procs = llm.engine.executor.procs
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]     # a clean shutdown

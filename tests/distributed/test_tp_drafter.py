@@ -64,7 +64,7 @@ def test_greedy_with_the_drafter_under_tp_equals_tp1(reference, budget):
     with _tp2(budget) as llm:
         got = _generate(llm, prompts)
         stats = llm.engine.get_stats()
-        logs = llm.engine.executor.collective_rpc(tp_helpers.probe_log)
+        logs = llm.engine.collective_rpc(tp_helpers.probe_log)
     assert_same_outputs(MODEL, prompts, GREEDY, got, want)
     assert stats.num_accepted_draft_tokens >= 20, stats.num_accepted_draft_tokens
     assert logs[0] == logs[1]
@@ -77,7 +77,7 @@ def test_ranks_commit_rank0s_tree_decision_and_path(reference):
     logits through its share of the attention)."""
     prompts, want = reference
     with _tp2(8) as llm:
-        ex = llm.engine.executor
+        ex = llm.engine
         ex.collective_rpc(tp_helpers.set_probe, True, False)
         _generate(llm, prompts[:3])
         logs = ex.collective_rpc(tp_helpers.probe_log)
@@ -94,7 +94,7 @@ def test_ranks_commit_rank0s_tree_decision_and_path(reference):
 def test_every_rank_verifies_rank0s_trees(reference):
     prompts, want = reference
     with _tp2(8) as llm:
-        llm.engine.executor.collective_rpc(tp_helpers.perturb_trees, True)
+        llm.engine.collective_rpc(tp_helpers.perturb_trees, True)
         got = _generate(llm, prompts)
         stats = llm.engine.get_stats()
     assert_same_outputs(MODEL, prompts, GREEDY, got, want)
@@ -116,7 +116,7 @@ def test_a_drafter_swap_under_tp_keeps_outputs(reference, tmp_path):
         rest = _generate(llm, prompts[2:])
         after = llm.engine.get_stats().num_accepted_draft_tokens
         swaps = llm.engine.get_stats().num_drafter_swaps
-        logs = llm.engine.executor.collective_rpc(tp_helpers.probe_log)
+        logs = llm.engine.collective_rpc(tp_helpers.probe_log)
     assert new_id != old_id and swaps == 1
     assert_same_outputs(MODEL, prompts, GREEDY, first + rest, want)
     assert after - before >= 10
@@ -136,7 +136,7 @@ def test_graph_mode_under_tp_with_the_drafter_equals_tp1(reference):
     with llm:
         got = _generate(llm, prompts[:3])
         stats = llm.engine.get_stats()
-        logs = llm.engine.executor.collective_rpc(tp_helpers.probe_log)
+        logs = llm.engine.collective_rpc(tp_helpers.probe_log)
     assert_same_outputs(MODEL, prompts[:3], GREEDY, got, want[:3])
     assert stats.num_accepted_draft_tokens >= 10
     assert logs[0] == logs[1]

@@ -171,3 +171,36 @@ def test_close_with_a_step_in_flight_collects_it_first(capfd):
     proc.join(timeout=30)
     assert proc.exitcode == 0
     assert "BrokenPipeError" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("executor", ["mp", "inline"])
+def test_a_collective_rpc_between_steps_answers_itself_not_the_step_in_flight(executor):
+    """With async scheduling a step is in flight after the first `step()`. Sent behind it, an RPC read that
+    step's results as its answers (worker processes answer in order), and the next collect read the RPC's.
+    `LLMEngine.collective_rpc` collects the step first and hands its outputs to the next `step()`; the
+    executor refuses an RPC behind an uncollected step."""
+    from namazu.worker.rank import Worker
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    batch = prompts(3, 5, 9, seed=4)
+    with LLM(tiny_checkpoint(), executor=executor, async_scheduling=False) as ref:
+        want = [o.outputs[0].token_ids for o in ref.generate(prompt_token_ids=batch, sampling_params=params,
+                                                             use_tqdm=False)]
+    engine = LLMEngine(EngineConfig(model=tiny_checkpoint(), executor=executor, async_scheduling=True))
+    try:
+        for i, p in enumerate(batch):
+            engine.add_request(f"r{i}", None, params, prompt_token_ids=p)
+        assert engine.step() == [] and engine._in_flight is not None
+        with pytest.raises(RuntimeError, match="not collected"):
+            engine.executor.collective_rpc(Worker.resident_memory)
+        answers = engine.collective_rpc(Worker.resident_memory)
+        assert len(answers) == 1 and answers[0]["weight_bytes"] > 0
+        assert engine._in_flight is None and engine.has_unfinished_requests()
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        assert [done[f"r{i}"] for i in range(len(batch))] == [list(w) for w in want]
+    finally:
+        engine.close()
