@@ -8,7 +8,8 @@
 
 Setups, one inline engine each, kept for the whole run: off (no speculation); chain (the model's shipped DFlash2
 drafter named by flags, so it drafts at every batch size, --k drafts: its block size - 1); tree@N for each
-budget (the same drafter and depth, a tree of N draft nodes, width up to 4). Each round runs every generate
+budget (the same drafter and depth, a tree of N draft nodes, width up to 8; tree@N:K with several
+--tree-candidates). Each round runs every generate
 call on every setup in turn, the order rotating, so that a shared machine's load falls on all alike; a first
 round is run and not counted. Per setup, batch size and temperature (median over rounds): decode tokens/s
 (the tokens after each prompt's first over the wall time from the batch's last first token to its end: the
@@ -60,7 +61,10 @@ def _engines(args) -> dict[str, object]:
 
     drafter = str(default_model_path() / SHIPPED_DRAFTER_DIR)
     setups = {"off": dict(num_speculative_tokens=0), "chain": dict(speculative_tree_budget=0)}
-    setups.update({f"tree@{n}": dict(speculative_tree_budget=n) for n in args.budgets})
+    many = len(args.tree_candidates) > 1
+    setups.update({f"tree@{n}" + (f":{c}" if many else ""):
+                   dict(speculative_tree_budget=n, speculative_tree_candidates=c)
+                   for n in args.budgets for c in args.tree_candidates})
     llms = {}
     for mode in args.modes:
         for name, kw in setups.items():
@@ -169,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                          "settings (not the traffic prompts)")
     ap.add_argument("--keep-seeds", action="store_true", help="--requests with their own seeds (exact-match rule)")
     ap.add_argument("--tree-candidates", type=int, nargs="+", default=[64],
-                    help="--speculative-tree-candidates of each tree (0: the drafter's selector_k)")
+                    help="--speculative-tree-candidates of each tree (0: the drafter's selector_k); with several, a "
+                         "tree setup per budget and count (tree@N:K)")
     args = ap.parse_args(argv)
 
     from namazu import SamplingParams
