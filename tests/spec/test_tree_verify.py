@@ -78,7 +78,10 @@ def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> tuple[bool, str]:
 
 
 TREES = {"chain": TreeTopology.chain(3), "w2": TreeTopology.build(8, 3, 2), "w4": TreeTopology.build(12, 3, 4),
-         "w4-flat": TreeTopology((-1, 0, 0, 0, 0, 1, 1, 1, 1))}
+         "w4-flat": TreeTopology((-1, 0, 0, 0, 0, 1, 1, 1, 1)),
+         # As wide as the candidates (trees are up to 8 wide): a node can draft every candidate, and after all
+         # are rejected the residual lies on the two tokens never drafted.
+         "w6": TreeTopology.build(30, 3, 6)}
 SETTINGS = {"plain": {}, "top-p": {"top_p": 0.8}, "grammar": {"banned": (1, 4)}}
 
 
