@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from namazu.distributed.group import broadcast
 from namazu.spec.proposer import Proposal
@@ -62,7 +63,8 @@ def share_device_proposal(proposal: Proposal, size: int) -> Proposal:
     if sparse:
         shared_support = packed[:, k + 1:].view(s, k, -1).to(support.dtype)
         values = broadcast(probs.gather(-1, support.long()).contiguous(), size)
-        probs = torch.zeros_like(probs).scatter_(-1, shared_support.long(), values)
+        if dist.get_rank() != 0:        # rank 0's own q is what the others rebuild
+            probs = torch.zeros_like(probs).scatter_(-1, shared_support.long(), values)
     elif isinstance(probs, torch.Tensor):
         probs = broadcast(probs.contiguous(), size)
     return dataclasses.replace(proposal, ids=packed[:, :k].to(ids.dtype), counts=packed[:, k], probs=probs,

@@ -225,7 +225,7 @@ class LLMEngine:
         # When the last step() call returned and this one began: a step launched before a pause of the caller
         # (LLM.generate returned with the next step in flight; a server with no requests) and collected after
         # it would be timed across the pause.
-        self._returned_at = self._entered_at = self._busy_since = 0.0
+        self._returned_at = self._entered_at = 0.0
         info = self.worker_info
         logger.info("engine ready: %s, %d KV blocks x %d, max_model_len %d, device %s, dtype %s%s",
                     self.model_path, self.num_kv_blocks, config.block_size, self.max_model_len, info.device,
@@ -336,7 +336,6 @@ class LLMEngine:
         With async scheduling the step launched here is collected by the next call: this call plans
         and launches step N+1, then collects step N, so planning overlaps the forward."""
         self._entered_at = time.perf_counter()
-        self._busy_since = self._entered_at if self._entered_at - self._returned_at > PAUSE_S else 0.0
         stashed, self._stashed = self._stashed, []
         try:
             launched = self._launch()
@@ -424,8 +423,9 @@ class LLMEngine:
         # A sequence computing more than one new token is prefilling (a prompt chunk, or a recompute after
         # preemption); a decode computes one, and its drafts are verify rows, priced into the decode step.
         prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
+        busy_since = self._entered_at if self._entered_at - self._returned_at > PAUSE_S else 0.0
         return _Launched(plan.scheduled, samplers, prompt_lp_items, batch.prompt_lp.num,
-                         self.drafter is not None and speculate, time.perf_counter(), self._busy_since, prefill,
+                         self.drafter is not None and speculate, time.perf_counter(), busy_since, prefill,
                          self._draft_plan)
 
     def _drafting_pays(self, scheduled: list[ScheduledSeq]) -> bool:

@@ -146,7 +146,7 @@ class DFlashProposer:
         # Where the block ends depends on the drafter's own values only, never on the target's: the
         # verify stays lossless whatever the threshold.
         counts = draft_counts(walk.confidence, self.min_confidence) if self.min_confidence > 0 else None
-        return Proposal(walk.ids, counts=counts, probs=walk.q, support=walk.support if walk.q is not None else None)
+        return Proposal(walk.ids, counts=counts, probs=walk.q, support=walk.support)
 
     def propose_tree(self, inp: ProposerInput, tt: TreeTensors) -> DraftTree:
         """Each sampling sequence's draft tree in topology `tt` (`spec/tree.py`), rooted at its bonus token:

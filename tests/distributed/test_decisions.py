@@ -54,10 +54,11 @@ def _share(tmp_path, sparse: bool) -> list[dict]:
 def test_every_rank_gets_rank0s_drafts_and_q_from_the_candidates_values_only(tmp_path):
     ref = _proposal(0)
     got = _share(tmp_path, sparse=True)
+    # Exact on any machine: the broadcast copies integers and values, never sums them, and `_proposal` runs
+    # the same ops on the same shapes in every process.
     for r in got:
         assert torch.equal(r["ids"], ref.ids) and torch.equal(r["counts"], ref.counts)
         assert torch.equal(r["support"], ref.support)
-        # Exact on any machine: the values are copied, never summed.
         assert torch.equal(r["probs"], ref.probs)
     dense = _share(tmp_path, sparse=False)
     assert all(torch.equal(r["probs"], ref.probs) for r in dense)

@@ -158,15 +158,17 @@ def test_a_tree_over_more_candidates_shares_the_selectors_own_candidates():
     small = model.selector_tables(anchor, h, logits, K)
     big = model.selector_tables(anchor, h, logits, K, 3 * own)
     assert small[0].shape[-1] == own and big[0].shape[-1] == 3 * own
-    assert torch.equal(big[0][..., :own], small[0])
+    assert torch.equal(big[0][..., :own], small[0])     # token ids: topk of the same distinct logits
     torch.testing.assert_close(big[1][:, :own], small[1])
     torch.testing.assert_close(big[2][:, :, :own, :own], small[2])
     # Greedy rows keep to the selector's own K (beyond it its scores are untrained): the same tree as over
-    # K alone; sampled rows draw from all of them.
+    # the first K of the same tables (slices of the same scores: exact on any machine; the tables computed
+    # over K alone come from GEMMs of another shape); sampled rows draw from all of them.
     tt = TreeTopology.build(12, K, 3).tensors()
     seeds, base = torch.arange(m), torch.zeros(m, dtype=torch.long)
     temperature = torch.tensor([0.0, 1.0] * (m // 2))
-    want = draft_tree(tt, *small, anchor, temperature, seeds, base)
+    first_k = (big[0][..., :own], big[1][:, :own], big[2][:, :, :own, :own])
+    want = draft_tree(tt, *first_k, anchor, temperature, seeds, base)
     got = draft_tree(tt, *big, anchor, temperature, seeds, base, greedy_candidates=own)
     greedy = temperature == 0
     assert torch.equal(got.tokens[greedy], want.tokens[greedy])
