@@ -400,6 +400,13 @@ class LLMEngine:
         plan = self.scheduler.schedule(self._num_drafts if self.num_speculative_tokens else None)
         if plan.is_empty:
             return None
+        if self.draft_policy is not None and plan.speculate:
+            admitted = [(it.seq.seq_id, it.seq.params.temperature) for it in plan.scheduled
+                        if it.samples and it.seq.seq_id not in self._draft_plan]
+            if admitted:
+                others = [it for it in plan.scheduled if it.samples and it.seq.seq_id in self._draft_plan]
+                others_draft = not others or any(self._draft_plan[it.seq.seq_id] > 0 for it in others)
+                self._draft_plan = {**self._draft_plan, **self.draft_policy.plan_admitted(admitted, others_draft)}
         batch, samplers, prompt_lp_items = build_step_batch(plan.scheduled, self.vocab_size, self._finished_seq_ids)
         self._finished_seq_ids = []
         if self.shadow is not None:
@@ -663,7 +670,7 @@ class LLMEngine:
         if getattr(self, "_in_flight", None) is not None and executor.failure() is None:
             self._in_flight = None
             try:
-                executor.collect()
+                executor.discard()
             except Exception:       # noqa: BLE001 -- closing either way
                 logger.warning("discarding the in-flight step at close", exc_info=True)
         executor.close()

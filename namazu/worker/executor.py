@@ -75,6 +75,11 @@ class Executor(abc.ABC):
         self.submit(batch)
         return self.collect()
 
+    def discard(self) -> None:
+        """Drops the step submitted and not collected, at close: worker processes are running it and would
+        answer into closed pipes, so it is collected and its result dropped."""
+        self.collect()
+
     @abc.abstractmethod
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """`fn(worker, *args)` on every rank; the answers in rank order."""
@@ -131,6 +136,11 @@ class InlineExecutor(Executor):
 
     def collect(self) -> StepResult:
         return self.worker.execute_step(self._queued.pop(0))
+
+    def discard(self) -> None:
+        # Not run yet: nothing to wait for. Running it would compute a step only to drop it, and at interpreter
+        # exit (`LLM.__del__`) with torch half torn down, it raised and printed a traceback.
+        self._queued.clear()
 
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         # Between steps, as for worker processes: run before a queued step, fn would see the worker as it

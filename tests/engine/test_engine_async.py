@@ -173,6 +173,30 @@ def test_close_with_a_step_in_flight_collects_it_first(capfd):
     assert "BrokenPipeError" not in capfd.readouterr().err
 
 
+def test_an_inline_engine_left_open_with_a_step_in_flight_exits_quietly(tmp_path):
+    """`LLM.generate` returns with the next step launched; an inline engine never closed is closed by
+    `LLM.__del__` at interpreter exit, with torch half torn down. Its in-flight step has not run (an inline
+    step runs when collected): close drops it. Running it there raised, and printed a traceback after every
+    script that did not close its LLM."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "left_open.py"
+    script.write_text(
+        "from namazu import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_checkpoint())!r}, executor='inline')\n"
+        "p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)\n"
+        "ids = llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=p, use_tqdm=False)[0].outputs[0].token_ids\n"
+        "# a stop token the host sees only after the next step is launched\n"
+        "p = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[ids[3]])\n"
+        "out = llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=p, use_tqdm=False)\n"
+        "assert llm.engine._in_flight is not None\n"
+        "print('generated', len(out[0].outputs[0].token_ids))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "generated" in proc.stdout, proc.stderr
+    assert "Traceback" not in proc.stderr and "discarding" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("executor", ["mp", "inline"])
 def test_a_collective_rpc_between_steps_answers_itself_not_the_step_in_flight(executor):
     """With async scheduling a step is in flight after the first `step()`. Sent behind it, an RPC read that

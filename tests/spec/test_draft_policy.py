@@ -535,3 +535,56 @@ def test_a_probes_block_does_not_calibrate_the_plan():
         p.observe_verify(sid, 0.8, verified=6, accepted=0)
         p.forget(sid)
     assert all(c.blocks == 0 for c in p.calibration)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_new_request_verifies_drafts_at_its_first_decode_step(adaptive):
+    """The step that prefills a new request drafts after it, so its first decode step verifies, as when always
+    drafting. The plan ran before the schedule admitted the request; planned only at its first decode step,
+    that step was a plain step that drafted, and every request took a step more (graph mode, batch 1, answers
+    of about 25 tokens: the default decoded at 0.86x of always drafting)."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(tiny_checkpoint(), executor="inline", drafter=make_proposer(), num_speculative_tokens=3,
+             speculative_adaptive=adaptive) as llm:
+        eng = llm.engine
+        # Two requests: by the third, the policy has measured drafted steps and no plain one, and runs two
+        # plain steps to measure them (`plain_probe_due`), the prefill step among them.
+        for i, ids in enumerate(prompts(2, lo=4, hi=10, seed=5)):
+            before = eng.get_stats().num_draft_tokens
+            eng.add_request(f"r{i}", None, params, prompt_token_ids=ids, stream=True)
+            made = 0
+            while made < 2:                   # the prefill's token, then the first decode step's
+                for out in eng.step():
+                    made = len(out.outputs[0].token_ids)
+            assert eng.get_stats().num_draft_tokens - before == 3, i
+            eng.abort_request([f"r{i}"])
+            while eng.has_unfinished_requests():
+                eng.step()
+
+
+def test_a_new_sequence_admitted_after_the_plan_is_probed_unless_the_step_drafts_for_no_one_else():
+    p = DraftPolicy(max_tokens_per_step=7)
+    assert p.plan_admitted([(1, 0.0)], others_draft=True) == {1: 6}
+    assert p.seqs[1].forced and p.seqs[1].probe       # a probe: not a choice, and again at its next plan
+    assert p.plan([(1, 0.0)]) == {1: 6}
+    assert p.plan_admitted([(2, 0.0)], others_draft=False) == {2: 0}
+    p = DraftPolicy(max_tokens_per_step=7, draft_sampled=False)
+    assert p.plan_admitted([(3, 0.7)], others_draft=True) == {3: 0}      # never drafts: no probe either
+
+
+def test_blocks_planned_before_the_bucket_settles_do_not_calibrate_the_plan():
+    """A bucket starts optimistic (every draft accepted), so its first blocks expect more than any drafter
+    gets; that is the prior, not the choice's bias, and the calibration learns only from blocks planned once
+    the bucket holds `min_evidence` verifies (at T = 0, the 16 early blocks had set the factor to 0.58 and a
+    sequence whose own estimate was right went plain: 49 steps where drafting took 24)."""
+    p = DraftPolicy(max_tokens_per_step=7, padded_rows=True)
+    _measured(p, plain_ms=2.0, fixed_ms=4.0, row_ms=0.0, rows=(6,))
+    cal = p.calibration[0]
+    for _ in range(15):
+        assert p.plan([(1, 0.0)]) == {1: 6}
+        p.observe_verify(1, 0.0, verified=6, accepted=2)
+    assert cal.blocks == 0
+    for _ in range(20):
+        if p.plan([(1, 0.0)])[1]:
+            p.observe_verify(1, 0.0, verified=6, accepted=2)
+    assert cal.blocks > 0 and 0.9 < cal.factor <= 1.0      # E from its own counts: about what it gets
