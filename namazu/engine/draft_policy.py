@@ -41,20 +41,19 @@ a compiled step's rows are most of it), the dtype, the batch size and the machin
   0.8 ms per row from noise between blocks of 3 to 5 drafts, priced a full block at 8.4 ms against the 6.8
   it cost, and kept the default at 1.18x where full blocks decoded at 1.51x (bf16, batch 1).
 
-Each step the plan picks every sequence's k in 0..K to maximise the batch's tokens per second,
-sum E_s(k_s) / (A + C * sum k_s), against B / t_plain for a plain step (coordinate ascent: K and B are
-small). Drafting starts only where it wins by `margin` and stops where it no longer wins at all, so the
-choice does not flap on noise, and it does not stop before every running sequence's temperature bucket holds
-`min_evidence` verifies: a first answer's first few blocks (0.75 and 0.42 accepted at the first two
-positions where the bucket later settled at 0.9) turned a T=0 batch-1 engine off until its probe, 30 steps
-later, in every fresh process. A new sequence is probed with a full block from the step that prefills it (`plan_admitted`), and one
-planned at 0 again after `probe_every` of its steps; where no one drafts, the sequences due wait for the
-others due, at most once every `probe_every` steps, unless every sequence of the step is due (at batch 1
-a new request: one or two drafted steps a request, two where async scheduling plans the next step before
-the verify is seen; what an all-hard stream pays). A probe's block is not a choice
-to draft: what it measured must win by `margin` for drafting to start. Every `probe_every` drafted steps
-two steps run plain (the second a plain decode) so that both costs stay measured. With no sequence
-drafting the step runs plain and the drafter does not run.
+Each step the plan picks every sequence's k in 0..K to maximise the batch's tokens per second, sum E_s(k_s) /
+(A + C * sum k_s), against B / t_plain for a plain step (coordinate ascent: K and B are small). Drafting
+starts only where it wins by `margin` and stops where it no longer wins at all, so the choice does not flap on
+noise, and it does not stop before every running sequence's temperature bucket holds `min_evidence` verifies:
+a first answer's first few blocks (0.75 and 0.42 accepted at the first two positions where the bucket later
+settled at 0.9) turned a T=0 batch-1 engine off until its probe, 30 steps later, in every fresh process. A new
+sequence is probed with a full block from the step that prefills it (`plan_admitted`), and one planned at 0
+again after `probe_every` of its steps; where no one drafts, the sequences due wait for the others due, at
+most once every `probe_every` steps, unless every sequence of the step is due (at batch 1 a new request: one
+or two drafted steps a request, two where async scheduling plans the next step before the verify is seen; what
+an all-hard stream pays). A probe's block is not a choice to draft: what it measured must win by `margin` for
+drafting to start. Every `probe_every` drafted steps two steps run plain (the second a plain decode) so that
+both costs stay measured. With no sequence drafting the step runs plain and the drafter does not run.
 
 `--speculative-adaptive` turns it on or off; the default is on for the drafter the model ships (the
 default setup must never be a loss) and off for a drafter the caller names (explicit users keep the
