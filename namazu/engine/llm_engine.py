@@ -341,6 +341,12 @@ class LLMEngine:
             launched = self._launch()
             if self.async_scheduling:
                 previous, self._in_flight = self._in_flight, launched
+                if previous is not None and all(item.seq.is_finished for item in previous.scheduled):
+                    # Launched before the host saw its sequences stop (or were aborted): nothing of it is
+                    # kept. An in-process worker drops it unrun; worker processes are waited for.
+                    self.executor.discard()
+                    self._collected_at = time.perf_counter()
+                    return stashed
                 return stashed + (self._collect(previous) if previous is not None else [])
             return stashed + (self._collect(launched) if launched is not None else [])
         finally:

@@ -76,8 +76,9 @@ class Executor(abc.ABC):
         return self.collect()
 
     def discard(self) -> None:
-        """Drops the step submitted and not collected, at close: worker processes are running it and would
-        answer into closed pipes, so it is collected and its result dropped."""
+        """Drops the oldest step submitted and not collected (at close, or one whose sequences all finished
+        before it was collected): worker processes are running it and would answer into closed pipes or
+        out of turn, so it is collected and its result dropped."""
         self.collect()
 
     @abc.abstractmethod
@@ -138,9 +139,10 @@ class InlineExecutor(Executor):
         return self.worker.execute_step(self._queued.pop(0))
 
     def discard(self) -> None:
-        # Not run yet: nothing to wait for. Running it would compute a step only to drop it, and at interpreter
-        # exit (`LLM.__del__`) with torch half torn down, it raised and printed a traceback.
-        self._queued.clear()
+        # Not run yet: nothing to wait for. Running it would compute a whole step only to drop it (after every
+        # answer that ends at a stop token the host learns of after the next step is launched), and at
+        # interpreter exit (`LLM.__del__`), with torch half torn down, it raised and printed a traceback.
+        self.worker.skip_step(self._queued.pop(0))
 
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         # Between steps, as for worker processes: run before a queued step, fn would see the worker as it

@@ -372,6 +372,14 @@ class ModelRunner:
                      1e3 * (t_end - t0))
         return result
 
+    def skip(self, b: StepBatch) -> None:
+        """A step dropped before it ran: its sequences had all finished. Only the finished sequences it names
+        are forgotten, as `execute` would first."""
+        self.spec.forget_finished(self.seqs, b.finished_seq_ids)
+        if self.shadow is not None:
+            self.shadow.forget(b.finished_seq_ids, self.seqs)
+        self.seqs.forget(b.finished_seq_ids)
+
     def _inputs(self, b: StepBatch, prep: PreparedStep) -> StepInputs:
         T, a = self._tensor, b.attn
         # A draft tree's step (`spec/tree_step.py`): its rows' rotary positions and in-block mask are its own,

@@ -67,6 +67,11 @@ class Worker:
         """A step as the engine sent it (`step_delta.py`: only what changed since the last step)."""
         return self.execute(self.decoder.decode(message))
 
+    def skip_step(self, message: bytes | bytearray) -> None:
+        """A step the engine dropped before it ran (`InlineExecutor.discard`): decoded, so that the wire
+        format's state follows the engine's, and the sequences it says finished forgotten; nothing runs."""
+        self.runner.skip(self.decoder.decode(message))
+
     def resident_memory(self) -> dict[str, int]:
         """This rank's weight bytes (parameters and buffers, each tensor once), KV-cache bytes and resident
         set size (Linux; 0 elsewhere): `LLMEngine.collective_rpc(Worker.resident_memory)`."""

@@ -198,6 +198,50 @@ def test_an_inline_engine_left_open_with_a_step_in_flight_exits_quietly(tmp_path
     assert "Traceback" not in proc.stderr and "discarding" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("executor", ["inline", "mp"])
+def test_a_step_launched_for_sequences_that_stopped_is_dropped_not_run(executor, monkeypatch):
+    """With async scheduling `LLM.generate` returns with a step launched for a sequence whose stop token the
+    host saw only after launching it. The next call's first `step()` dropped nothing: an in-process worker
+    ran that whole step (a verify and a draft at batch 1) before the next request's prefill, only to discard
+    its result. Now it is dropped unrun (in-process) or waited for (worker processes), and the requests after
+    it get the tokens they get without async scheduling."""
+    from dflash_fixtures import random_drafter
+
+    from namazu.worker.model_runner import ModelRunner
+
+    ps = prompts(3, lo=4, hi=9, seed=11)
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs, outs, drafts = {}, {}, {}
+    calls = []
+    execute = ModelRunner.execute
+    monkeypatch.setattr(ModelRunner, "execute", lambda self, b: calls.append(1) or execute(self, b))
+    for async_scheduling in (False, True):
+        with LLM(tiny_checkpoint(), executor=executor, async_scheduling=async_scheduling,
+                 speculative_model=random_drafter(tiny_checkpoint()), num_speculative_tokens=3) as llm:
+            free_ids = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=free,
+                                                                       use_tqdm=False)]
+            before = len(calls)
+            got = []
+            # One request, then two that stop a step apart (the step dropped after the second carries the
+            # news of the first), then one again.
+            for group, at in (([0], [5]), ([1, 2], [3, 4]), ([0], [4])):
+                params = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free_ids[i][j]])
+                          for i, j in zip(group, at)]
+                res = llm.generate(prompt_token_ids=[ps[i] for i in group], sampling_params=params, use_tqdm=False)
+                got.append([o.outputs[0].token_ids for o in res])
+                if async_scheduling:
+                    assert llm.engine._in_flight is not None     # launched before the stop was seen
+            runs[async_scheduling] = len(calls) - before
+            outs[async_scheduling] = got
+            if executor == "inline":     # a dropped step's finished sequences are forgotten all the same
+                assert len(llm.engine.executor.worker.runner.seqs.seqs) <= 1      # the last one's news is queued
+            drafts[async_scheduling] = llm.engine.get_stats().num_draft_tokens
+    assert outs[True] == outs[False]
+    assert drafts[True] > 0
+    if executor == "inline":            # worker processes run their steps where `calls` does not see them
+        assert runs[True] == runs[False], runs
+
+
 @pytest.mark.parametrize("executor", ["mp", "inline"])
 def test_a_collective_rpc_between_steps_answers_itself_not_the_step_in_flight(executor):
     """With async scheduling a step is in flight after the first `step()`. Sent behind it, an RPC read that
