@@ -14,17 +14,18 @@ every setup in turn (the order rotating), so that a shared machine's load falls 
 first round at every batch size is run and not counted (graph mode
 compiles its ladder entries there).
 Per setup and batch (median over rounds): drafter ms per step (`drafter_seconds` / steps: extending the
-context cache and drafting), engine ms per step, CPU ms per step (this process's CPU time: with --threads 1
-it moves much less than the wall clock with other processes' load, so "vs off (CPU)", output tokens per
-CPU second against off's, is the ratio to compare on a shared machine), output tokens/s, decode tokens/s
-(the tokens after each prompt's first, over the wall time from the batch's last first token to its end:
-the phase drafting speeds up, without the prefills it does not touch), mean acceptance
-length, verify rows per verify step (1 + drafts verified) and drafts proposed per drafted sequence; then off / on /
-auto side by side with their ratios, and the largest batch at which drafting paid (the break-even that
-`namazu/spec/selection.py` takes as the auto threshold). Greedy, answers end at EOS or --output-len
-(--ignore-eos: always --output-len; past EOS the target writes text no drafter was trained on, which
-understates acceptance), --groups generate calls per round on other prompts; prompts are held-out
-captured prompts (--requests) or, by default, 64 held-out chat requests of the drafter's traffic mix
+context cache and drafting), engine ms per step, CPU ms per step (this process's CPU time: with --threads 1 it
+moves much less than the wall clock with other processes' load, so "vs off (CPU)", output tokens per CPU
+second against off's, is the ratio to compare on a shared machine), output tokens/s, decode tokens/s (the
+tokens after each prompt's first, over the wall time from the batch's last first token to its end: the phase
+drafting speeds up, without the prefills it does not touch), output tokens per engine step (every step,
+prefills and plain steps included: what the draft policy's choices cost in steps, a count the machine's load
+does not move), mean acceptance length, verify rows per verify step (1 + drafts verified) and drafts proposed
+per drafted sequence; then off / on / auto side by side with their ratios, and the largest batch at which
+drafting paid (the break-even that `namazu/spec/selection.py` takes as the auto threshold). Greedy, answers
+end at EOS or --output-len (--ignore-eos: always --output-len; past EOS the target writes text no drafter was
+trained on, which understates acceptance), --groups generate calls per round on other prompts; prompts are
+held-out captured prompts (--requests) or, by default, 64 held-out chat requests of the drafter's traffic mix
 (`namazu.spec.training.traffic`, valid split) through the default model's chat template.
 """
 from __future__ import annotations
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.setdefault((name, bsz), []).append({
                     "drafter_ms": 1e3 * (s1.drafter_seconds - s0.drafter_seconds) / max(1, steps),
                     "step_ms": 1e3 * wall[name] / max(1, steps), "tok_s": tokens[name] / wall[name],
+                    "tok_step": tokens[name] / max(1, steps),
                     "cpu_ms": 1e3 * cpu[name] / max(1, steps), "tok_cpu_s": tokens[name] / cpu[name],
                     "dec_tok_s": decode_tokens[name] / max(1e-9, decode_wall[name]),
                     "tau": mean_acceptance_length(hist.tolist()),
@@ -223,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"T = {args.temperature:g}, unseeded: answers differ across setups (same distribution)")
     print("| setup | batch | drafter ms/step | engine ms/step | CPU ms/step | output tok/s | vs off | vs off (CPU) "
-          "| decode tok/s | decode vs off | mean acceptance length | verify rows per verify step | drafts per block |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| decode tok/s | decode vs off | tokens per step | mean acceptance length | verify rows per verify step "
+          "| drafts per block |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for bsz in args.batch:
         for name, _, mode in setups:
             off_name = f"{mode}/off" if len(variants) > 1 else "off"
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                     else "- | - | -")
             print(f"| {name} | {bsz} | {med('drafter_ms'):.2f} | {med('step_ms'):.2f} | {med('cpu_ms'):.2f} | "
                   f"{med('tok_s'):.1f} | {med('tok_s') / off:.2f}x | {med('tok_cpu_s') / off_cpu:.2f}x | "
-                  f"{med('dec_tok_s'):.1f} | {med('dec_tok_s') / off_dec:.2f}x | {spec} |")
+                  f"{med('dec_tok_s'):.1f} | {med('dec_tok_s') / off_dec:.2f}x | {med('tok_step'):.2f} | {spec} |")
     side_by_side(rows, setups, args.batch, list(variants))
     if len(args.dtype) > 1:
         across_dtypes(rows, setups, args.batch, variants)
