@@ -348,7 +348,11 @@ class ModelRunner:
                     self.spec.extend_context(b, fwd.hidden, fwd.captured, site)
                 if self.shadow is not None and site is not None:
                     self.shadow.extend_context(b, site.positions, site.slot_mapping, fwd.captured)
-                values = self._sample_and_verify(b, prep, inp, fwd, st, site) if len(b.attn.logit_rows) else {}
+                entry = self._prefill_tail_entry(b, inp) if site is not None else None
+                if entry is not None:
+                    values = self._prefill_tail(b, prep, inp, fwd, entry)
+                else:
+                    values = self._sample_and_verify(b, prep, inp, fwd, st, site) if len(b.attn.logit_rows) else {}
                 values.update(self._prompt_logprobs(b, inp, fwd))
             layout_out = result_layout(b)
             flat_i, flat_f = pack(layout_out, values, torch.cat, self._empty_i, self._empty_f)
@@ -463,15 +467,53 @@ class ModelRunner:
     def _drafted_tail(self, b: StepBatch, prep: PreparedStep, inp: StepInputs, fwd: Forward) -> dict[str, torch.Tensor]:
         """Sampling, acceptance and the drafter's next block in the entry's compiled tail; the draft buffer's
         gather (q) and write around it are the step's only other device ops."""
+        return self._tail_values(b, prep, inp, inp.entry, inp.width, fwd.all_logits, fwd.greedy, fwd.captured)
+
+    def _tail_values(self, b: StepBatch, prep: PreparedStep, inp: StepInputs, entry: GraphEntry, width: int,
+                     logits: torch.Tensor, greedy: torch.Tensor, captured: dict[int, torch.Tensor]
+                     ) -> dict[str, torch.Tensor]:
         sampled = not b.sampling.all_greedy
-        t = self.tails.inputs(b, inp.entry, prep.num_drafts, prep.slots, self.spec.drafts, inp.slot_index, sampled)
-        tokens, accepted, ids, counts, probs = self.tails.run(inp.entry, inp.width, fwd.all_logits, fwd.greedy,
-                                                              fwd.captured, t, sampled)
+        t = self.tails.inputs(b, entry, prep.num_drafts, prep.slots, self.spec.drafts, inp.slot_index, sampled)
+        tokens, accepted, ids, counts, probs = self.tails.run(entry, width, logits, greedy, captured, t, sampled)
         s, k = len(prep.slots), b.spec.max_drafts
         values = {"tokens": tokens[:s, :k + 1], "accepted": accepted[:s], "num_drafts": t.num_drafts[:s]}
         proposal = Proposal(ids[:s], counts=counts[:s], probs=probs[:s] if probs is not None else None)
         values.update(self.spec.store_proposal(proposal, inp.slot_index, b.spec.max_drafts_next))
         return values
+
+    def _prefill_tail_entry(self, b: StepBatch, inp: StepInputs) -> GraphEntry | None:
+        """The plain entry whose compiled tail drafts after this eager step, or None: graph mode, a step that
+        verifies nothing (prefills, a request's last prompt chunk sampling its first token) and drafts after
+        it, for every sequence the tail covers (greedy, no logprobs, penalties or trees, one rank)."""
+        if self.tails is None or inp.entry is not None or b.spec.max_drafts or not b.spec.max_drafts_next:
+            return None
+        if self.shadow is not None and self.shadow.wants(b):
+            return None
+        if b.attn.block_tables.shape[1] > self.graphs.max_width:
+            return None
+        entry = self.graphs.entry_for(len(b.attn.logit_rows), 1)
+        if entry is None or self.tails.eligible(b, entry, self.world_size) is not None:
+            return None
+        return entry
+
+    def _prefill_tail(self, b: StepBatch, prep: PreparedStep, inp: StepInputs, fwd: Forward,
+                      entry: GraphEntry) -> dict[str, torch.Tensor]:
+        """After an eager step that prefills, the sample and the next block from the plain entry's compiled tail
+        (as the step after a plain probe drafts), over the sampled rows loaded as that entry's decode rows: its
+        last prompt token, position, cache slot and block table per sequence. The drafter's context of the
+        whole chunk was written eagerly; the tail writes the last row's again, to the same values. Eagerly
+        the proposal cost about 2 ms of a request's first step at batch 1 (bf16), three compiled tails."""
+        a, rows = b.attn, b.attn.logit_rows
+        s, bp = len(rows), entry.bp
+        width = self.graphs.load(entry, np.arange(s), a.input_ids[rows], a.positions[rows],
+                                 prep.slot_mapping[rows], a.block_tables[b.spec.batch_index])
+        logits = fwd.hidden.new_zeros((bp, self.model_config.vocab_size), dtype=torch.float32)
+        logits[:s] = self.model.compute_logits(fwd.hidden[inp.logit_rows])
+        captured = {}
+        for i, h in fwd.captured.items():
+            captured[i] = h.new_zeros((bp, h.shape[-1]))
+            captured[i][:s] = h[inp.logit_rows]
+        return self._tail_values(b, prep, inp, entry, width, logits, logits.argmax(dim=-1), captured)
 
     def _draft_site(self, b: StepBatch, inp: StepInputs) -> DraftSite:
         return DraftSite(positions=inp.positions, slot_mapping=inp.meta.slot_mapping,

@@ -41,10 +41,15 @@ def generate(prompts_, params, **kw):
         return [o.outputs[0].token_ids for o in outs], llm.engine.get_stats(), called, ids
 
 
-def test_graph_mode_with_the_drafter_gives_eager_undrafted_greedy_outputs_on_100_prompts():
+def test_graph_mode_with_the_drafter_gives_eager_undrafted_greedy_outputs_on_100_prompts(monkeypatch):
+    from namazu.worker.model_runner import ModelRunner
+
     assert len(PROMPTS) == 100
     params = SamplingParams(temperature=0, max_tokens=16)
     want, _, _, ids = generate(PROMPTS, params, enforce_eager=True, num_speculative_tokens=0, max_num_seqs=2)
+    prefill_tails = []
+    tail = ModelRunner._prefill_tail
+    monkeypatch.setattr(ModelRunner, "_prefill_tail", lambda *a: prefill_tails.append(1) or tail(*a))
     # Drafting at batch 2 as well (the default stops at 1, where it was measured to pay): both tails run.
     got, stats, called, _ = generate(PROMPTS, params, enforce_eager=False, max_num_seqs=2,
                                      speculative_disable_batch_size=2)
@@ -52,6 +57,9 @@ def test_graph_mode_with_the_drafter_gives_eager_undrafted_greedy_outputs_on_100
     assert ("direct", 2, False) in called and ("direct", 1, False) in called, called     # past torch.compile's frame
     # Steps that resume drafting (after the draft policy's plain probes) run a plain entry's compiled tail.
     assert ("direct", 1, "plain") in called or ("direct", 2, "plain") in called, called
+    # So does the draft after a step that prefills and verifies nothing (its sampled rows loaded as the plain
+    # entry's decode rows; at batch 2 most prefills share a step with the other sequence's verify).
+    assert prefill_tails, "no prefill step drafted in the compiled tail"
     assert stats.mean_acceptance_length > 1.5, stats.acceptance_length_histogram
     assert_same_outputs(str(default_model_path()), ids, params, got, want)
 
