@@ -122,7 +122,7 @@ class EngineConfig:
             "(the chain keeps the drafter's own selector_k; at most the draft vocabulary). More candidates hold "
             "more of the target's distribution at T > 0: the shipped drafter's 8-wide 48-node trees accepted "
             "1.26x the chain's tokens per verify step at T = 0.7 over 64 candidates against 1.22x over its 32. "
-            "0: the drafter's selector_k", metavar="K")
+            "Never fewer than the drafter's own selector_k (0: exactly that)", metavar="K")
     shadow_drafter: str | None = _f(None, "a second DFlash2 drafter checkpoint directory that drafts beside the "
                                           "serving one on a sampled share of requests (--shadow-fraction) and is "
                                           "scored against what the target committed, without changing any "

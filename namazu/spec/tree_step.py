@@ -69,11 +69,12 @@ class TreePlan:
 def step_topology(budget: int, num_speculative_tokens: int, cfg, candidates: int = 0) -> TreeTopology:
     """The tree every drafted block has under `--speculative-tree-budget budget` with a DFlash2 drafter of
     config `cfg`: as deep as the drafter's block (and the measured rates) allow, up to TREE_WIDTH children
-    drawn from `candidates` per position (`--speculative-tree-candidates`; 0: the selector's own K; at most
-    the draft vocabulary). The worker's tree step and the engine (grammar rows, the assumed acceptance) both
-    take it from here."""
+    drawn from `candidates` per position (`--speculative-tree-candidates`; never fewer than the selector's own
+    K, which 0 names: fewer would only take choices away, and the default of 64 held a drafter trained on more
+    to 64; at most the draft vocabulary). The worker's tree step and the engine (grammar rows, the assumed
+    acceptance) both take it from here."""
     depth = min(num_speculative_tokens, cfg.num_draft_tokens, len(DEFAULT_RATES))
-    kc = min(candidates or cfg.selector_k, cfg.draft_vocab_size or cfg.vocab_size)
+    kc = min(max(candidates, cfg.selector_k), cfg.draft_vocab_size or cfg.vocab_size)
     return TreeTopology.build(budget, depth, min(TREE_WIDTH, kc), candidates=kc)
 
 

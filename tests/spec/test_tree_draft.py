@@ -215,3 +215,19 @@ def test_the_engines_trees_draw_from_speculative_tree_candidates(candidates):
     assert (beyond >= own) == (want > own)
     # Greedy rows pick among the selector's own K only.
     assert max(int(tree.cand_index[:, 1:].max()) for tree in prop.trees) < own
+
+
+def test_tree_candidates_are_never_fewer_than_the_drafters_own_selector_k():
+    """The first K candidates keep the scores the selector was trained on, so fewer only take choices away:
+    the default of 64 held a drafter trained on more than 64 to 64."""
+    from dflash_fixtures import drafter_config
+
+    from namazu.spec.tree_step import step_topology
+
+    cfg = drafter_config(tiny_checkpoint(), selector_k=100)
+    vocab = cfg.draft_vocab_size or cfg.vocab_size
+    assert vocab > 150
+    assert step_topology(24, K, cfg, 64).candidates == 100       # the default, below its K
+    assert step_topology(24, K, cfg, 0).candidates == 100
+    assert step_topology(24, K, cfg, 150).candidates == 150
+    assert step_topology(24, K, cfg, 10 * vocab).candidates == vocab
