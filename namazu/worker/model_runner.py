@@ -322,9 +322,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, b: StepBatch) -> StepResult:
         t_arrive = time.perf_counter()
-        self.spec.forget_finished(self.seqs, b.finished_seq_ids)
+        self._forget_finished(b.finished_seq_ids)
         if self.shadow is not None:
-            self.shadow.forget(b.finished_seq_ids, self.seqs)
             self.shadow.note(b)
         planned = b.seqs.num_drafts
         b = self.spec.verify_held_drafts_only(b, self.seqs)
@@ -378,11 +377,15 @@ class ModelRunner:
 
     def skip(self, b: StepBatch) -> None:
         """A step dropped before it ran: its sequences had all finished. Only the finished sequences it names
-        are forgotten, as `execute` would first."""
-        self.spec.forget_finished(self.seqs, b.finished_seq_ids)
-        if self.shadow is not None:
-            self.shadow.forget(b.finished_seq_ids, self.seqs)
+        are forgotten, as `execute` would first (there `seqs.prepare` forgets their table entries)."""
+        self._forget_finished(b.finished_seq_ids)
         self.seqs.forget(b.finished_seq_ids)
+
+    def _forget_finished(self, finished: list[int]) -> None:
+        """The drafts, trees and shadow state of finished sequences (before their slots are released)."""
+        self.spec.forget_finished(self.seqs, finished)
+        if self.shadow is not None:
+            self.shadow.forget(finished, self.seqs)
 
     def _inputs(self, b: StepBatch, prep: PreparedStep) -> StepInputs:
         T, a = self._tensor, b.attn
