@@ -70,7 +70,7 @@ def step_topology(budget: int, num_speculative_tokens: int, cfg, candidates: int
     """The tree every drafted block has under `--speculative-tree-budget budget` with a DFlash2 drafter of
     config `cfg`: as deep as the drafter's block (and the measured rates) allow, up to TREE_WIDTH children
     drawn from `candidates` per position (`--speculative-tree-candidates`; never fewer than the selector's own
-    K, which 0 names: fewer would only take choices away, and the default of 64 held a drafter trained on more
+    K, which 0 names: fewer would only take choices away, and a default of 64 held a drafter trained on more
     to 64; at most the draft vocabulary). The worker's tree step and the engine (grammar rows, the assumed
     acceptance) both take it from here."""
     depth = min(num_speculative_tokens, cfg.num_draft_tokens, len(DEFAULT_RATES))
