@@ -31,7 +31,7 @@ def kernel_extensions() -> tuple[list, dict]:
     exts = [CppExtension(
         "namazu._nvfp4_cpu",
         [f"{csrc}/cpu/binding.cpp", f"{csrc}/cpu/nvfp4_moe_cpu.cpp", f"{csrc}/cpu/nvfp4_decode_cpu.cpp",
-         f"{csrc}/cpu/small_gemm_bf16.cpp", f"{csrc}/cpu/small_gemm_bf16_op.cpp",
+         f"{csrc}/cpu/small_gemm_bf16.cpp", f"{csrc}/cpu/small_gemm_bf16_op.cpp", f"{csrc}/cpu/packed_gemm_bf16.cpp",
          f"{csrc}/cpu/small_moe_bf16_op.cpp"],
         # No -march: the kernel picks its AVX2 / AVX-512 path at run time, so the build is portable.
         extra_compile_args=["-O3", "-fopenmp", "-Wno-maybe-uninitialized", "-Wno-uninitialized"],

@@ -9,6 +9,11 @@ products with fp32 accumulation and one rounding to bf16, as oneDNN's result is 
 at most `MAX_ROWS` rows, where it measured faster than oneDNN at every shape of namazu-tiny. Wider
 products (prefill, a batch's verify rows) keep oneDNN, whose set-up they amortise.
 
+Its one wide product, the lm_head (12288 x 256 for namazu-tiny; the drafter's head over its draft vocabulary
+too), runs on a copy of the weight packed for it once at load (`pack`, `packed_linear`:
+csrc/cpu/packed_gemm_bf16.cpp), 16 columns per vector with no per-column reduction: a 7-row verify's lm_head
+0.24 ms against 0.51, one row 0.11 against 0.13 (bench/RESULTS.md, "The lm_head on a packed weight").
+
 NAMAZU_SMALL_GEMM=0 turns it off (the A/B in bench/small_gemm.py). On CPUs without AVX512_BF16, without the
 extension, on GPUs and in fp32 every call is torch's own.
 """
@@ -41,6 +46,10 @@ if ENABLED:
     def _small_bmm_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], x.shape[1], w.shape[1])
 
+    @torch.library.register_fake("namazu::packed_linear_bf16")
+    def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
     @torch.library.register_fake("namazu::small_moe_bf16")
     def _small_moe_fake(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return x.new_empty(topk_ids.numel(), x.shape[1])
@@ -61,6 +70,26 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     y = torch.ops.namazu.small_bmm_bf16(x.reshape(1, rows, k).contiguous(), w.unsqueeze(0))
     y = y.view(*x.shape[:-1], w.shape[0])
     return y if bias is None else y + bias
+
+
+def pack(w: torch.Tensor) -> torch.Tensor | None:
+    """w [N, K] packed for `packed_linear` (a copy: w must not change after), or None where the kernel does not
+    apply (fp32, GPU, no AVX512_BF16)."""
+    if not (ENABLED and w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu"):
+        return None
+    with torch.no_grad():
+        return torch.ops.namazu.pack_bf16_weight(w)
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, w) for w [N, K], through `packed` (`pack(w)`) where the rows are few, else `linear`. A row's
+    result does not depend on how many rows share the call."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if packed is None or rows == 0 or not applies(x, w, rows):
+        return linear(x, w)
+    y = torch.ops.namazu.packed_linear_bf16(x.reshape(rows, k).contiguous(), packed, w.shape[0])
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def bmm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,17 @@ the same W stored column by column (strides (1, out)), for every shape namazu-ti
 changes: the weight keeps its shape [out, in] and its values, so loaders, views and every reader see the
 same tensor. GPUs need none of this (cuBLAS takes either layout at full speed), and bf16 on this CPU
 gains nothing, so the layout is applied to fp32 CPU weights only.
+
+In bf16 the lm_head gets a packed copy instead (`use_packed_lm_head`; kernels/small_gemm.py `pack`): a
+decode or verify step's few rows against 12288 columns ran at half the speed the products allow, the
+per-column reduction of the weight's [N, K] order costing as much as the products.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from namazu.kernels import small_gemm
 
 
 def k_major(weight: torch.Tensor) -> torch.Tensor:
@@ -38,3 +44,13 @@ def use_k_major_linears(model: nn.Module) -> int:
                 m.weight.data = k_major(m.weight.data)
             n += 1
     return n
+
+
+def use_packed_lm_head(model: nn.Module) -> bool:
+    """Packs `model.lm_head`'s weight for few-row products where the kernel applies (bf16, CPU, AVX512_BF16);
+    returns whether it did. Call it once the weights are final: the copy does not follow later changes."""
+    head = getattr(model, "lm_head", None)
+    if head is None or not hasattr(head, "packed"):
+        return False
+    head.packed = small_gemm.pack(head.weight.detach())
+    return head.packed is not None

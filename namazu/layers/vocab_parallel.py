@@ -76,9 +76,12 @@ class ParallelLMHead(nn.Linear, _VocabRange):
                  tp: TPShard = TPShard()):
         nn.Linear.__init__(self, hidden_size, rows_per_rank(vocab_size, tp), bias=False, dtype=dtype, device=device)
         self._set_range(vocab_size, tp)
+        # The weight packed for few-row products (bf16 on CPU: `layers/cpu_layout.use_packed_lm_head`, once the
+        # weights are loaded); not state: never saved, None elsewhere.
+        self.packed: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return small_gemm.linear(hidden, self.weight)
+        return small_gemm.packed_linear(hidden, self.weight, self.packed)
 
     def gather_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self(hidden)   # through the module call: calibration hooks on lm_head observe its input

@@ -76,6 +76,7 @@ class DFlashProposer:
         if wants_k_major(self.head):
             use_k_major_linears(self.model)
             self.head = k_major(self.head)
+        self.head_packed = small_gemm.pack(self.head)   # bf16 on CPU: the few-row product's layout
         self.model.fuse_for_serving()
         c = self.cfg
         self.block_size = block_size
@@ -122,7 +123,7 @@ class DFlashProposer:
             kv = self.cache[li][:, slots].transpose(2, 3)                   # keys and values in one gather
             ctx.append((kv[0], kv[1]))
         h = self.model.forward_blocks(anchor, anchor_pos, ctx, visible, self.embed)[:, :k]
-        return anchor, anchor_pos, h, small_gemm.linear(h, self.head)
+        return anchor, anchor_pos, h, small_gemm.packed_linear(h, self.head, self.head_packed)
 
     def propose(self, inp: ProposerInput, k: int) -> Proposal:
         t0 = time.perf_counter()

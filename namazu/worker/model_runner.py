@@ -21,7 +21,7 @@ import torch
 
 from namazu.engine_config import EngineConfig, graph_backend, graph_mode
 from namazu.kernels.backends import resolve_moe_runtime
-from namazu.layers.cpu_layout import use_k_major_linears
+from namazu.layers.cpu_layout import use_k_major_linears, use_packed_lm_head
 from namazu.layers.forward_context import forward_context
 from namazu.layers.sampler import (
     SamplingTensors,
@@ -130,6 +130,7 @@ class ModelRunner:
                                 tp=TPShard(rank, world_size))
         if self.device.type == "cpu":
             use_k_major_linears(self.model)
+            use_packed_lm_head(self.model)
         self.model_config = self.model.config
         if world_size > 1 and getattr(proposer, "whole_vocab", False):
             # Every rank, together: a DFlash drafter (and a shadow beside it) borrows the whole vocabulary.
