@@ -12,7 +12,8 @@ products (prefill, a batch's verify rows) keep oneDNN, whose set-up they amortis
 Its one wide product, the lm_head (12288 x 256 for namazu-tiny; the drafter's head over its draft vocabulary
 too), runs on a copy of the weight packed for it once at load (`pack`, `packed_linear`:
 csrc/cpu/packed_gemm_bf16.cpp), 16 columns per vector with no per-column reduction: a 7-row verify's lm_head
-0.24 ms against 0.51, one row 0.11 against 0.13 (bench/RESULTS.md, "The lm_head on a packed weight").
+0.21 ms against 0.36 in cache, 0.46 against 0.62 from memory; it takes products of 5 to 8 rows (bench/RESULTS.md,
+"The lm_head on a packed weight").
 
 NAMAZU_SMALL_GEMM=0 turns it off (the A/B in bench/small_gemm.py). On CPUs without AVX512_BF16, without the
 extension, on GPUs and in fp32 every call is torch's own.
@@ -25,6 +26,10 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 8
+# The packed lm_head from this many rows on: with fewer, a product whose weight comes from memory (the lm_head
+# of a step, after the layers) ran 0.81-0.90x the dot-product block's speed, though faster in cache
+# (bench/small_gemm.py); from 5 rows on it is faster either way (7 rows: 1.35x from memory, 1.73x in cache).
+PACKED_MIN_ROWS = 5
 # The most (token, slot) pairs a MoE runs through small_moe_bf16: decode and verify steps, eager or compiled.
 MAX_MOE_PAIRS = 128
 
@@ -82,11 +87,11 @@ def pack(w: torch.Tensor) -> torch.Tensor | None:
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, w) for w [N, K], through `packed` (`pack(w)`) where the rows are few, else `linear`. A row's
-    result does not depend on how many rows share the call."""
+    """F.linear(x, w) for w [N, K], through `packed` (`pack(w)`) for PACKED_MIN_ROWS to MAX_ROWS rows, else
+    `linear`."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if packed is None or rows == 0 or not applies(x, w, rows):
+    if packed is None or rows < PACKED_MIN_ROWS or not applies(x, w, rows):
         return linear(x, w)
     y = torch.ops.namazu.packed_linear_bf16(x.reshape(rows, k).contiguous(), packed, w.shape[0])
     return y.view(*x.shape[:-1], w.shape[0])
