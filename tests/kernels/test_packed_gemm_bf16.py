@@ -40,6 +40,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     w = torch.randn(300, 256, generator=g).to(torch.bfloat16)
     packed = small_gemm.pack(w)
     x = torch.randn(11, 256, generator=g).to(torch.bfloat16)
+    # Exact: the kernel accumulates each row alone over k in one order whatever the row count (the one code path
+    # the op has, on every CPU that runs it); this is what the test checks.
     alone = torch.cat([torch.ops.namazu.packed_linear_bf16(x[i:i + 1], packed, 300) for i in range(11)])
     for m in (2, 5, 7, 8, 11):
         assert torch.equal(torch.ops.namazu.packed_linear_bf16(x[:m], packed, 300), alone[:m]), m
@@ -56,7 +58,7 @@ def test_rounds_to_nearest_even_and_keeps_nan():
     w2[2] = torch.tensor([-1.0, 0.0])
     y = torch.ops.namazu.packed_linear_bf16(x2, small_gemm.pack(w2), 16)[0, :3]
     want = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -1.0]).to(torch.bfloat16)
-    assert torch.equal(y, want), (y, want)
+    assert torch.equal(y, want), (y, want)   # exact: the fp32 sums are exact, only the rounding rule acts
     w2[5, 1] = float("nan")
     assert torch.ops.namazu.packed_linear_bf16(x2, small_gemm.pack(w2), 16)[0, 5].isnan()
 
@@ -70,6 +72,7 @@ def test_packed_linear_routes_few_bf16_rows_only_and_compiles():
     x = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16)
     y = small_gemm.packed_linear(x, w, packed)
     assert y.shape == (2, 3, 100)
+    # Exact below: each side runs the same op (or the same `linear`) on the same rows and shape.
     assert torch.equal(y.reshape(6, 100), torch.ops.namazu.packed_linear_bf16(x.reshape(6, 64), packed, 100))
     # past MAX_ROWS torch's own; under PACKED_MIN_ROWS the dot-product block
     for m in (small_gemm.MAX_ROWS + 1, small_gemm.PACKED_MIN_ROWS - 1):
@@ -97,6 +100,7 @@ def test_a_served_bf16_model_packs_its_lm_head_and_the_drafters_head(dtype):
     if dtype == "float32":
         assert head.packed is None and proposer.head_packed is None and calls == 0
         return
+    # Exact: packing only moves bf16 values.
     assert torch.equal(head.packed, small_gemm.pack(head.weight))
     assert torch.equal(proposer.head_packed, small_gemm.pack(proposer.head))
     # every verify step's lm_head (7 rows), and every block the drafter proposes (6 rows)
