@@ -287,8 +287,8 @@ class DraftPolicy:
         self.dormant_window, self.dormant_below, self.explore_every = dormant_window, dormant_below, explore_every
         self.dormant = [False] * 4
         # False: a sampled sequence (T > 0) never drafts, probes or needs the drafter's context, as a dormant
-        # bucket's without an explorer (graph mode on CPU, whose sampled drafted step runs eagerly:
-        # engine_config.sampled_tail_eager).
+        # bucket's without an explorer (graph mode on CPU, where a sampled drafted step costs about two plain
+        # ones: engine_config.sampled_drafting_off).
         self.draft_sampled = draft_sampled
         self._choices = [deque(maxlen=dormant_window) for _ in range(4)]
         self._arrivals = [0] * 4

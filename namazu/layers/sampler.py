@@ -42,11 +42,27 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
+# Column offsets i * GOLDEN (wrapping int64), computed once. Inductor (CPU) turned `arange(n) * GOLDEN` into the
+# C++ index expression `GOLDEN * x1`: a signed product that overflows, which C++ leaves undefined, and gcc at -O3
+# derived the loop's bounds from it (wrong noise, stores past a buffer's end, a corrupted heap; the drafted step's
+# sampled tail segfaulted). Loaded from this table the offsets are values: no product of a loop index overflows.
+# 2^18 columns cover every vocabulary of the model family (163,840 for Kimi-K2); wider rows compute them, as
+# other devices do (their integer products wrap).
+_COLUMN_TABLE = 1 << 18
+_COLUMNS_CPU = torch.arange(_COLUMN_TABLE, dtype=torch.int64) * _GOLDEN
+
+
+def column_offsets(n: int, device: torch.device) -> torch.Tensor:
+    """[n] int64: i * GOLDEN for column i (splitmix64's increment), from the table on CPU."""
+    if device.type == "cpu" and n <= _COLUMN_TABLE:
+        return _COLUMNS_CPU[:n]
+    return torch.arange(n, device=device, dtype=torch.int64) * _GOLDEN
+
+
 def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, n: int, stream: int) -> torch.Tensor:
     """Uniform (0, 1) float64 [S, n] from (seed [S], counter [S], column, stream) by splitmix64."""
     base = _mix(seeds * _GOLDEN + _mix(counters + _wrap(stream * _STREAM)))
-    cols = torch.arange(n, device=seeds.device, dtype=torch.int64) * _GOLDEN
-    z = _mix(base.unsqueeze(-1) + cols)
+    z = _mix(base.unsqueeze(-1) + column_offsets(n, seeds.device))
     return (_srl(z, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
 
 
@@ -172,9 +188,9 @@ def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """argmax over the last dimension (the first index of the largest value, as torch.argmax) as a max and a
-    min. Inductor (torch 2.13, CPU) miscompiled an argmax fused with the seeded noise's int64 hash (the
-    kernel failed at run time, or read out of bounds inside the drafted step's sampled tail); these two
-    plain reductions compile right. A row holding NaN gives its last index, not an index past the end."""
+    min. Written so when an argmax fused with the seeded noise seemed miscompiled under inductor (CPU); the
+    cause was the noise's overflowing index product (`column_offsets`). A row holding NaN gives its last
+    index, not an index past the end."""
     n = x.shape[-1]
     top = x.amax(dim=-1, keepdim=True)
     index = torch.arange(n, device=x.device)
@@ -183,8 +199,6 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
 
 def sample_from_processed(processed: torch.Tensor, t: SamplingTensors, stream: int = STREAM_SAMPLE) -> torch.Tensor:
     """Greedy rows take the argmax, others the exponential race with their own seeded noise."""
-    # first_argmax for the greedy pick too: inductor fuses it with the raced one, and a plain argmax there
-    # brought the miscompile back (checked: the sampled verify segfaulted again).
     greedy = first_argmax(processed)
     if t.all_greedy:
         return greedy

@@ -27,9 +27,8 @@ def accepted_prefix(accept: torch.Tensor, num_drafts: torch.Tensor) -> torch.Ten
     k = accept.shape[1]
     j = torch.arange(k, device=accept.device)
     ok = accept & (j < num_drafts.unsqueeze(-1))
-    # The first position that is not accepted (k if none): a min, not a cumulative product, because
-    # inductor (torch 2.13, CPU) miscompiled the cumprod of the sampled drafted tail into an accepted
-    # count past the block, which its gathers then read out of bounds (a segfault).
+    # The first position that is not accepted (k if none), as a min: one reduction, where a cumulative
+    # product needs a scan.
     return torch.where(ok, k, j).amin(dim=1)
 
 

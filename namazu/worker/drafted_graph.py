@@ -10,11 +10,13 @@ A tree entry (`--speculative-tree-budget`: Bp x 1 + N rows, a tree mask among it
 (`commit_path`) and next tree (`Speculator._propose_tree`) run eagerly after the compiled forward, as do a
 plain step's that drafts a tree; the drafter's context write is compiled for both (`context_entries`).
 
-Per verify entry (Bp sequences x 1 + K rows) up to the batch size at which the engine still drafts, two
-compiled variants: every sequence greedy, and sampled (temperature, top-k, top-p, min-p and seeds as
-per-row tensors: masks, not recompiles); and each of them again with a grammar bitmask input, for steps
-whose batch holds a grammar sequence (the engine fills the rows along the drafts, as for an eager step; the
-entry's bitmask buffer holds all bits set on every other row). The block table's width is a dynamic
+Per verify entry (Bp sequences x 1 + K rows) up to the batch size at which the engine still drafts, three
+compiled variants: every sequence greedy; sampled (temperature, top-k, top-p, min-p and seeds as per-row
+tensors: masks, not recompiles); and sampled without top-k, top-p and min-p, for batches none of whose
+rows sets them (their sort over the vocabulary is most of a sampled tail's time on CPU); and each of them
+again with a grammar bitmask input, for steps whose batch holds a grammar sequence (the engine fills the
+rows along the drafts, as for an eager step; the entry's bitmask buffer holds all bits set on every other
+row). The block table's width is a dynamic
 dimension, as in the forward, so each variant compiles once. A step the tail does not cover runs the
 forward's graph and then the eager rest (`ModelRunner._sample_and_verify`): logprobs, penalties, logit
 bias, a host proposer, tensor parallelism, or a batch above the drafting limit; `eligible` says which, and
@@ -23,6 +25,7 @@ the runner logs each reason once. After its first call each compiled function is
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -44,7 +47,7 @@ logger = logging.getLogger(__name__)
 class DraftedTails:
     """The compiled tails of one runner's verify entries."""
 
-    def __init__(self, graphs: StepGraphs, proposer, vocab_size: int, max_batch: int):
+    def __init__(self, graphs: StepGraphs, proposer, vocab_size: int, max_batch: int, sampled: bool = True):
         self.graphs, self.proposer, self.vocab_size = graphs, proposer, vocab_size
         self.k = graphs.k
         self.device = graphs.device
@@ -69,14 +72,14 @@ class DraftedTails:
         self._bitmasks: dict[tuple[int, int], tuple[torch.Tensor, np.ndarray]] = {}
         self._padding = {name: vocab_size if pad is None else pad for name, (_, pad) in _HOST_FIELDS.items()}
         self._called: set[tuple[int, bool | str | None]] = set()
+        # Steps each tail variant ran since the warm-up (its own calls not counted).
+        self.calls: collections.Counter[tuple[int, bool | str]] = collections.Counter()
         self._not_direct: set[tuple[int, bool | str | None]] = set()
-        # Inductor (torch 2.13, CPU) compiles the sampled variant into kernels that read out of bounds. Two
-        # of its miscompiles are avoided (an argmax fused with the seeded noise's hash, the cumprod of the
-        # accepted prefix: `first_argmax`, `accepted_prefix`), and with them the shipped drafter's sampled
-        # tail ran and matched eager mode; with the tests' random drafter it still segfaults at warm-up, so
-        # under inductor that variant runs the same function eagerly. Other backends (the tests' "eager"
-        # trace) compile both.
-        self.variants = (False,) if graphs.backend == "inductor" else (False, True)
+        # Every variant compiles under every backend. Inductor (CPU) once compiled the sampled ones into kernels
+        # that stored past their buffers: the seeded noise's column offsets became an overflowing signed index
+        # product that gcc optimised on (`layers/sampler.column_offsets` loads them from a table now).
+        # sampled=False: the greedy variant only (sampled sequences do not draft; a step that does runs eagerly).
+        self.variants = (False, True, UNFILTERED) if sampled else (False,)
         self.plain_entries = [e for (bp, tq), e in graphs.entries.items() if tq == 1]
         self.resume_entries = [] if self.trees else [e for e in self.plain_entries if e.bp <= self.max_batch]
         # The drafter's context write compiled per plain entry, and per tree entry (the tail that would write
@@ -129,21 +132,22 @@ class DraftedTails:
             [(e, PLAIN) for e in self.resume_entries]
         todo += [(e, masked(v)) for e, v in todo]
         for e, variant in tqdm(todo, desc="graph mode: compiling drafted steps", disable=not progress):
-            sampled = unmasked(variant) is True
-            name = {False: "greedy", True: "sampled", PLAIN: "resume"}[unmasked(variant)] + \
-                ("_masked" if variant in MASKED.values() else "")
+            sampled = unmasked(variant) in (True, UNFILTERED)
+            name = {False: "greedy", True: "sampled", UNFILTERED: "unfiltered", PLAIN: "resume"}[unmasked(variant)] \
+                + ("_masked" if variant in MASKED.values() else "")
             fn = own_code(drafted_tail, f"_drafted_tail_b{e.bp}_q{e.tq}_{name}")
             self.fns[(e.bp, variant)] = self._compile(fn, (e.bp, variant))
             # The entry's own forward outputs (padding rows only): a step passes these very tensors, so the
             # compiled tail's guards (shapes, strides) hold from its first real call on.
             logits, _, captured = self.graphs.launch(e, 2)
             t = self.padding_inputs(e.bp, e.tq, sampled, with_bitmask=variant in MASKED.values())
-            self.run(e, 2, logits, e.greedy, captured, t, sampled)
+            self.run(e, 2, logits, e.greedy, captured, t, sampled, filtered=unmasked(variant) is not UNFILTERED)
         for e in tqdm(self.context_entries, desc="graph mode: compiling drafter context writes", disable=not progress):
             fn = own_code(_write_context, f"_write_context_b{e.bp}_q{e.tq}")
             self.context_fns[(e.bp, e.tq)] = self._compile(fn, _context_key(e))
             _, _, captured = self.graphs.launch(e, 2)
             self.write_context(e, captured)
+        self.calls.clear()
         return time.perf_counter() - t0
 
     def writes_context(self, entry: GraphEntry) -> bool:
@@ -250,14 +254,17 @@ class DraftedTails:
         return self._tail_buffers[(bp, tq)]
 
     def run(self, e: GraphEntry, width: int, logits: torch.Tensor, greedy: torch.Tensor,
-            captured: dict[int, torch.Tensor], t: TailInputs, sampled: bool):
+            captured: dict[int, torch.Tensor], t: TailInputs, sampled: bool, filtered: bool = True):
+        """filtered=False: no row of the batch sets top-k, top-p or min-p (the unfiltered variant)."""
         table = e.block_tables[:, :width]
-        variant = PLAIN if e.tq == 1 else sampled
+        variant = PLAIN if e.tq == 1 else UNFILTERED if sampled and not filtered else sampled
         key = (e.bp, masked(variant) if t.bitmask is not None else variant)
+        filtered = variant is not UNFILTERED
+        self.calls[key] += 1
         fn = self.fns.get(key)
         if fn is None:         # the eager variant: under the host-sync guard like every eager op
             return drafted_tail(self.proposer, logits, greedy, captured, e.input_ids, e.positions, e.slot_mapping,
-                                table, t, sampled, self.k)
+                                table, t, sampled, self.k, filtered)
         # As the forward's calls: the tail was traced with fullgraph=True (no host read can hide in it). Its
         # per-call inputs: the forward's outputs, the step's values and the table's view.
         per_call = {"logits": logits, "greedy": greedy, "table": table}
@@ -266,7 +273,7 @@ class DraftedTails:
         if key not in self.direct:
             torch._dynamo.mark_dynamic(table, 1, min=2, max=max(3, self.graphs.max_width))
         return self._call(key, fn, (self.proposer, logits, greedy, captured, e.input_ids, e.positions, e.slot_mapping,
-                                    table, t, sampled, self.k), per_call, width)
+                                    table, t, sampled, self.k, filtered), per_call, width)
 
     def _q(self, bp: int) -> torch.Tensor:
         if bp not in self._zero_q:
@@ -276,8 +283,9 @@ class DraftedTails:
 
 _TAIL_FIELDS = tuple(f.name for f in dataclasses.fields(TailInputs))
 PLAIN = "plain"     # the key of a plain entry's tail (`DraftedTails.fns`)
+UNFILTERED = "unfiltered"   # the key of the sampled variant without top-k, top-p and min-p
 # The keys of the variants that take a grammar bitmask, by the variant without it.
-MASKED = {False: "greedy-masked", True: "sampled-masked", PLAIN: "plain-masked"}
+MASKED = {False: "greedy-masked", True: "sampled-masked", UNFILTERED: "unfiltered-masked", PLAIN: "plain-masked"}
 
 
 def masked(variant: bool | str) -> str:

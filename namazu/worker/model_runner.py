@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from namazu.engine_config import EngineConfig, graph_backend, graph_mode
+from namazu.engine_config import EngineConfig, graph_backend, graph_mode, sampled_drafting_off
 from namazu.kernels.backends import resolve_moe_runtime
 from namazu.layers.cpu_layout import use_k_major_linears, use_packed_lm_head
 from namazu.layers.forward_context import forward_context
@@ -206,7 +206,11 @@ class ModelRunner:
         seconds = self.graphs.warm_up(progress=self.rank == 0)
         if self.spec.kind is not None and self.spec.kind.has_context and not self.graphs.use_cuda_graphs:
             limit = self.config.speculative_disable_batch_size or self.config.max_num_seqs
-            self.tails = DraftedTails(self.graphs, self.spec.proposer, self.model_config.vocab_size, limit)
+            # The sampled variants only where sampled sequences may draft: each is a compile at start-up, and the
+            # default policy keeps them from drafting in CPU graph mode (a step without its variant runs eagerly).
+            sampled = not (self.config.speculative_adaptive and sampled_drafting_off(self.config))
+            self.tails = DraftedTails(self.graphs, self.spec.proposer, self.model_config.vocab_size, limit,
+                                      sampled=sampled)
             tail_s = self.tails.warm_up(progress=self.rank == 0)
             seconds += tail_s
             logger.info("rank %d: graph mode: drafted steps (sampling, acceptance, drafter) compiled for batch "
@@ -476,9 +480,11 @@ class ModelRunner:
     def _tail_values(self, b: StepBatch, prep: PreparedStep, inp: StepInputs, entry: GraphEntry, width: int,
                      logits: torch.Tensor, greedy: torch.Tensor, captured: dict[int, torch.Tensor]
                      ) -> dict[str, torch.Tensor]:
-        sampled = not b.sampling.all_greedy
+        sp = b.sampling
+        sampled, filtered = not sp.all_greedy, sp.any_top_k_top_p or sp.any_min_p
         t = self.tails.inputs(b, entry, prep.num_drafts, prep.slots, self.spec.drafts, inp.slot_index, sampled)
-        tokens, accepted, ids, counts, probs = self.tails.run(entry, width, logits, greedy, captured, t, sampled)
+        tokens, accepted, ids, counts, probs = self.tails.run(entry, width, logits, greedy, captured, t, sampled,
+                                                              filtered)
         s, k = len(prep.slots), b.spec.max_drafts
         values = {"tokens": tokens[:s, :k + 1], "accepted": accepted[:s], "num_drafts": t.num_drafts[:s]}
         proposal = Proposal(ids[:s], counts=counts[:s], probs=probs[:s] if probs is not None else None)

@@ -1,12 +1,19 @@
 """Sampler: each filter and penalty against its definition, distributions of the exponential race,
 seeded reproducibility independent of the batch, the bitmask hook and logprobs."""
+import os
+import subprocess
+import sys
+
 import torch
 from sampling_cases import empirical, tensors
 
 from namazu.layers.sampler import (
+    _COLUMN_TABLE,
+    _GOLDEN,
     Sampler,
     apply_penalties,
     apply_top_k_top_p,
+    column_offsets,
     hash_uniform,
     leaves_logits_raw,
     pack_bitmask,
@@ -22,6 +29,45 @@ def test_hash_uniform_is_uniform_and_counter_dependent():
     assert not torch.equal(u[0], u[1])
     again = hash_uniform(torch.tensor([1]), torch.tensor([1]), 50000, 0)
     assert not torch.equal(u[0], again[0])
+
+
+def test_column_offsets_are_splitmix_increments_in_and_past_the_table():
+    def wrapped(i: int) -> int:
+        v = (i * _GOLDEN) & ((1 << 64) - 1)
+        return v - (1 << 64) if v >= 1 << 63 else v
+
+    cpu = torch.device("cpu")
+    assert column_offsets(5, cpu).tolist() == [wrapped(i) for i in range(5)]
+    wide = column_offsets(_COLUMN_TABLE + 3, cpu)       # computed, not loaded: the same stream
+    assert wide[-3:].tolist() == [wrapped(i) for i in range(_COLUMN_TABLE, _COLUMN_TABLE + 3)]
+    assert torch.equal(wide[:1000], column_offsets(1000, cpu))
+
+
+_COMPILED_NOISE = """
+import torch
+from namazu.layers.sampler import hash_uniform
+
+def noise(seeds, counters):
+    u = hash_uniform(seeds, counters, 264, 0)
+    return u, u.amax(-1)
+
+s, c = torch.tensor([5, -3, 7, 11]), torch.tensor([0, 4, 9, 2])
+want = noise(s, c)
+got = torch.compile(noise, backend="inductor", fullgraph=True, dynamic=False)(s, c)
+assert all(torch.equal(a, b) for a, b in zip(want, got)), "the compiled noise differs from eager"
+print("same")
+"""
+
+
+def test_the_seeded_noise_compiles_right_under_inductor():
+    """Inductor (CPU) turned `arange(n) * GOLDEN` into an overflowing signed index product and gcc optimised the
+    loop on it: the compiled noise was wrong and its stores ran past their buffer (a corrupted heap here, a
+    segfault in graph mode's sampled drafted tail). Bit-exact: the hash is integer arithmetic and its conversion
+    to float64 is exact. A subprocess, since the failure aborts the interpreter (tests/MUTATIONS.md SN1)."""
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _COMPILED_NOISE], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0 and "same" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
 
 
 def test_greedy_is_argmax():

@@ -218,8 +218,8 @@ def test_a_dormant_buckets_steps_skip_the_drafters_context_and_outputs_do_not_ch
 
 
 def test_without_sampled_drafting_a_sampled_sequence_never_drafts_probes_or_wants_context():
-    """Graph mode on CPU runs a sampled drafted step eagerly (about 5 plain steps): the policy there drafts for
-    greedy sequences only (tests/MUTATIONS.md P28)."""
+    """Graph mode on CPU, where a sampled drafted step costs about two plain ones for about 2 tokens: the policy
+    there drafts for greedy sequences only (tests/MUTATIONS.md P28)."""
     p = DraftPolicy(7, draft_sampled=False)
     for _ in range(3):
         plan = p.plan([(1, 0.0), (2, 0.8)])
@@ -232,13 +232,13 @@ def test_without_sampled_drafting_a_sampled_sequence_never_drafts_probes_or_want
 
 
 def test_graph_mode_on_cpu_under_inductor_does_not_draft_for_sampled_requests(monkeypatch):
-    from namazu.engine_config import EngineConfig, sampled_tail_eager
+    from namazu.engine_config import EngineConfig, sampled_drafting_off
 
     monkeypatch.delenv("NAMAZU_GRAPH_BACKEND", raising=False)
-    assert sampled_tail_eager(EngineConfig(enforce_eager=False, device="cpu"))
-    assert not sampled_tail_eager(EngineConfig(enforce_eager=True, device="cpu"))
+    assert sampled_drafting_off(EngineConfig(enforce_eager=False, device="cpu"))
+    assert not sampled_drafting_off(EngineConfig(enforce_eager=True, device="cpu"))
     monkeypatch.setenv("NAMAZU_GRAPH_BACKEND", "eager")
-    assert not sampled_tail_eager(EngineConfig(enforce_eager=False, device="cpu"))
+    assert not sampled_drafting_off(EngineConfig(enforce_eager=False, device="cpu"))
 
 
 def test_a_step_in_flight_across_a_pause_of_the_caller_is_not_timed():

@@ -38,6 +38,8 @@ def generate(prompts_, params, **kw):
         called = set(runner.tails._called) if runner.tails is not None else set()
         called |= {("direct", *key) for key in (runner.tails.direct if runner.tails is not None else ())}
         ids = [list(o.prompt_token_ids) for o in outs]
+        calls = runner.tails.calls if runner.tails is not None else {}
+        called |= {("ran", *key) for key, n in calls.items() if n}       # in a step, not the warm-up
         return [o.outputs[0].token_ids for o in outs], llm.engine.get_stats(), called, ids
 
 
@@ -90,7 +92,7 @@ def test_the_whole_drafted_step_reads_nothing_on_the_host_and_sampled_rows_use_t
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12)
     got, stats, called, _ = generate(PROMPTS[:6], params, enforce_eager=False, max_num_seqs=2,
                                      speculative_disable_batch_size=2, debug_no_host_sync=True)
-    assert (2, True) in called, called
+    assert ("ran", 2, True) in called, called      # top-p set: the sampled variant with its filters
     assert stats.num_draft_tokens > 0 and all(got)
     again, _, _, _ = generate(PROMPTS[:6], params, enforce_eager=False, max_num_seqs=2,
                               speculative_disable_batch_size=2)
@@ -109,7 +111,7 @@ def test_the_compiled_tail_keeps_the_targets_distribution_with_the_drafters_q():
              enforce_eager=False, seed=1) as llm:
         outs = llm.generate(prompt_token_ids=[prompt] * 3, sampling_params=params, use_tqdm=False)
         stats = llm.engine.get_stats()
-        assert (4, True) in llm.engine.executor.worker.runner.tails._called
+        assert llm.engine.executor.worker.runner.tails.calls[(4, "unfiltered")] > 0     # no top-k, top-p, min-p
     assert stats.num_accepted_draft_tokens > 0
     counts = np.bincount([c.token_ids[1] for o in outs for c in o.outputs], minlength=len(want)).astype(float)
     expected = want * n
@@ -148,10 +150,11 @@ def test_grammar_sequences_run_the_compiled_tail_with_their_bitmask_rows():
                 got[name] = [o.outputs[0].token_ids for o in graph.generate(texts, params, use_tqdm=False)]
             tails = graph.engine.executor.worker.runner.tails
             called = set(tails._called) | {("direct", *key) for key in tails.direct}
+            called |= {("ran", *key) for key, n in tails.calls.items() if n}
             stats = graph.engine.get_stats()
         for toks in got["greedy"] + got["seeded"]:
             jsonschema.validate(json.loads(decode(toks)), SCHEMA)
-    assert ("direct", 1, "greedy-masked") in called and (1, "sampled-masked") in called, called
+    assert ("ran", 1, "greedy-masked") in called and ("ran", 1, "unfiltered-masked") in called, called
     assert stats.num_accepted_draft_tokens > 0
     assert_same_outputs(str(default_model_path()), ids, runs["greedy"], got["greedy"], want["greedy"])
     assert got["seeded"] == want["seeded"]
