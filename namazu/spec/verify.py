@@ -67,11 +67,15 @@ def verify_stochastic(processed: torch.Tensor, target_tokens: torch.Tensor, draf
     accept = torch.where(exact, draft_ids == target_tokens[:, :k], coin)
     n = accepted_prefix(accept, num_drafts)
 
-    residual = (p - q).clamp_min(0.0)
-    noise = gumbel_noise(flat_seeds, counters[:, :k].reshape(-1), v, STREAM_RESIDUAL).view(s, k, v)
-    resampled = first_argmax(residual.log() + noise)
+    # The residual is drawn at the first rejected position only (a row emits nothing after it): one row of the
+    # vocabulary per sequence instead of K, with the noise that position's counter gives, as before.
+    at = n.clamp(max=k - 1).unsqueeze(-1)                              # [S, 1] (k - 1 where none is rejected)
+    rows = at.unsqueeze(-1).expand(s, 1, v)
+    residual = (p.gather(1, rows) - q.gather(1, rows)).squeeze(1).clamp_min(0.0)
+    noise = gumbel_noise(seeds, counters.gather(1, at).squeeze(1), v, STREAM_RESIDUAL)
+    resampled = first_argmax(residual.log() + noise).unsqueeze(-1)    # [S, 1]
     # Exact-match rows never need the residual: their token at the first mismatch is the target's own
-    # sample, already in target_tokens.
+    # sample, already in target_tokens (kept at every position: such a row's tokens are the target's).
     resampled = torch.where(exact, target_tokens[:, :k], resampled)
 
     j = torch.arange(k, device=draft_ids.device).unsqueeze(0)
