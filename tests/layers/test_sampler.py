@@ -40,6 +40,7 @@ def test_column_offsets_are_splitmix_increments_in_and_past_the_table():
     assert column_offsets(5, cpu).tolist() == [wrapped(i) for i in range(5)]
     wide = column_offsets(_COLUMN_TABLE + 3, cpu)       # computed, not loaded: the same stream
     assert wide[-3:].tolist() == [wrapped(i) for i in range(_COLUMN_TABLE, _COLUMN_TABLE + 3)]
+    # Exact: int64 products, the table's and the computed ones wrap the same way on any machine.
     assert torch.equal(wide[:1000], column_offsets(1000, cpu))
 
 
@@ -54,6 +55,7 @@ def noise(seeds, counters):
 s, c = torch.tensor([5, -3, 7, 11]), torch.tensor([0, 4, 9, 2])
 want = noise(s, c)
 got = torch.compile(noise, backend="inductor", fullgraph=True, dynamic=False)(s, c)
+# Exact: integer hashing, and a conversion to float64 that is exact (53-bit integers), as is the max of them.
 assert all(torch.equal(a, b) for a, b in zip(want, got)), "the compiled noise differs from eager"
 print("same")
 """
